@@ -1,0 +1,25 @@
+"""aioinfer: a single-GPU LLM inference server."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from aioinfer.core.sampling_params import SamplingParams
+    from aioinfer.engine.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `aioinfer --help` does not pay for torch and transformers.
+    if name == "LLM":
+        from aioinfer.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from aioinfer.core.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,3 @@
+from aioinfer.cli import main
+
+main()

@@ -1,0 +1,115 @@
+"""Every engine and server setting, its default and its help text, in one place.
+
+Each config is a frozen dataclass; a field's `metadata["help"]` doubles as the CLI help. Validation
+happens in `__post_init__` and raises ValueError naming the field and the value. Stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+def _opt(default, help: str, **extra):  # noqa: A002 - "help" reads best at the call sites
+    return field(default=default, metadata={"help": help, **extra})
+
+
+def _check_positive(cfg: object, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _opt(
+        "", "Hugging Face hub id, local folder or .gguf file. Empty: the bundled SmolLM2-135M."
+    )
+    served_model_name: str | None = _opt(None, "Model name in the API (default: derived from model).")
+    tokenizer: str | None = _opt(None, "Tokenizer hub id or folder (default: the model's).")
+    dtype: str = _opt("auto", "auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")
+    load_format: str = _opt("auto", "auto (safetensors or gguf) or dummy (random weights).")
+    max_model_len: int | None = _opt(None, "Longest prompt plus output (default: the model's).")
+    device: str = _opt("auto", "auto (cuda if available), cuda or cpu.")
+    seed: int = _opt(0, "Seed for random weights and for unseeded sampling.")
+    chat_template: str | None = _opt(None, "Jinja chat template or a path to one.")
+    generation_config: str = _opt(
+        "auto", "auto: take sampling defaults from generation_config.json; vllm: ignore it."
+    )
+    max_logprobs: int = _opt(20, "Most logprobs (and top_logprobs) a request may ask for.")
+    attention_backend: str = _opt("auto", "auto (triton on CUDA, torch on CPU), triton or torch.")
+    enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
+    revision: str | None = _opt(None, "Hub revision (branch, tag or commit).")
+
+    def __post_init__(self) -> None:
+        allowed = {
+            "dtype": ("auto", "float32", "bfloat16", "float16"),
+            "load_format": ("auto", "safetensors", "gguf", "dummy"),
+            "device": ("auto", "cuda", "cpu"),
+            "generation_config": ("auto", "vllm"),
+            "attention_backend": ("auto", "triton", "torch"),
+        }
+        for name, choices in allowed.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        _check_positive(self, "max_model_len")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "Tokens per KV-cache block.")
+    gpu_memory_utilization: float = _opt(
+        0.92, "Fraction of GPU memory for weights, activations and the KV cache."
+    )
+    kv_cache_memory: float = _opt(4.0, "KV-cache size in GiB on the CPU (no memory to profile).")
+    num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV blocks.")
+    enable_prefix_caching: bool = _opt(True, "Reuse the KV cache of shared prompt prefixes.")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "block_size", "kv_cache_memory", "num_gpu_blocks_override")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _opt(256, "Most requests in one step.")
+    max_num_batched_tokens: int | None = _opt(
+        None, "Token budget of one step (default: by device; larger for the offline LLM)."
+    )
+    max_queued_requests: int | None = _opt(None, "Most waiting requests; beyond it a 503.")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _opt("0.0.0.0", "Address to listen on.")
+    port: int = _opt(8000, "Port to listen on.")
+    uds: str | None = _opt(None, "Listen on this Unix socket instead of host:port.")
+    api_key: tuple[str, ...] = _opt((), "Accepted API key (repeatable; also AIOINFER_API_KEY).")
+    shutdown_timeout: float = _opt(10.0, "Seconds in-flight requests may finish after SIGTERM.")
+    log_stats_interval: float = _opt(10.0, "Seconds between throughput log lines (0: off).")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ServerConfig)
+
+
+def non_default_args(*configs: object) -> dict[str, object]:
+    """The settings that differ from their defaults, for the startup log."""
+    out: dict[str, object] = {}
+    for cfg in configs:
+        for f in fields(cfg):  # type: ignore[arg-type]
+            value = getattr(cfg, f.name)
+            if value != f.default:
+                out[f.name] = value
+    return out

@@ -1,0 +1,167 @@
+"""SamplingParams: vLLM's field names and meanings, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+# Below this temperature sampling is greedy (vLLM's threshold).
+_GREEDY_EPS = 1e-5
+MAX_STOP_STRINGS = 32
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(
+        value
+    )
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output. Every check raises ValueError naming the field."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's max length
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-N logprobs of each sampled token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    # Derived: the stop strings as a list (never None).
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._check_ranges()
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop or [])
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.is_greedy:
+            # Greedy ignores the truncation knobs; normalise them so the sampler can skip work.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes: object) -> SamplingParams:
+        return replace(self, **changes)
+
+    def _check_types(self) -> None:
+        ints = ("n", "top_k", "min_tokens")
+        optional_ints = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+        numbers = (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        )
+        bools = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+        for name in ints:
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in optional_ints:
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"{name} must be an integer or null, got {value!r}")
+        for name in numbers:
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        for name in bools:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.stop is not None and not isinstance(self.stop, str):
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not (
+            isinstance(self.stop_token_ids, list) and all(_is_int(t) for t in self.stop_token_ids)
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+            )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id to bias, got "
+                                 f"{self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or not _is_number(bias):
+                    raise ValueError(
+                        f"logit_bias must map integer token ids to numbers, got {token!r}: {bias!r}"
+                    )
+
+    def _check_ranges(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if self.n < 1:
+            raise bad("n", ">= 1")
+        if self.temperature < 0:
+            raise bad("temperature", ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", "-1, 0 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", ">= 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "> 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise bad(name, ">= 0")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed", "a 64-bit integer")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop must not contain empty strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        if any(t < 0 for t in self.stop_token_ids or []):
+            raise bad("stop_token_ids", "non-negative token ids")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for {token}")

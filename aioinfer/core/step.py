@@ -1,0 +1,101 @@
+"""The plain-data contract between the scheduler (event loop) and the model runner (GPU thread).
+
+A StepPlan is built by `Scheduler.schedule()` and never mutated afterwards; the GPU thread reads it
+while the loop goes on. A StepResult comes back and is applied by `Scheduler.apply()`.
+
+Positions of one request's chunk, with block size 4 and a chunk that starts at position 6:
+
+    block_table   [ 7 ][ 2 ][ 9 ]          logical block i holds positions 4i .. 4i+3
+    positions      6 7 | 8 9 10            token at position p goes to slot
+    slots         30 31| 8 9 10            block_table[p // 4] * 4 + p % 4
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aioinfer.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's share of a step."""
+
+    request_id: str
+    # Tokens fed this step, for positions start_pos .. start_pos + len - 1.
+    token_ids: tuple[int, ...]
+    # Position of token_ids[0]; equals the request's num_computed_tokens before this step.
+    start_pos: int
+    # Every KV block of the request, logical order; covers start_pos + len(token_ids) tokens.
+    block_table: tuple[int, ...]
+    # Whether a token is sampled from the logits of the last fed token (decode, or the last
+    # chunk of a prefill).
+    sample: bool
+    sampling_params: SamplingParams
+    # How many output tokens the request had before this step: the seeded-sampling key, so a
+    # seeded request draws the same noise whatever batch it is in.
+    output_index: int = 0
+    # Prompt + output ids so far; set only when penalties need them.
+    history: tuple[int, ...] | None = None
+    # Number of prompt tokens (penalties treat prompt and output differently).
+    prompt_len: int = 0
+    # Token ids the sampler must not pick this step (EOS and stop ids before min_tokens).
+    banned_token_ids: tuple[int, ...] = ()
+    # When prompt logprobs are asked for: the prompt token that follows each fed token, i.e.
+    # prompt[start_pos + 1 : start_pos + len + 1] (one shorter on the last prefill chunk).
+    prompt_logprob_targets: tuple[int, ...] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def positions(self) -> list[int]:
+        return list(range(self.start_pos, self.start_pos + len(self.token_ids)))
+
+    def slot_mapping(self, block_size: int) -> list[int]:
+        return [
+            self.block_table[p // block_size] * block_size + p % block_size
+            for p in self.positions()
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Everything the runner needs for one forward pass."""
+
+    step_id: int
+    chunks: tuple[ScheduledChunk, ...]
+    # Requests that finished or were aborted since the last plan: per-request runner state
+    # (seeded generators, penalty buffers) may be dropped.
+    finished_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(c.start_pos > 0 and len(c.token_ids) == 1 and c.sample for c in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probability of one chosen token and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...] = ()  # the N most likely (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the runner hands back for one StepPlan."""
+
+    step_id: int
+    # One sampled token per chunk with sample=True.
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Per request that asked for logprobs: the sampled token's logprobs.
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Per request that asked for prompt logprobs: one entry per prompt_logprob_targets token.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
