@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
-def _opt(default, help: str, **extra):  # noqa: A002 - "help" reads best at the call sites
+def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -25,7 +25,7 @@ class ModelConfig:
     model: str = _opt(
         "", "Hugging Face hub id, local folder or .gguf file. Empty: the bundled SmolLM2-135M."
     )
-    served_model_name: str | None = _opt(None, "Model name in the API (default: derived from model).")
+    served_model_name: str | None = _opt(None, "Model name in the API (default: from the model).")
     tokenizer: str | None = _opt(None, "Tokenizer hub id or folder (default: the model's).")
     dtype: str = _opt("auto", "auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")
     load_format: str = _opt("auto", "auto (safetensors or gguf) or dummy (random weights).")

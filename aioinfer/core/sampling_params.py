@@ -101,9 +101,12 @@ class SamplingParams:
         for name in bools:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        if self.stop is not None and not isinstance(self.stop, str):
-            if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not (
+            self.stop is None
+            or isinstance(self.stop, str)
+            or (isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop))
+        ):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.stop_token_ids is not None and not (
             isinstance(self.stop_token_ids, list) and all(_is_int(t) for t in self.stop_token_ids)
         ):
@@ -112,8 +115,9 @@ class SamplingParams:
             )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a map of token id to bias, got "
-                                 f"{self.logit_bias!r}")
+                raise ValueError(
+                    f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}"
+                )
             for token, bias in self.logit_bias.items():
                 if not _is_int(token) or not _is_number(bias):
                     raise ValueError(
@@ -164,4 +168,4 @@ class SamplingParams:
             if token < 0:
                 raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
             if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for {token}")
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} ({token})")

@@ -1,0 +1,125 @@
+"""One request's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.core.step import TokenLogprobs
+
+if TYPE_CHECKING:
+    from aioinfer.core.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class Request:
+    """Prompt, outputs and progress of one sequence.
+
+    `num_computed_tokens` is the one progress counter: the tokens whose K/V are in the cache
+    (or are being written by the step in flight). Tokens `num_computed_tokens ..
+    num_tokens - 1` still have to be fed.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        max_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        detokenizer: IncrementalDetokenizer | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must hold at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # resolved: never None here
+        self.eos_token_ids = eos_token_ids
+        self.detokenizer = detokenizer
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on admission
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.cumulative_logprob = 0.0
+        self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Tokens that would stop the request before min_tokens: the sampler must skip them."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return ()
+        banned = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            banned |= self.eos_token_ids
+        return tuple(sorted(banned))
+
+    def check_stop(self, token_id: int, stop_string: str | None) -> RequestStatus | None:
+        """The finishing status after `token_id` was appended, or None to go on."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in (params.stop_token_ids or ()):
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if stop_string is not None:
+                self.stop_reason = stop_string
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

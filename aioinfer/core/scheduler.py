@@ -1,0 +1,236 @@
+"""Scheduling policy: which tokens of which requests go into the next step.
+
+Continuous batching with a token budget per step (`max_num_batched_tokens`) and a cap on
+requests per step (`max_num_seqs`). Running requests are served first (one decode token each,
+or their next prefill chunk), then waiting ones in arrival order, after prefix-cache hits. When
+the pool runs out of blocks the newest running request is preempted: its blocks are freed and it
+waits at the front of the queue to recompute from its prefix.
+
+`schedule()` and `apply()` alternate: a plan is applied before the next one is built. A request's
+`num_computed_tokens` advances when its tokens are scheduled; `apply()` appends what was sampled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from aioinfer.core.kv_manager import KVCacheManager
+from aioinfer.core.request import Request, RequestStatus
+from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult, TokenLogprobs
+
+
+@dataclass
+class RequestUpdate:
+    """What one step changed for one request: the event the engine fans out."""
+
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text_delta: str = ""
+    finished: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    kv_usage: float = 0.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and "
+                f"{max_num_batched_tokens}"
+            )
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0
+        self._step_id = 0
+        self._finished_since_last_plan: list[str] = []
+
+    # ----------------------------------------------------------------- queue management
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request in any state and free its blocks at once. Idempotent: returns the
+        request the first time, None when it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_usage=self.kv.usage,
+        )
+
+    # ----------------------------------------------------------------- building a step
+
+    def schedule(self) -> StepPlan:
+        """Spend the step's token budget. Mutates request progress, queues and block tables."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        budget, preempted = self._schedule_running(budget, chunks)
+        if not preempted:
+            self._schedule_waiting(budget, chunks)
+        self._step_id += 1
+        finished, self._finished_since_last_plan = self._finished_since_last_plan, []
+        return StepPlan(self._step_id, tuple(chunks), tuple(finished))
+
+    def _schedule_running(self, budget: int, chunks: list[ScheduledChunk]) -> tuple[int, bool]:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._make_chunk(request, num_new))
+                budget -= num_new
+                i += 1
+        return budget, preempted
+
+    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached_blocks, num_hit = self.kv.find_cached_prefix(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if self.kv.allocate(request, num_new, cached_blocks) is None:
+                break
+            self.kv.stats.record(request.num_tokens, num_hit, first=request.num_preemptions == 0)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            chunks.append(self._make_chunk(request, num_new))
+            budget -= num_new
+
+    def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_new
+        request.num_computed_tokens = end
+        params = request.sampling_params
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start:end]),
+            start_pos=start,
+            block_table=tuple(self.kv.block_table(request.request_id)),
+            sample=end == request.num_tokens,
+            sampling_params=params,
+            output_index=request.num_output_tokens,
+            history=tuple(request.all_token_ids) if params.has_penalties else None,
+            prompt_len=request.num_prompt_tokens,
+            banned_token_ids=request.banned_token_ids(),
+            prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
+        )
+
+    @staticmethod
+    def _prompt_logprob_targets(request: Request, start: int, end: int) -> tuple[int, ...] | None:
+        # The logits at position p score prompt token p + 1.
+        if not request.wants_prompt_logprobs or start >= request.num_prompt_tokens - 1:
+            return None
+        return request.prompt_token_ids[start + 1 : min(end + 1, request.num_prompt_tokens)]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.prompt_logprobs.clear()
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----------------------------------------------------------------- applying a result
+
+    def apply(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        """Append sampled tokens, check stop conditions, free finished requests' blocks.
+        Requests aborted while the step ran are skipped."""
+        updates: list[RequestUpdate] = []
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
+            if prompt_logprobs:
+                request.prompt_logprobs.extend(prompt_logprobs)
+            token_id = result.sampled_token_ids.get(chunk.request_id)
+            if chunk.sample and token_id is not None:
+                updates.append(self._append_token(request, token_id, result))
+        return updates
+
+    def _append_token(self, request: Request, token_id: int, result: StepResult) -> RequestUpdate:
+        request.append_output(token_id)
+        update = RequestUpdate(request, new_token_ids=[token_id])
+        logprobs = result.logprobs.get(request.request_id)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+            request.cumulative_logprob += logprobs.logprob
+            update.new_logprobs.append(logprobs)
+        stop_string = None
+        detokenizer = request.detokenizer
+        if detokenizer is not None:
+            check_stops = request.num_output_tokens >= request.sampling_params.min_tokens
+            stop_string = detokenizer.update([token_id], check_stop=check_stops)
+        status = request.check_stop(token_id, stop_string)
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+            update.finished = True
+        if detokenizer is not None:
+            update.text_delta = detokenizer.take_delta(finished=update.finished)
+        return update
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_last_plan.append(request.request_id)

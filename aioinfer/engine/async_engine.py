@@ -1,0 +1,338 @@
+"""AsyncEngine: generate() -> async iterator of RequestOutput deltas; abort(); shutdown().
+
+Owns the scheduler (loop side) and the GPU thread (device side). The HTTP server and the
+offline LLM both drive this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.core.detokenizer import IncrementalDetokenizer
+from aioinfer.core.kv_manager import KVCacheManager
+from aioinfer.core.outputs import RequestOutput
+from aioinfer.core.request import Request
+from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.core.scheduler import RequestUpdate, Scheduler
+from aioinfer.engine.step_loop import StepLoop
+from aioinfer.engine.stream import EngineDeadError, RequestStream
+from aioinfer.gpu.thread import GpuThread
+
+logger = logging.getLogger(__name__)
+
+_request_counter = itertools.count()
+
+
+@dataclass
+class EngineStats:
+    """Counters the metrics endpoint and the periodic log line read."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    aborted: int = 0
+
+
+@dataclass
+class _Child:
+    stream: RequestStream
+    index: int
+
+
+class AsyncEngine:
+    """Build with `await AsyncEngine.create(...)` on the loop that will serve it."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        *,
+        offline: bool = False,
+        runner_factory: Callable[..., Any] | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.offline = offline
+        self._runner_factory = runner_factory
+        self.gpu = GpuThread()
+        self.info: Any = None  # RunnerInfo from the GPU thread
+        self.tokenizer: Any = None
+        self.scheduler: Scheduler | None = None
+        self.stats = EngineStats()
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.default_sampling: dict[str, Any] = {}  # from the model's generation_config.json
+        self._children: dict[str, _Child] = {}
+        self._parents: dict[str, list[str]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        self._step_loop: StepLoop | None = None
+        self.dead_error: BaseException | None = None
+        self.ready = False
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @classmethod
+    async def create(cls, *args: Any, **kwargs: Any) -> AsyncEngine:
+        engine = cls(*args, **kwargs)
+        await engine.start()
+        return engine
+
+    async def start(self) -> None:
+        """Resolve the model, then load weights (GPU thread) and the tokenizer (a worker thread)
+        at the same time; build the scheduler over the KV blocks the runner allocated."""
+        from aioinfer.engine.tokenizer import load_tokenizer
+
+        factory = self._runner_factory or _default_runner_factory
+        t0 = time.perf_counter()
+        resolved = await asyncio.wrap_future(
+            self.gpu.call(lambda: factory.resolve(self.model_config))  # type: ignore[union-attr]
+        )
+        runner_future = self.gpu.create_runner(
+            lambda: factory(
+                resolved, self.model_config, self.cache_config, self.scheduler_config, self.offline
+            )
+        )
+        self.tokenizer = await asyncio.to_thread(
+            load_tokenizer, resolved, self.model_config.chat_template
+        )
+        runner = await asyncio.wrap_future(runner_future)
+        self.info = runner.info
+        self.info.init_seconds = time.perf_counter() - t0
+        self.eos_token_ids = frozenset(self.info.eos_token_ids) | _tokenizer_eos(self.tokenizer)
+        self.default_sampling = dict(self.info.default_sampling)
+        kv = KVCacheManager(
+            self.info.num_blocks,
+            self.cache_config.block_size,
+            enable_prefix_caching=self.cache_config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            kv,
+            max_num_seqs=self.info.max_num_seqs,
+            max_num_batched_tokens=self.info.max_num_batched_tokens,
+        )
+        self._step_loop = StepLoop(self.scheduler, self.gpu, self._fan_out, self._die)
+        self._loop_task = asyncio.get_running_loop().create_task(self._step_loop.run())
+        self.ready = True
+
+    async def shutdown(self) -> None:
+        """Abort whatever runs, stop the step loop and the GPU thread."""
+        for request_id in list(self._parents):
+            self.abort(request_id)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await asyncio.to_thread(self.gpu.stop)
+        self.ready = False
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.info.max_model_len)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_config.served_model_name or self.info.served_name
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.ready and self.dead_error is None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._parents)
+
+    # ----------------------------------------------------------------- requests
+
+    def make_request_id(self) -> str:
+        return f"req-{next(_request_counter)}"
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check the prompt against the model's limits; returns the resolved max_tokens.
+        Raises ValueError with both numbers when it does not fit."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt must not be empty")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {num_prompt} tokens, which leaves no room for output."
+            )
+        vocab = self.info.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[0]}")
+        room = self.max_model_len - num_prompt
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
+                f"prompt, {params.max_tokens} for the completion). Please reduce the prompt or "
+                f"max_tokens."
+            )
+        return params.max_tokens
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutput deltas until every one of the n sequences finished. Leaving the
+        iteration early (a break, a cancelled handler) aborts the request."""
+        stream = self.add_request(prompt_token_ids, params, request_id, prompt)
+        try:
+            while True:
+                output = await stream.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.taken_final:
+                self.abort(stream.request_id)
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        assert self.scheduler is not None, "engine not started"
+        max_tokens = self.validate_prompt(prompt_token_ids, params)
+        self._check_logit_bias(params)
+        request_id = request_id or self.make_request_id()
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, prompt, list(prompt_token_ids), params.n)
+        child_ids = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.clone(seed=params.seed + index)
+            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+            request = Request(
+                child_id,
+                prompt_token_ids,
+                child_params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                detokenizer=self._make_detokenizer(prompt_token_ids, params),
+            )
+            self.scheduler.add(request)
+            self._children[child_id] = _Child(stream, index)
+            child_ids.append(child_id)
+        self._parents[request_id] = child_ids
+        self.stats.prompt_tokens += len(prompt_token_ids) * params.n
+        assert self._step_loop is not None
+        self._step_loop.notify()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (all its sequences) in any state; idempotent. Its blocks return to
+        the pool before the next step. Returns whether anything was aborted."""
+        child_ids = self._parents.pop(request_id, None)
+        if child_ids is None or self.scheduler is None:
+            return False
+        for child_id in child_ids:
+            child = self._children.pop(child_id, None)
+            request = self.scheduler.abort(child_id)
+            if child is not None and request is not None:
+                child.stream.put(child.index, "", [], None, None, "abort")
+        self.stats.aborted += 1
+        return True
+
+    def _make_detokenizer(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop_strings,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.info.vocab_size
+        for token in params.logit_bias or {}:
+            if token >= vocab:
+                raise ValueError(
+                    f"logit_bias token id {token} is outside the vocabulary [0, {vocab})"
+                )
+
+    # ----------------------------------------------------------------- step-loop callbacks
+
+    def _fan_out(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            child = self._children.get(update.request_id)
+            if child is None:
+                continue
+            request = update.request
+            self.stats.generation_tokens += len(update.new_token_ids)
+            stream = child.stream
+            if child.index == 0 and request.num_output_tokens == len(update.new_token_ids):
+                stream.num_cached_tokens = request.num_cached_tokens
+                if request.wants_prompt_logprobs:
+                    stream.put_prompt_logprobs(request.prompt_logprobs)
+            wants_logprobs = request.sampling_params.logprobs is not None
+            stream.put(
+                child.index,
+                update.text_delta,
+                update.new_token_ids,
+                update.new_logprobs if wants_logprobs else None,
+                request.cumulative_logprob if wants_logprobs else None,
+                request.finish_reason,
+                request.stop_reason,
+            )
+            if update.finished:
+                reason = request.finish_reason or "stop"
+                self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+                del self._children[update.request_id]
+                if stream.finished:
+                    self._parents.pop(stream.request_id, None)
+
+    def _die(self, error: BaseException) -> None:
+        self.dead_error = error
+        failure = EngineDeadError(f"engine failed: {error!r}")
+        for child in self._children.values():
+            child.stream.fail(failure)
+        self._children.clear()
+        self._parents.clear()
+
+
+def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset([eos]) if isinstance(eos, int) else frozenset()
+
+
+class _DefaultRunnerFactory:
+    """Creates the real ModelRunner; imported lazily so that tests with fakes skip torch work."""
+
+    @staticmethod
+    def resolve(model_config: ModelConfig) -> Any:
+        from aioinfer.gpu.runner import ModelRunner
+
+        return ModelRunner.resolve(model_config)
+
+    def __call__(self, *args: Any) -> Any:
+        from aioinfer.gpu.runner import ModelRunner
+
+        return ModelRunner(*args)
+
+
+_default_runner_factory = _DefaultRunnerFactory()

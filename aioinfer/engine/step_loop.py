@@ -1,0 +1,70 @@
+"""The scheduler coroutine: schedule -> run on the GPU thread -> apply -> fan out, forever.
+
+It is the only code that mutates scheduler state while the engine runs; aborts from handlers
+are plain calls on the same loop, so they interleave between steps, never inside one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from aioinfer.core.scheduler import RequestUpdate, Scheduler
+from aioinfer.core.step import StepPlan, StepResult
+from aioinfer.gpu.thread import GpuThread
+
+logger = logging.getLogger(__name__)
+
+
+class StepLoop:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        gpu: GpuThread,
+        on_updates: Callable[[list[RequestUpdate]], None],
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self.scheduler = scheduler
+        self.gpu = gpu
+        self.on_updates = on_updates
+        self.on_fatal = on_fatal
+        self.wakeup = asyncio.Event()
+        self.num_steps = 0
+        self.busy_seconds = 0.0
+        self.on_step: Callable[[StepPlan, StepResult, float], None] | None = None
+
+    def notify(self) -> None:
+        """New work arrived: wake the loop if it sleeps."""
+        self.wakeup.set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                if not self.scheduler.has_work():
+                    self.wakeup.clear()
+                    await self.wakeup.wait()
+                    continue
+                await self.step()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            logger.exception("engine step failed; failing every in-flight request")
+            self.on_fatal(exc)
+
+    async def step(self) -> None:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            # Everything left is waiting for blocks that running requests hold: yield a tick.
+            await asyncio.sleep(0)
+            return
+        start = time.perf_counter()
+        result = await asyncio.wrap_future(self.gpu.execute(plan))
+        elapsed = time.perf_counter() - start
+        self.num_steps += 1
+        self.busy_seconds += elapsed
+        updates = self.scheduler.apply(plan, result)
+        if self.on_step is not None:
+            self.on_step(plan, result, elapsed)
+        self.on_updates(updates)

@@ -1,0 +1,91 @@
+"""Per-request output collector: the scheduler coroutine puts deltas, the consumer gets them.
+
+When the producer outruns the consumer (a slow HTTP client), deltas are merged rather than
+queued, so memory stays bounded by one pending delta per sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aioinfer.core.outputs import CompletionOutput, RequestOutput
+from aioinfer.core.step import TokenLogprobs
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed (e.g. the forward pass raised); every in-flight request gets this."""
+
+
+class RequestStream:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.n = n
+        self.num_finished = 0
+        self.num_cached_tokens = 0
+        self._pending: dict[int, CompletionOutput] = {}
+        self._prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self.taken_final = False
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished >= self.n
+
+    def put(
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None,
+        cumulative_logprob: float | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        pending = self._pending.get(index)
+        if pending is None:
+            self._pending[index] = CompletionOutput(
+                index, text, list(token_ids), cumulative_logprob,
+                list(logprobs) if logprobs is not None else None, finish_reason, stop_reason,
+            )  # fmt: skip
+        else:
+            pending.text += text
+            pending.token_ids.extend(token_ids)
+            if logprobs is not None:
+                pending.logprobs = (pending.logprobs or []) + list(logprobs)
+            pending.cumulative_logprob = cumulative_logprob
+            pending.finish_reason = finish_reason
+            pending.stop_reason = stop_reason
+        if finish_reason is not None:
+            self.num_finished += 1
+        self._ready.set()
+
+    def put_prompt_logprobs(self, logprobs: list[TokenLogprobs]) -> None:
+        self._prompt_logprobs = [None, *logprobs]
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The deltas since the last get, merged. Raises the engine's error, if any."""
+        await self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        self._ready.clear()
+        outputs = [self._pending[i] for i in sorted(self._pending)]
+        self._pending = {}
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        finished = self.finished
+        self.taken_final = finished
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            finished,
+            prompt_logprobs,
+            self.num_cached_tokens,
+        )

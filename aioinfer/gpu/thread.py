@@ -1,0 +1,86 @@
+"""GpuThread: THE boundary between the event loop and everything that touches torch.
+
+The loop submits work (a StepPlan, or a setup call such as loading the model) and gets a
+`concurrent.futures.Future` back; `asyncio.wrap_future` turns it into an awaitable that resolves
+on the loop through `call_soon_threadsafe`. The thread never touches loop state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import torch
+
+from aioinfer.core.step import StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Test hook: the forward pass raises after this many steps (engine-fault tests).
+FAULT_ENV = "AIOINFER_FAULT_AFTER_STEPS"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class GpuThread:
+    """One thread that owns the model runner. Work runs in submission order."""
+
+    def __init__(self, name: str = "aioinfer-gpu") -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.runner: Any = None  # set by the first call, on this thread
+        fault = os.environ.get(FAULT_ENV)
+        self._steps_left_before_fault = int(fault) if fault else None
+        self._thread.start()
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run fn() on the GPU thread; its result or exception lands in the future."""
+        future: Future[T] = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def create_runner(self, factory: Callable[[], Any]) -> Future[Any]:
+        def build() -> Any:
+            self.runner = factory()
+            return self.runner
+
+        return self.call(build)
+
+    def execute(self, plan: StepPlan) -> Future[StepResult]:
+        return self.call(lambda: self._execute(plan))
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        if self._steps_left_before_fault is not None:
+            if self._steps_left_before_fault <= 0:
+                raise InjectedFault(f"fault injected by {FAULT_ENV}")
+            self._steps_left_before_fault -= 1
+        return self.runner.execute(plan)
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        # Grad mode is per thread: this is where inference mode must be entered.
+        with torch.inference_mode():
+            while (item := self._queue.get()) is not None:
+                fn, future = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the loop, which fails the requests
+                    logger.debug("GPU thread work failed", exc_info=True)
+                    future.set_exception(exc)

@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aioinfer.core.kv_manager import KVCacheManager
+from aioinfer.core.request import Request
+from aioinfer.core.sampling_params import SamplingParams
+
+
+def make_request(rid: str, tokens: list[int], **params) -> Request:
+    return Request(rid, tokens, SamplingParams(**params), max_tokens=16)
+
+
+def admit(kv: KVCacheManager, req: Request) -> list[int] | None:
+    """What the scheduler does for a new request: prefix lookup, then allocate the rest."""
+    cached, num_hit = kv.find_cached_prefix(req)
+    table = kv.allocate(req, req.num_tokens - num_hit, cached)
+    if table is not None:
+        req.num_computed_tokens = req.num_tokens
+    return table
+
+
+def test_allocate_exact_blocks_and_growth():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    req = make_request("a", list(range(10)))  # 10 tokens -> 3 blocks
+    assert admit(kv, req) == [1, 2, 3]
+    req.append_output(99)
+    req.append_output(98)  # 12 tokens: still 3 blocks
+    assert kv.allocate(req, 1) == [1, 2, 3]
+    req.num_computed_tokens = 11
+    req.num_computed_tokens = 12
+    assert kv.allocate(req, 1) == [1, 2, 3, 4]  # token 13 needs a 4th block
+    kv.check_integrity()
+
+
+def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = make_request("a", list(range(9)))
+    assert admit(kv, a) == [1, 2, 3]
+    b = make_request("b", list(range(8)) + [100, 101])
+    cached, num_hit = kv.find_cached_prefix(b)
+    assert (cached, num_hit) == ([1, 2], 8)
+    assert kv.allocate(b, 2, cached) == [1, 2, 4]
+    assert kv.pool.ref_counts[1:5] == [2, 2, 1, 1]
+    # A prompt fully in the cache still computes its last token: only 1 block of 2 is a hit.
+    c = make_request("c", list(range(8)))
+    assert kv.find_cached_prefix(c) == ([1], 4)
+    kv.check_integrity()
+
+
+def test_free_returns_tail_first_and_cached_blocks_survive_for_later_hits():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    assert admit(kv, a) == [1, 2, 3]
+    kv.free(a)
+    kv.free(a)  # idempotent
+    # Block 3 holds one token: uncached, so it is evicted first; cached tail 2 before head 1.
+    assert list(kv.pool.free_queue) == [3, 4, 5, 2, 1]
+    b = make_request("b", [1, 2, 3, 4, 9])
+    assert admit(kv, b) == [1, 2, 3]
+    kv.check_integrity()
+
+
+def test_allocate_fails_without_side_effects_when_the_pool_is_full():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", list(range(12)))
+    assert admit(kv, a) == [1, 2, 3]
+    b = make_request("b", [5])
+    assert admit(kv, b) is None
+    assert "b" not in kv.block_tables
+    kv.check_integrity()
+
+
+def test_prompt_logprobs_requests_skip_the_prefix_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    admit(kv, make_request("a", [1, 2, 3, 4, 5]))
+    b = make_request("b", [1, 2, 3, 4, 5], prompt_logprobs=1)
+    assert kv.find_cached_prefix(b) == ([], 0)
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["new", "append", "free"]),
+        st.integers(0, 7),
+        st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(2, 12))
+def test_random_operations_keep_the_pool_consistent(ops, block_size, num_blocks):
+    """Random allocate / append / free / prefix-hit sequences: integrity holds after every
+    operation, and the pool is fully free at the end. Small token alphabets force prefix hits."""
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+    live: dict[int, Request] = {}
+    serial = 0
+    for op, slot, tokens in ops:
+        if op == "new" and slot not in live:
+            serial += 1
+            req = make_request(f"r{serial}", tokens)
+            if admit(kv, req) is not None:
+                live[slot] = req
+        elif op == "append" and slot in live:
+            req = live[slot]
+            for t in tokens[:3]:
+                req.append_output(t)
+            if kv.allocate(req, req.num_tokens - req.num_computed_tokens) is None:
+                kv.free(live.pop(slot))  # what preemption does
+            else:
+                req.num_computed_tokens = req.num_tokens
+        elif op == "free" and slot in live:
+            kv.free(live.pop(slot))
+        kv.check_integrity()
+        expected_used = sum(len(kv.block_table(r.request_id)) for r in live.values())
+        assert sum(kv.pool.ref_counts[1:]) == expected_used
+    for req in live.values():
+        kv.free(req)
+    kv.check_integrity()
+    assert kv.pool.num_free_blocks == num_blocks - 1
+    assert kv.usage == 0.0

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+
+from aioinfer.core.sampling_params import MAX_STOP_STRINGS, SamplingParams
+
+
+def test_defaults_follow_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (
+        1,
+        1.0,
+        1.0,
+        0,
+        0.0,
+        16,
+    )
+    assert p.stop_strings == [] and p.stop_token_ids == [] and not p.is_greedy
+
+
+def test_greedy_normalises_truncation():
+    p = SamplingParams(temperature=0.0, top_p=0.5, top_k=5, min_p=0.2)
+    assert p.is_greedy and (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
+
+
+def test_stop_string_becomes_a_list_and_top_k_minus_one_disables():
+    p = SamplingParams(stop="###", top_k=-1)
+    assert p.stop_strings == ["###"] and p.top_k == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("n", 0, ">= 1"),
+        ("temperature", -0.1, ">= 0"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_p", 1.5, "(0, 1]"),
+        ("top_k", -2, "-1, 0"),
+        ("min_p", 1.1, "[0, 1]"),
+        ("max_tokens", 0, ">= 1"),
+        ("min_tokens", -1, ">= 0"),
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -3.0, "[-2, 2]"),
+        ("repetition_penalty", 0.0, "> 0"),
+        ("logprobs", -1, ">= 0"),
+        ("prompt_logprobs", -5, ">= 0"),
+        ("temperature", float("nan"), "finite"),
+        ("max_tokens", 1.5, "integer"),
+        ("n", True, "integer"),
+        ("top_p", "0.5", "number"),
+        ("ignore_eos", 1, "boolean"),
+        ("stop", [1, 2], "list of strings"),
+        ("stop", [""], "empty"),
+        ("stop", ["x"] * (MAX_STOP_STRINGS + 1), "at most"),
+        ("stop_token_ids", [-1], "non-negative"),
+        ("logit_bias", {5: 101.0}, "[-100, 100]"),
+        ("logit_bias", {"5": 1.0}, "integer token ids"),
+    ],
+)
+def test_invalid_values_name_the_field(field, value, fragment):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    message = str(err.value)
+    assert field.split("_")[0] in message and fragment in message
+
+
+def test_min_tokens_cannot_exceed_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    SamplingParams(max_tokens=None, min_tokens=100)
+
+
+def test_has_penalties_and_clone():
+    assert not SamplingParams().has_penalties
+    p = SamplingParams(repetition_penalty=1.2)
+    assert p.has_penalties
+    q = p.clone(seed=3)
+    assert q.seed == 3 and q.repetition_penalty == 1.2 and p.seed is None

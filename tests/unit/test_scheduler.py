@@ -1,0 +1,211 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aioinfer.core.kv_manager import KVCacheManager
+from aioinfer.core.request import Request, RequestStatus
+from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.core.scheduler import Scheduler
+from tests.unit.fake_runner import FakeRunner, reference_output
+
+
+def make_engine(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, prefix=True):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return sched, FakeRunner(num_blocks, block_size)
+
+
+def make_request(rid, prompt, max_tokens=8, **params):
+    return Request(
+        rid, prompt, SamplingParams(**params), max_tokens=max_tokens, eos_token_ids=frozenset({1})
+    )
+
+
+def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps=10_000, on_step=None):
+    outputs: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+    steps = 0
+    while sched.has_work():
+        plan = sched.schedule()
+        assert plan.num_tokens <= sched.max_num_batched_tokens
+        assert len(plan.chunks) <= sched.max_num_seqs
+        assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
+        for update in sched.apply(plan, runner.execute(plan)):
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+            if update.finished:
+                finished[update.request_id] = update.request.finish_reason
+        sched.kv.check_integrity()
+        if on_step:
+            on_step(steps)
+        steps += 1
+        assert steps < max_steps, "no progress"
+    return outputs, finished
+
+
+def test_batch_outputs_equal_unbatched_reference():
+    sched, runner = make_engine()
+    rng = random.Random(0)
+    prompts = {f"r{i}": [rng.randrange(2, 50) for _ in range(rng.randint(1, 30))] for i in range(6)}
+    for rid, prompt in prompts.items():
+        sched.add(make_request(rid, prompt, max_tokens=10, ignore_eos=True))
+    outputs, finished = run_to_completion(sched, runner)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference_output(prompt, 10)
+        assert finished[rid] == "length"
+    assert sched.kv.pool.num_free_blocks == 63
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_the_budget():
+    sched, runner = make_engine(budget=8)
+    sched.add(make_request("long", list(range(2, 22)), max_tokens=2, ignore_eos=True))  # 20 tokens
+    plans = []
+    while sched.has_work():
+        plan = sched.schedule()
+        plans.append([(c.start_pos, c.num_tokens, c.sample) for c in plan.chunks])
+        sched.apply(plan, runner.execute(plan))
+    assert plans == [[(0, 8, False)], [(8, 8, False)], [(16, 4, True)], [(20, 1, True)]]
+
+
+def test_running_requests_decode_before_waiting_prompts_are_admitted():
+    sched, runner = make_engine(budget=10)
+    sched.add(make_request("a", [5] * 4, max_tokens=5, ignore_eos=True))
+    plan = sched.schedule()
+    sched.apply(plan, runner.execute(plan))
+    sched.add(make_request("b", [6] * 30, max_tokens=5, ignore_eos=True))
+    plan = sched.schedule()
+    assert [(c.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched, runner = make_engine(max_num_seqs=2, budget=100)
+    for i in range(5):
+        sched.add(make_request(f"r{i}", [i + 2] * 3, ignore_eos=True))
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.chunks] == ["r0", "r1"]
+    assert sched.num_waiting == 3
+
+
+def test_prefix_cache_hit_skips_computed_tokens_and_keeps_outputs():
+    sched, runner = make_engine(block_size=4, budget=64)
+    prompt = list(range(2, 20))  # 18 tokens: 4 full blocks
+    sched.add(make_request("a", prompt, max_tokens=3, ignore_eos=True))
+    out_a, _ = run_to_completion(sched, runner)
+    sched.add(make_request("b", prompt, max_tokens=3, ignore_eos=True))
+    plan = sched.schedule()
+    [chunk] = plan.chunks
+    assert chunk.start_pos == 16 and chunk.num_tokens == 2
+    sched.apply(plan, runner.execute(plan))
+    out_b, _ = run_to_completion(sched, runner)
+    assert [out_b.get("b", [])] != [[]]
+    assert sched.kv.stats.hits == 16 and sched.kv.stats.queries == 36
+
+
+def test_preemption_when_blocks_run_out_still_gives_exact_outputs():
+    # 9 usable blocks of 4 tokens; 4 requests growing to 24 tokens each cannot all fit.
+    sched, runner = make_engine(num_blocks=10, block_size=4, budget=64)
+    rng = random.Random(1)
+    prompts = {f"r{i}": [rng.randrange(2, 50) for _ in range(8)] for i in range(4)}
+    for rid, prompt in prompts.items():
+        sched.add(make_request(rid, prompt, max_tokens=16, ignore_eos=True))
+    outputs, finished = run_to_completion(sched, runner)
+    assert sched.num_preemptions > 0
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference_output(prompt, 16)
+        assert finished[rid] == "length"
+    assert sched.kv.pool.num_free_blocks == 9
+
+
+def test_newest_running_request_is_preempted_first():
+    sched, runner = make_engine(num_blocks=5, block_size=2, budget=64)  # 4 usable blocks
+    sched.add(make_request("old", [2, 3, 4], max_tokens=8, ignore_eos=True))
+    sched.add(make_request("new", [5, 6, 7], max_tokens=8, ignore_eos=True))
+    # Step 1 fills all 4 blocks; step 2 fits in them; step 3 needs a fifth.
+    for _ in range(3):
+        plan = sched.schedule()
+        sched.apply(plan, runner.execute(plan))
+    assert [r.request_id for r in sched.running] == ["old"]
+    assert [r.request_id for r in sched.waiting] == ["new"]
+    assert sched.requests["new"].num_computed_tokens == 0
+
+
+def test_eos_stop_token_ids_and_min_tokens():
+    sched, runner = make_engine()
+    prompt = [7, 8, 9]
+    ref = reference_output(prompt, 20)
+    stop_at = ref[2]
+    sched.add(make_request("stop", prompt, max_tokens=20, stop_token_ids=[stop_at]))
+    outputs, finished = run_to_completion(sched, runner)
+    assert outputs["stop"] == ref[: ref.index(stop_at) + 1]
+    assert finished["stop"] == "stop"
+    # min_tokens bans the stop token until enough tokens exist.
+    sched.add(make_request("min", prompt, max_tokens=20, stop_token_ids=[stop_at], min_tokens=5))
+    outputs, _ = run_to_completion(sched, runner)
+    assert len(outputs["min"]) >= 5
+    assert stop_at not in outputs["min"][:4]
+
+
+@pytest.mark.parametrize("when", ["waiting", "prefilling", "decoding", "in_flight"])
+def test_abort_in_any_state_frees_every_block(when):
+    sched, runner = make_engine(budget=8)
+    sched.add(make_request("x", list(range(2, 22)), max_tokens=50, ignore_eos=True))
+    sched.add(make_request("y", [3, 4, 5], max_tokens=50, ignore_eos=True))
+    steps = {"waiting": 0, "prefilling": 1, "decoding": 4}.get(when, 2)
+    for _ in range(steps):
+        plan = sched.schedule()
+        sched.apply(plan, runner.execute(plan))
+    if when == "in_flight":
+        plan = sched.schedule()
+        assert sched.abort("x").status == RequestStatus.FINISHED_ABORTED
+        sched.apply(plan, runner.execute(plan))
+    else:
+        assert sched.abort("x") is not None
+    assert sched.abort("x") is None  # idempotent
+    assert "x" not in sched.kv.block_tables
+    sched.kv.check_integrity()
+    sched.abort("y")
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
+    assert "x" in sched.schedule().finished_request_ids
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 1000),
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    budget=st.integers(4, 64),
+    max_num_seqs=st.integers(1, 6),
+)
+def test_random_workloads_finish_exactly_and_leave_no_block(
+    seed, num_blocks, block_size, budget, max_num_seqs
+):
+    rng = random.Random(seed)
+    sched, runner = make_engine(num_blocks, block_size, max_num_seqs, budget)
+    capacity = (num_blocks - 1) * block_size
+    prompts, abort_at = {}, {}
+    for i in range(rng.randint(1, 8)):
+        # Every request must fit the pool alone, as the engine's max model len guarantees.
+        prompt_len = rng.randint(1, max(1, min(20, capacity - 8)))
+        prompts[f"r{i}"] = [rng.randrange(2, 5) for _ in range(prompt_len)]  # shared prefixes
+        max_tokens = min(8, capacity - prompt_len)
+        sched.add(make_request(f"r{i}", prompts[f"r{i}"], max_tokens=max_tokens, ignore_eos=True))
+        if rng.random() < 0.2:
+            abort_at[f"r{i}"] = rng.randint(0, 6)
+
+    def maybe_abort(step):
+        for rid, at in abort_at.items():
+            if at == step:
+                sched.abort(rid)
+
+    outputs, finished = run_to_completion(sched, runner, on_step=maybe_abort)
+    for rid, prompt in prompts.items():
+        if finished.get(rid) == "length":
+            max_tokens = min(8, capacity - len(prompt))
+            assert outputs[rid] == reference_output(prompt, max_tokens)
+        else:
+            assert rid in abort_at
+    assert sched.kv.pool.num_free_blocks == num_blocks - 1
+    assert not sched.requests
