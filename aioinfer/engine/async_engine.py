@@ -7,6 +7,7 @@ offline LLM both drive this class.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -128,10 +129,8 @@ class AsyncEngine:
             self.abort(request_id)
         if self._loop_task is not None:
             self._loop_task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
         await asyncio.to_thread(self.gpu.stop)
         self.ready = False
 

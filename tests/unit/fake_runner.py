@@ -26,7 +26,9 @@ class FakeRunner:
         self.plans.append(plan)
         result = StepResult(plan.step_id)
         for chunk in plan.chunks:
-            for slot, token in zip(chunk.slot_mapping(self.block_size), chunk.token_ids):
+            for slot, token in zip(
+                chunk.slot_mapping(self.block_size), chunk.token_ids, strict=True
+            ):
                 self.slots[slot] = token
         for chunk in plan.chunks:
             end = chunk.start_pos + chunk.num_tokens

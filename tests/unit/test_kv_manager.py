@@ -38,7 +38,7 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     a = make_request("a", list(range(9)))
     assert admit(kv, a) == [1, 2, 3]
-    b = make_request("b", list(range(8)) + [100, 101])
+    b = make_request("b", [*range(8), 100, 101])
     cached, num_hit = kv.find_cached_prefix(b)
     assert (cached, num_hit) == ([1, 2], 8)
     assert kv.allocate(b, 2, cached) == [1, 2, 4]
