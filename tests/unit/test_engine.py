@@ -1,0 +1,179 @@
+"""AsyncEngine and the offline LLM over a fake runner: the real scheduler, GPU thread,
+detokenizer and streams, with a model stand-in that checks the KV bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.engine.async_engine import AsyncEngine
+from aioinfer.engine.llm import LLM
+from aioinfer.engine.stream import EngineDeadError
+from tests.tokenizer_fixtures import make_tokenizer
+from tests.unit.fake_runner import FakeRunner, reference_output
+
+NUM_BLOCKS, BLOCK_SIZE = 64, 4
+
+
+class FakeRunnerFactory:
+    def __init__(self, fail_at_step: int | None = None, num_blocks: int = NUM_BLOCKS):
+        self.fail_at_step = fail_at_step
+        self.num_blocks = num_blocks
+
+    @staticmethod
+    def resolve(model_config):
+        return SimpleNamespace(served_name="fake-model")
+
+    def __call__(self, resolved, model_config, cache_config, scheduler_config, offline):
+        fake = FakeRunner(self.num_blocks, cache_config.block_size)
+        fail_at = self.fail_at_step
+        info = SimpleNamespace(
+            served_name="fake-model",
+            vocab_size=4096,
+            max_model_len=128,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens or 32,
+            num_blocks=self.num_blocks,
+            eos_token_ids=(1,),
+            default_sampling={},
+        )
+
+        def execute(plan):
+            if fail_at is not None and len(fake.plans) >= fail_at:
+                raise RuntimeError("device lost")
+            return fake.execute(plan)
+
+        return SimpleNamespace(info=info, execute=execute, fake=fake)
+
+
+def configs(**sched):
+    return (
+        ModelConfig(model="fake"),
+        CacheConfig(block_size=BLOCK_SIZE),
+        SchedulerConfig(**{"max_num_batched_tokens": 32, **sched}),
+    )
+
+
+async def make_engine(factory=None, **sched) -> AsyncEngine:
+    return await AsyncEngine.create(
+        *configs(**sched),
+        runner_factory=factory or FakeRunnerFactory(),
+        tokenizer=make_tokenizer(),
+    )
+
+
+async def collect(engine, prompt, params, request_id=None):
+    text, tokens, last = {}, {}, None
+    async for out in engine.generate(prompt, params, request_id):
+        for seq in out.outputs:
+            text[seq.index] = text.get(seq.index, "") + seq.text
+            tokens.setdefault(seq.index, []).extend(seq.token_ids)
+        last = out
+    return text, tokens, last
+
+
+async def test_generate_matches_the_reference_and_decodes_text():
+    engine = await make_engine()
+    tokenizer = engine.tokenizer
+    try:
+        prompts = [[5, 6, 7], [9] * 20, [11, 12]]
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        results = await asyncio.gather(*(collect(engine, p, params) for p in prompts))
+        for prompt, (text, tokens, last) in zip(prompts, results, strict=True):
+            assert tokens[0] == reference_output(prompt, 12)
+            assert text[0] == tokenizer.decode(tokens[0], skip_special_tokens=True)
+            assert last.finished and last.outputs[-1].finish_reason == "length"
+        kv = engine.scheduler.kv
+        assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+    finally:
+        await engine.shutdown()
+
+
+async def test_n_sequences_and_prompt_too_long():
+    engine = await make_engine()
+    try:
+        text, tokens, last = await collect(engine, [5, 6], SamplingParams(n=3, max_tokens=4))
+        assert sorted(tokens) == [0, 1, 2]
+        assert all(len(t) <= 4 for t in tokens.values())
+        assert [o.finish_reason is not None for o in last.outputs]
+        with pytest.raises(ValueError, match="maximum context length is 128"):
+            engine.add_request([5] * 128, SamplingParams())
+        with pytest.raises(ValueError, match=r"120 in the prompt, 10 for the completion"):
+            engine.add_request([5] * 120, SamplingParams(max_tokens=10))
+        with pytest.raises(ValueError, match="token ids must be in"):
+            engine.add_request([5, 4096], SamplingParams())
+    finally:
+        await engine.shutdown()
+
+
+async def test_leaving_the_stream_early_aborts_and_frees_blocks():
+    engine = await make_engine()
+    try:
+        agen = engine.generate([3] * 20, SamplingParams(max_tokens=100, ignore_eos=True), "r1")
+        await agen.__anext__()
+        await agen.aclose()
+        assert engine.num_unfinished == 0
+        await asyncio.sleep(0)
+        kv = engine.scheduler.kv
+        assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+        kv.check_integrity()
+        assert engine.abort("r1") is False
+    finally:
+        await engine.shutdown()
+
+
+async def test_abort_from_outside_ends_the_stream_with_abort():
+    engine = await make_engine()
+    try:
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        task = asyncio.create_task(collect(engine, [4] * 10, params, "r2"))
+        while not engine.scheduler.running:
+            await asyncio.sleep(0.001)
+        assert engine.abort("r2")
+        _, _, last = await task
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+    finally:
+        await engine.shutdown()
+
+
+async def test_engine_fault_fails_every_request_and_refuses_new_ones():
+    engine = await make_engine(FakeRunnerFactory(fail_at_step=2))
+    try:
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        results = await asyncio.gather(
+            *(collect(engine, [5 + i] * 3, params) for i in range(3)), return_exceptions=True
+        )
+        assert all(isinstance(r, EngineDeadError) for r in results)
+        assert not engine.is_healthy
+        with pytest.raises(EngineDeadError):
+            engine.add_request([5], params)
+    finally:
+        await engine.shutdown()
+
+
+def test_offline_llm_returns_outputs_in_input_order():
+    llm = LLM(
+        "fake",
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=16,
+        runner_factory=FakeRunnerFactory(),
+        tokenizer_object=make_tokenizer(),
+    )
+    try:
+        prompts = [[7] * n for n in (30, 1, 12, 5)]
+        params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 9, 1, 6)]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, p, out in zip(prompts, params, outputs, strict=True):
+            assert out.prompt_token_ids == prompt
+            assert out.outputs[0].token_ids == reference_output(prompt, p.max_tokens)
+            assert out.finished
+        text_out = llm.generate("hello world", SamplingParams(max_tokens=4), use_tqdm=True)
+        assert text_out[0].prompt == "hello world"
+        with pytest.raises(TypeError, match="unknown LLM options"):
+            LLM("fake", not_an_option=1)
+    finally:
+        llm.shutdown()
