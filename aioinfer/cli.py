@@ -1,0 +1,210 @@
+"""The `aioinfer` command line. Flags are generated from the config dataclasses; no engine logic.
+
+Heavy modules (torch, transformers, aiohttp) are imported inside commands so that `--help`
+answers at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+import types
+import typing
+from typing import Any
+
+import typer
+
+from aioinfer import __version__
+from aioinfer.config import (
+    CONFIG_CLASSES,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+
+app = typer.Typer(
+    name="aioinfer",
+    help="aioinfer: an LLM inference server for one GPU.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+API_KEY_ENV = "AIOINFER_API_KEY"
+_POSITIONAL = {"model"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _config_fields() -> list[tuple[type, dataclasses.Field[Any], Any]]:
+    """(config class, field, resolved type) for every flag, in group order."""
+    out = []
+    for cls in CONFIG_CLASSES:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            out.append((cls, f, hints[f.name]))
+    return out
+
+
+def _cli_type(tp: Any) -> Any:
+    """The type typer should parse: tuples of strings become repeatable options."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return list[str]
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return typing.Optional[args[0]]  # noqa: UP045 - typer needs Optional[...] here
+    return tp
+
+
+def _serve_signature() -> inspect.Signature:
+    params = []
+    for _cls, f, tp in _config_fields():
+        help_text = f.metadata.get("help", "")
+        if f.name in _POSITIONAL:
+            default: Any = typer.Argument(None, help=help_text, show_default=False)
+            annotation: Any = typing.Optional[str]  # noqa: UP045
+        else:
+            flag = _flag(f.name)
+            decls = [f"{flag}/--no-{flag[2:]}"] if tp is bool and f.default else [flag]
+            value = list(f.default) if isinstance(f.default, tuple) else f.default
+            default = typer.Option(value, *decls, help=help_text)
+            annotation = _cli_type(tp)
+        params.append(
+            inspect.Parameter(
+                f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+            )
+        )
+    return inspect.Signature(params)
+
+
+def build_configs(
+    values: dict[str, Any],
+) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ServerConfig]:
+    """Sort parsed flag values into the config dataclasses (raises ValueError on bad values)."""
+    values = dict(values)
+    if values.get("model") is None:
+        values["model"] = ""
+    keys = list(values.get("api_key") or [])
+    env_keys = os.environ.get(API_KEY_ENV, "")
+    keys += [k.strip() for k in env_keys.split(",") if k.strip()]
+    values["api_key"] = tuple(keys)
+    built = []
+    for cls in CONFIG_CLASSES:
+        names = {f.name for f in dataclasses.fields(cls)}
+        built.append(cls(**{k: v for k, v in values.items() if k in names}))
+    return built[0], built[1], built[2], built[3]  # type: ignore[return-value]
+
+
+def serve(**values: Any) -> None:
+    """Serve a model over the OpenAI-compatible HTTP API."""
+    try:
+        configs = build_configs(values)
+    except ValueError as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    from aioinfer.server.launch import run_server
+
+    code = run_server(*configs)
+    raise typer.Exit(code)
+
+
+serve.__signature__ = _serve_signature()  # type: ignore[attr-defined]
+app.command(
+    "serve",
+    help=(
+        "Serve MODEL (a Hugging Face hub id, a local folder or a .gguf file; default: the "
+        "bundled SmolLM2-135M-Instruct). --help=all lists every flag, --help=GROUP one group, "
+        "--help=FLAG one flag."
+    ),
+    add_help_option=False,
+)(serve)
+
+
+# ----------------------------------------------------------------------------- serve --help
+
+
+def serve_help(topic: str | None) -> str:
+    """Text for `serve --help[=topic]`: groups, all, a group name or a flag name."""
+    groups: dict[str, list[tuple[dataclasses.Field[Any], Any]]] = {}
+    for cls, f, tp in _config_fields():
+        groups.setdefault(cls.__name__, []).append((f, tp))
+    if topic is None:
+        lines = ["Usage: aioinfer serve [MODEL] [OPTIONS]", "", "Option groups:"]
+        for name, fields in groups.items():
+            flags = ", ".join(_flag(f.name) for f, _ in fields if f.name not in _POSITIONAL)
+            lines.append(f"  {name}: {flags}")
+        lines += ["", "Use --help=all, --help=<GroupName> or --help=<flag-name> for details."]
+        return "\n".join(lines)
+    wanted = topic.lower().removeprefix("--").replace("_", "-")
+    if wanted == "all":
+        return "\n\n".join(_describe_group(n, fs) for n, fs in groups.items())
+    for name, fields in groups.items():
+        if name.lower() == wanted:
+            return _describe_group(name, fields)
+    for fields in groups.values():
+        for f, tp in fields:
+            if f.name.replace("_", "-") == wanted:
+                return _describe_field(f, tp)
+    raise KeyError(topic)
+
+
+def _describe_group(name: str, fields: list[tuple[dataclasses.Field[Any], Any]]) -> str:
+    return "\n".join([f"{name}:", *(_describe_field(f, tp) for f, tp in fields)])
+
+
+def _describe_field(f: dataclasses.Field[Any], tp: Any) -> str:
+    name = "MODEL (argument)" if f.name in _POSITIONAL else _flag(f.name)
+    return f"  {name}  [default: {f.default!r}]\n      {f.metadata.get('help', '')}"
+
+
+def _serve_help_requested(argv: list[str]) -> str | None | bool:
+    """The topic of a `serve --help[=topic]` in argv; False when there is none."""
+    if not argv or argv[0] != "serve":
+        return False
+    for arg in argv[1:]:
+        if arg in ("--help", "-h"):
+            return None
+        if arg.startswith("--help="):
+            return arg.split("=", 1)[1]
+    return False
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"aioinfer {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """aioinfer: an LLM inference server for one GPU."""
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    topic = _serve_help_requested(argv)
+    if topic is not False:
+        try:
+            print(serve_help(topic))  # type: ignore[arg-type]
+        except KeyError:
+            print(f"Unknown help topic {topic!r}.\n\n{serve_help(None)}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
+    app()
+
+
+if __name__ == "__main__":
+    main()

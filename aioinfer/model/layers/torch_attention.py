@@ -1,0 +1,147 @@
+"""The torch reference attention backend over the paged KV cache; the oracle for other backends.
+
+New K/V are scattered into the cache by slot mapping first, so every query reads its whole
+context (cached prefix and this step's tokens) from the cache the same way:
+
+- decodes (the leading requests with one query token) are gathered together into a padded
+  [B, max_len, kv_heads, D] tensor with a length mask and attended in one SDPA call;
+- every other request gathers its own context and runs SDPA with a causal mask shifted by its
+  cached prefix: the query at position p attends to keys 0..p.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from aioinfer.model.layers.attention import AttentionMetadata
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value [T, KV, D] at flat slots [T] of kv_cache [N, 2, block_size, KV, D]."""
+    block_size = kv_cache.shape[2]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
+
+
+def _gather(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of blocks [..., nb] as [..., nb * block_size, KV, D] each, in dtype."""
+    blocks = kv_cache[block_ids].to(dtype)  # [..., nb, 2, block_size, KV, D]
+    lead = blocks.shape[:-5]
+    flat = (*lead, blocks.shape[-5] * blocks.shape[-3], *blocks.shape[-2:])
+    return blocks[..., 0, :, :, :].reshape(flat), blocks[..., 1, :, :, :].reshape(flat)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per request: query [B, H, D] over seq_lens[b] cached tokens -> [B, H, D]."""
+    num_blocks = _cdiv(max_seq_len, kv_cache.shape[2])
+    keys, values = _gather(kv_cache, block_tables[:, :num_blocks], query.dtype)  # [B, L, KV, D]
+    valid = torch.arange(keys.shape[1], device=keys.device) < seq_lens[:, None]  # [B, L]
+    # Slots past a request's length may hold anything, NaN included; 0 * NaN would leak through.
+    keep = valid[:, :, None, None]
+    keys = keys.masked_fill(~keep, 0.0)
+    values = values.masked_fill(~keep, 0.0)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # [B, H, 1, D]
+        keys.transpose(1, 2),  # [B, KV, L, D]
+        values.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """The last L positions of a seq_len context: query [L, H, D] -> [L, H, D], causal.
+
+    Query j sits at position prefix + j (prefix = seq_len - L) and sees keys 0 .. prefix + j:
+
+        keys     0 1 2 3 4 5
+        q0 (p=3) x x x x . .
+        q1 (p=4) x x x x x .
+        q2 (p=5) x x x x x x
+    """
+    num_blocks = _cdiv(seq_len, kv_cache.shape[2])
+    keys, values = _gather(kv_cache, block_table[:num_blocks], query.dtype)
+    keys, values = keys[:seq_len], values[:seq_len]  # [S, KV, D]
+    q_len = query.shape[0]
+    prefix = seq_len - q_len
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+    k = keys.transpose(0, 1).unsqueeze(0)  # [1, KV, S, D]
+    v = values.transpose(0, 1).unsqueeze(0)
+    if prefix == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        device = query.device
+        key_pos = torch.arange(seq_len, device=device)
+        query_pos = torch.arange(prefix, seq_len, device=device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [L, S]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+class TorchAttentionBackend:
+    """Reference paged attention in plain torch; runs on CPU and GPU."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KV, D] -> [T, H, D]; writes key/value into kv_cache."""
+        write_kv_cache(kv_cache, key, value, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        nd = metadata.num_decodes
+        if nd > 0:
+            out[:nd] = decode_attention(
+                query[:nd],
+                kv_cache,
+                metadata.block_tables[:nd],
+                metadata.seq_lens[:nd],
+                max(metadata.seq_lens_host[:nd]),
+                scale,
+            ).to(out.dtype)
+        qsl = metadata.query_start_loc_host
+        for i in range(nd, metadata.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            out[start:end] = prefill_attention(
+                query[start:end],
+                kv_cache,
+                metadata.block_tables[i],
+                metadata.seq_lens_host[i],
+                scale,
+            ).to(out.dtype)
+        return out

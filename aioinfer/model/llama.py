@@ -1,0 +1,199 @@
+"""The Llama decoder; Qwen2, Qwen3 and Mistral are configurations of it.
+
+Parameter names mirror Hugging Face checkpoint keys (`model.layers.0.self_attn.q_proj.weight`,
+...), so weights load by name. Construction does no data-dependent work, so a model can be built
+under `torch.device("meta")` and have its weights assigned afterwards; call `tie_weights()` once
+they are in place.
+
+The forward pass takes one flat batch of all requests' tokens (prefill chunks and decodes mixed);
+attention reads its metadata and KV cache from the active `forward_context`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aioinfer.model.layers.attention import Attention, kv_cache_shape
+from aioinfer.model.layers.norm import RMSNorm
+from aioinfer.model.layers.rotary import (
+    RopeConfig,
+    RotaryEmbedding,
+    apply_rotary,
+    rope_config_from_hf,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    """The settings the decoder reads from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # Per-head RMSNorm of queries and keys before rotary (Qwen3).
+    qk_norm: bool = False
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        out = self.attn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`model(input_ids [T], positions [T]) -> hidden [T, hidden]`; logits via `compute_logits`."""
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.config = self.decoder_config(hf_config)
+        self.model = LlamaModel(self.config)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.tie_weights()
+
+    @classmethod
+    def decoder_config(cls, hf_config: Any) -> DecoderConfig:
+        """Read and validate the decoder settings of a Hugging Face config."""
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {act!r}")
+        cls._check_supported(hf_config)
+        num_heads = int(hf_config.num_attention_heads)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return DecoderConfig(
+            vocab_size=int(hf_config.vocab_size),
+            hidden_size=int(hf_config.hidden_size),
+            intermediate_size=int(hf_config.intermediate_size),
+            num_layers=int(hf_config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope=rope_config_from_hf(hf_config),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            **cls._arch_options(hf_config),
+        )
+
+    @classmethod
+    def _arch_options(cls, hf_config: Any) -> dict[str, bool]:
+        """Biases and norms that differ between architectures sharing this decoder."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return {
+            "qkv_bias": bias,
+            "o_bias": bias,
+            "mlp_bias": bool(getattr(hf_config, "mlp_bias", False)),
+            "qk_norm": False,
+        }
+
+    @classmethod
+    def _check_supported(cls, hf_config: Any) -> None:
+        """Raise ValueError for settings the decoder would silently get wrong."""
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config ties them; call after loading."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return self.lm_head(hidden_states).float()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        """Shape of each of the `config.num_layers` KV-cache tensors."""
+        cfg = self.config
+        return kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with an optional sliding window, supported only when it never limits attention."""
+
+    @classmethod
+    def _check_supported(cls, hf_config: Any) -> None:
+        window = getattr(hf_config, "sliding_window", None)
+        max_len = getattr(hf_config, "max_position_embeddings", None)
+        if window is not None and (max_len is None or window < max_len):
+            raise ValueError(f"sliding_window is not supported, got {window}")

@@ -1,0 +1,18 @@
+"""Qwen2: the Llama decoder with biases on the q/k/v projections."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioinfer.model.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def _arch_options(cls, hf_config: Any) -> dict[str, bool]:
+        return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, "qk_norm": False}
+
+    @classmethod
+    def _check_supported(cls, hf_config: Any) -> None:
+        if getattr(hf_config, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported")

@@ -1,0 +1,41 @@
+"""Hugging Face `architectures[0]` -> the model class that implements it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioinfer.model.llama import LlamaForCausalLM, MistralForCausalLM
+from aioinfer.model.qwen2 import Qwen2ForCausalLM
+from aioinfer.model.qwen3 import Qwen3ForCausalLM
+
+_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+# Configs built in code often leave `architectures` unset; their model_type still names the family.
+_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_ARCHITECTURES)
+
+
+def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+    """The class for `hf_config.architectures[0]` (or its model_type when that list is empty)."""
+    archs = getattr(hf_config, "architectures", None) or []
+    model_type = getattr(hf_config, "model_type", None)
+    name = archs[0] if archs else _MODEL_TYPES.get(model_type or "", "")
+    cls = _ARCHITECTURES.get(name)
+    if cls is None:
+        shown = repr(archs[0]) if archs else f"of model_type {model_type!r}"
+        raise ValueError(
+            f"architecture {shown} is not supported; supported: {', '.join(_ARCHITECTURES)}"
+        )
+    return cls

@@ -1,0 +1,99 @@
+"""Rich logging and the startup lines: the numbers the engine will live by, each easy to grep."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+logger = logging.getLogger("aioinfer")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    from rich.logging import RichHandler
+
+    handler = RichHandler(show_path=False, rich_tracebacks=True, markup=False, log_time_format="%X")
+    logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)
+    # Library chatter that says nothing an operator needs.
+    for name in ("aiohttp.access", "httpx", "urllib3", "filelock"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def log_non_default_args(args: dict[str, Any]) -> None:
+    logger.info("non-default args: %s", args)
+
+
+def log_engine_started(engine: Any) -> None:
+    """The lines after the engine is up, in vLLM's order and wording where users grep them."""
+    info = engine.info
+    mc, cc = engine.model_config, engine.cache_config
+    logger.info(
+        "Initializing engine with config: model=%r, served_model_name=%r, dtype=%s, device=%s, "
+        "max_model_len=%d, block_size=%d, enable_prefix_caching=%s, enforce_eager=%s",
+        mc.model or "(bundled SmolLM2-135M-Instruct)", engine.model_name, info.dtype,
+        info.device, info.max_model_len, cc.block_size, cc.enable_prefix_caching,
+        mc.enforce_eager,
+    )  # fmt: skip
+    logger.info(
+        "Chunked prefill is enabled with max_num_batched_tokens=%d.", info.max_num_batched_tokens
+    )
+    logger.info("Using max model len %d", info.max_model_len)
+    logger.info("Loading weights took %.2f seconds", info.weights_load_seconds)
+    logger.info(
+        "Model loading took %.4f GiB memory and %.6f seconds",
+        info.weights_gib,
+        info.model_load_seconds,
+    )
+    logger.info("Available KV cache memory: %.2f GiB", info.available_kv_gib)
+    logger.info(
+        "KV cache size: %d tokens, Maximum concurrency for %d tokens per request: %.2fx",
+        info.kv_capacity_tokens,
+        info.max_model_len,
+        info.max_concurrency,
+    )
+    if info.graph_capture_seconds is not None:
+        logger.info(
+            "Graph capturing finished in %.0f secs, took %.2f GiB",
+            info.graph_capture_seconds,
+            info.graph_memory_gib or 0.0,
+        )
+    else:
+        logger.info("CUDA graphs are off: %s; every step runs eagerly.", info.graphs_off_reason)
+    if engine.default_sampling:
+        logger.info(
+            "Default sampling parameters have been overridden by the model's generation "
+            "config: %s",
+            engine.default_sampling,
+        )
+    logger.info(
+        "init engine (profile, create kv cache, warmup model) took %.2f seconds",
+        info.init_seconds,
+    )
+
+
+async def log_stats_periodically(engine: Any, interval: float) -> None:
+    """Every `interval` seconds while busy: throughput, queue sizes, KV usage, prefix hits."""
+    last_prompt, last_gen = engine.stats.prompt_tokens, engine.stats.generation_tokens
+    last_time = time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        scheduler = engine.scheduler
+        if scheduler is None:
+            continue
+        now = time.monotonic()
+        prompt, gen = engine.stats.prompt_tokens, engine.stats.generation_tokens
+        busy = prompt != last_prompt or gen != last_gen or scheduler.has_work()
+        if busy:
+            elapsed = max(now - last_time, 1e-9)
+            prefix = scheduler.kv.stats
+            hit_rate = prefix.hits / prefix.queries if prefix.queries else 0.0
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
+                (prompt - last_prompt) / elapsed, (gen - last_gen) / elapsed,
+                scheduler.num_running, scheduler.num_waiting, scheduler.kv.usage * 100,
+                hit_rate * 100,
+            )  # fmt: skip
+        last_prompt, last_gen, last_time = prompt, gen, now

@@ -1,0 +1,214 @@
+"""Our decoders over the paged KV cache against Hugging Face transformers, float32 on the CPU.
+
+Each variant runs full prefills, chunked prefills with a shared cached prefix, and greedy decode
+mixed with a prefill, on a cache whose blocks are handed out in shuffled order and start as NaN.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from functools import cache
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from aioinfer.gpu.forward_context import forward_context
+from aioinfer.model.layers.attention import AttentionMetadata
+from aioinfer.model.layers.rotary import compute_inv_freq, rope_config_from_hf
+from aioinfer.model.llama import LlamaForCausalLM
+from aioinfer.model.registry import get_model_class
+from tests.model.tiny_models import VARIANTS, make_hf_model, make_variant
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+
+
+@cache
+def hf_model(variant: str) -> PreTrainedModel:
+    return make_variant(variant)
+
+
+@cache
+def our_model(variant: str) -> LlamaForCausalLM:
+    hf = hf_model(variant)
+    model = get_model_class(hf.config)(hf.config)
+    result = model.load_state_dict(hf.state_dict(), strict=False)
+    assert result.missing_keys == []
+    assert result.unexpected_keys == []
+    model.tie_weights()
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(variant: str, token_ids: list[int]) -> torch.Tensor:
+    return hf_model(variant)(torch.tensor([token_ids])).logits[0].float()
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int = 512) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+class PagedRun:
+    """A KV cache with shuffled free blocks, and one forward pass per `step`."""
+
+    def __init__(self, model: LlamaForCausalLM, seed: int = 0) -> None:
+        self.model = model
+        shape = model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)
+        self.kv_caches = [torch.full(shape, float("nan")) for _ in range(model.config.num_layers)]
+        self.free = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+
+    def _reserve(self, seq: Seq, num_tokens: int) -> None:
+        while len(seq.blocks) * BLOCK_SIZE < num_tokens:
+            seq.blocks.append(self.free.pop())
+
+    @torch.no_grad()
+    def step(self, feeds: list[tuple[Seq, int]], last_only: bool = False) -> list[torch.Tensor]:
+        """Feed each seq its next n tokens; logits [n, vocab] per feed ([1, vocab] if last_only)."""
+        for seq, n in feeds:
+            self._reserve(seq, seq.computed + n)
+        meta = AttentionMetadata.build(
+            query_lens=[n for _, n in feeds],
+            context_lens_before=[seq.computed for seq, _ in feeds],
+            block_tables=[seq.blocks for seq, _ in feeds],
+            block_size=BLOCK_SIZE,
+        )
+        ids = torch.tensor([t for seq, n in feeds for t in seq.tokens[seq.computed :][:n]])
+        positions = torch.cat([torch.arange(s.computed, s.computed + n) for s, n in feeds])
+        with forward_context(meta, self.kv_caches):
+            hidden = self.model(ids, positions)
+        for seq, n in feeds:
+            seq.computed += n
+        if last_only:
+            last = torch.tensor(meta.query_start_loc_host[1:]) - 1
+            return list(self.model.compute_logits(hidden[last]).split(1))
+        return list(self.model.compute_logits(hidden).split([n for _, n in feeds]))
+
+
+def check_feed(variant: str, seq: Seq, logits: torch.Tensor) -> None:
+    """Logits of the seq's last fed tokens vs HF's over the whole sequence so far."""
+    ref = hf_logits(variant, seq.tokens[: seq.computed])[-logits.shape[0] :]
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+
+
+VARIANT_NAMES = sorted(VARIANTS)
+
+
+def run_and_check(variant: str, run: PagedRun, feeds: list[tuple[Seq, int]]) -> None:
+    for (seq, _), logits in zip(feeds, run.step(feeds), strict=True):
+        check_feed(variant, seq, logits)
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_full_prefill_flat_batch(variant: str) -> None:
+    rng = random.Random(1)
+    seqs = [Seq(random_prompt(rng, n)) for n in (1, 7, 16, 13, 30)]
+    run_and_check(variant, PagedRun(our_model(variant)), [(s, len(s.tokens)) for s in seqs])
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_chunked_prefill_with_cached_prefix(variant: str) -> None:
+    rng = random.Random(2)
+    run = PagedRun(our_model(variant))
+    a = Seq(random_prompt(rng, 21))
+    c = Seq(random_prompt(rng, 11))
+    run_and_check(variant, run, [(a, 21), (c, 6)])
+    # b starts with a's first two full blocks, already in the cache as after a prefix hit.
+    shared = 2 * BLOCK_SIZE
+    b = Seq(a.tokens[:shared] + random_prompt(rng, 9), computed=shared, blocks=a.blocks[:2])
+    run_and_check(variant, run, [(c, 3), (b, 5)])
+    run_and_check(variant, run, [(b, 1), (c, 2)])
+    run_and_check(variant, run, [(b, 3)])
+    assert b.computed == len(b.tokens) and c.computed == len(c.tokens)
+
+
+def append_greedy(variant: str, seq: Seq) -> None:
+    seq.tokens.append(int(hf_logits(variant, seq.tokens)[-1].argmax()))
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_greedy_decode_mixed_with_prefill(variant: str) -> None:
+    rng = random.Random(3)
+    run = PagedRun(our_model(variant))
+    decoding = [Seq(random_prompt(rng, n)) for n in (6, 11, 3)]
+    late = Seq(random_prompt(rng, 9))
+    for seq, logits in zip(decoding, run.step([(s, len(s.tokens)) for s in decoding]), strict=True):
+        check_feed(variant, seq, logits[-1:])
+        append_greedy(variant, seq)
+
+    late_chunks = [5, 4]  # the late prompt is prefilled in chunks beside the decodes
+    for step in range(8):
+        feeds = [(s, 1) for s in decoding]
+        if step < len(late_chunks):
+            # Leading one-token requests are batched as decodes, the others take the prefill path.
+            late_feed = (late, late_chunks[step])
+            feeds = [*feeds, late_feed] if step % 2 == 0 else [late_feed, *feeds]
+        elif step == len(late_chunks):
+            decoding.append(late)
+            feeds.append((late, 1))
+        for (seq, _), logits in zip(feeds, run.step(feeds, last_only=True), strict=True):
+            check_feed(variant, seq, logits)
+            if seq.computed == len(seq.tokens):
+                append_greedy(variant, seq)
+    assert all(len(s.tokens) == s.computed + 1 for s in decoding)
+
+
+@pytest.mark.parametrize("variant", ["llama-tied", "qwen2", "qwen3"])
+def test_meta_build_and_assign_load(variant: str) -> None:
+    hf = hf_model(variant)
+    with torch.device("meta"):
+        model = get_model_class(hf.config)(hf.config)
+    assert set(model.state_dict()) == set(hf.state_dict())
+    assert all(p.is_meta for p in model.parameters())
+    model.load_state_dict(hf.state_dict(), assign=True)
+    model.tie_weights()
+    assert not any(p.is_meta for p in model.parameters())
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == hf.config.tie_word_embeddings
+    seq = Seq(random_prompt(random.Random(4), 10))
+    (logits,) = PagedRun(model.eval()).step([(seq, 10)])
+    check_feed(variant, seq, logits)
+
+
+def test_llama3_inv_freq_matches_hf() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = hf_model("llama3-rope")
+    rope = rope_config_from_hf(hf.config)
+    assert rope.rope_type == "llama3"
+    assert rope.theta == 500000.0
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+    torch.testing.assert_close(compute_inv_freq(16, rope), expected, atol=0, rtol=0)
+
+
+def test_registry() -> None:
+    for arch in ("llama", "qwen2", "qwen3"):
+        config = make_hf_model(arch).config
+        assert get_model_class(config).__name__ == config.architectures[0]
+    config = make_hf_model("llama").config
+    config.architectures = ["MistralForCausalLM"]
+    assert issubclass(get_model_class(config), LlamaForCausalLM)
+    config.architectures = ["GPT2LMHeadModel"]
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        get_model_class(config)
+
+
+def test_unsupported_settings_raise() -> None:
+    config = make_hf_model("llama").config
+    config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act"):
+        LlamaForCausalLM(config)
+    config = make_hf_model("qwen2").config
+    config.use_sliding_window = True
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        get_model_class(config)(config)

@@ -1,0 +1,94 @@
+"""Tiny random Hugging Face decoders (float32, eval mode) to test our models against.
+
+Weights are redrawn with a larger spread than HF's default init so attention patterns, norms and
+biases all matter to the logits; the same seed always gives the same model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+BASE_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # GQA: two query heads per KV head
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+# Qwen3 reads head_dim from the config; make it differ from hidden_size // num_heads.
+ARCH_CONFIG: dict[str, dict[str, Any]] = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 32}}
+
+# Llama 3.1-style scaling, with a short original context so tiny prompts cross every band.
+LLAMA3_ROPE_SCALING: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+# Named variants: (arch, overrides).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE_SCALING, "rope_theta": 500000.0}),
+    "llama-mha": ("llama", {"num_key_value_heads": 4, "attention_bias": True}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+}
+
+
+def _randomize(model: nn.Module, seed: int, std: float = 0.1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights appear once
+            noise = torch.randn(param.shape, generator=gen) * std
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + noise)
+            else:
+                param.copy_(noise)
+
+
+def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A tiny random HF model of `arch` ("llama", "qwen2" or "qwen3"), float32, eval mode."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    config_cls, model_cls = ARCHS[arch]
+    kwargs = {**BASE_CONFIG, **ARCH_CONFIG[arch], **overrides}
+    config = config_cls(**kwargs, attn_implementation="eager")
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    _randomize(model, seed)
+    return model
+
+
+def make_variant(name: str, seed: int = 0) -> PreTrainedModel:
+    arch, overrides = VARIANTS[name]
+    return make_hf_model(arch, seed=seed, **overrides)
