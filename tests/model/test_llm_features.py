@@ -1,0 +1,114 @@
+"""Sampling features through the whole engine on a tiny random model: seeded reproducibility
+across batches, logprobs and prompt logprobs against transformers, stop conditions, chat."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from aioinfer import LLM, SamplingParams
+from tests.model.tiny_models import make_variant
+from tests.tokenizer_fixtures import make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf = make_variant("llama")
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=128)
+    yield llm, hf
+    llm.shutdown()
+
+
+def random_prompts(seed: int, n: int, vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_any_batch(tiny):
+    llm, _ = tiny
+    target = [11, 22, 33, 44]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = random_prompts(5, 6)
+    other_params = SamplingParams(temperature=0.7, max_tokens=10, ignore_eos=True)
+    batch = others[:3] + [target] + others[3:]
+    batch_params = [other_params] * 3 + [params] + [other_params] * 3
+    in_batch = llm.generate(batch, batch_params, use_tqdm=False)[3].outputs[0].token_ids
+    assert alone == in_batch
+    other_seed = params.clone(seed=4321)
+    assert llm.generate([target], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy(tiny):
+    llm, _ = tiny
+    prompts = random_prompts(6, 4)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    top1 = llm.generate(
+        prompts, SamplingParams(temperature=1.5, top_k=1, max_tokens=8), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
+
+
+@torch.no_grad()
+def test_logprobs_and_prompt_logprobs_match_transformers(tiny):
+    llm, hf = tiny
+    prompt = [5, 17, 99, 250, 31, 7, 400]
+    params = SamplingParams(
+        temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True
+    )
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    seq = out.outputs[0]
+    full = torch.tensor([prompt + seq.token_ids])
+    ref = torch.log_softmax(hf(full).logits[0].float(), dim=-1)
+    for step, (token, lp) in enumerate(zip(seq.token_ids, seq.logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + step]
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert lp.rank == 1
+        top_ids = [t for t, _ in lp.top]
+        assert top_ids == row.topk(5).indices.tolist()
+    assert seq.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in seq.logprobs))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry.token_id == prompt[pos]
+        assert entry.logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+        assert len(entry.top) == 3
+
+
+def test_stop_strings_stop_token_ids_and_max_tokens(tiny):
+    llm, _ = tiny
+    prompt = random_prompts(8, 1)[0]
+    free = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 30
+    stop_id = free.token_ids[4]
+    by_id = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]  # fmt: skip
+    assert by_id.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
+    stop_text = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    if stop_text.strip():
+        by_text = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=30, stop=[stop_text]),
+            use_tqdm=False,
+        )[0].outputs[0]  # fmt: skip
+        assert by_text.finish_reason == "stop" and by_text.stop_reason == stop_text
+        assert by_text.text == free.text[: free.text.index(stop_text)]
+
+
+def test_chat_and_n(tiny):
+    llm, _ = tiny
+    messages = [{"role": "user", "content": "Hello, world!"}]
+    out = llm.chat(messages, SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=7))
+    assert [o.index for o in out[0].outputs] == [0, 1, 2]
+    tok = llm.get_tokenizer()
+    expected_prompt = tok.encode("<|im_start|>user\nHello, world!<|im_end|>\n<|im_start|>assistant\n")
+    assert out[0].prompt_token_ids == expected_prompt
