@@ -126,6 +126,43 @@ app.command(
 )(serve)
 
 
+# ----------------------------------------------------------------------------- bench
+
+bench_app = typer.Typer(help="Benchmarks, each run side by side with a peer where one applies.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    model: str = typer.Argument("", help="Model (default: the bundled SmolLM2-135M-Instruct)."),
+    num_prompts: int = typer.Option(64, help="Number of prompts."),
+    input_len: str = typer.Option("128", help="Prompt tokens, or a uniform range LO:HI."),
+    output_len: str = typer.Option("128", help="Output tokens, or a uniform range LO:HI."),
+    vs: str = typer.Option(None, help="Also run a peer in the same process: 'transformers'."),
+    hf_batch_size: int = typer.Option(64, help="Batch size of the transformers peer."),
+    seed: int = typer.Option(0, help="Seed of the random prompts."),
+    result_file: str = typer.Option(None, help="Write the results as JSON here."),
+    dtype: str = typer.Option("auto", help="Model dtype."),
+    max_num_seqs: int = typer.Option(256, help="Most requests in one step."),
+    max_num_batched_tokens: int = typer.Option(None, help="Token budget of one step."),
+    kv_cache_memory: float = typer.Option(4.0, help="KV cache GiB on the CPU."),
+    load_format: str = typer.Option("auto", help="auto or dummy."),
+) -> None:
+    """Offline throughput through LLM, optionally against transformers' generate."""
+    from aioinfer.bench.throughput import main as run
+    from aioinfer.startup_log import setup_logging
+
+    setup_logging("WARNING")
+    options = {
+        "dtype": dtype,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "kv_cache_memory": kv_cache_memory,
+        "load_format": load_format,
+    }
+    run(model, num_prompts, input_len, output_len, vs, hf_batch_size, seed, result_file, options)
+
+
 # ----------------------------------------------------------------------------- serve --help
 
 
@@ -163,7 +200,7 @@ def _describe_field(f: dataclasses.Field[Any], tp: Any) -> str:
     return f"  {name}  [default: {f.default!r}]\n      {f.metadata.get('help', '')}"
 
 
-def _serve_help_requested(argv: list[str]) -> str | None | bool:
+def _serve_help_requested(argv: list[str]) -> str | bool | None:
     """The topic of a `serve --help[=topic]` in argv; False when there is none."""
     if not argv or argv[0] != "serve":
         return False

@@ -1,0 +1,174 @@
+"""`aioinfer bench throughput`: an offline workload through `LLM`, and optionally the same one
+through transformers' batched `generate` in the same run, on the same weights.
+
+Prompts are random token ids (seeded), every request generates exactly `output_len` tokens
+(EOS ignored), decoding is greedy. Throughput counts output tokens (and all tokens) over the
+wall time of the whole batch, prefill included, as vLLM's `bench throughput` does.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class ThroughputResult:
+    engine: str
+    num_prompts: int
+    input_tokens: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+        }
+
+
+def make_workload(
+    num_prompts: int,
+    input_len: int | tuple[int, int],
+    output_len: int | tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) pairs; a (lo, hi) length is drawn uniformly per prompt."""
+    rng = random.Random(seed)
+
+    def draw(length: int | tuple[int, int]) -> int:
+        return rng.randint(*length) if isinstance(length, tuple) else length
+
+    # Stay clear of the first ids, which are special tokens in most vocabularies.
+    return [
+        ([rng.randrange(100, vocab_size) for _ in range(draw(input_len))], draw(output_len))
+        for _ in range(num_prompts)
+    ]
+
+
+def run_ours(llm: Any, workload: list[tuple[list[int], int]]) -> ThroughputResult:
+    from aioinfer.core.sampling_params import SamplingParams
+
+    prompts = [p for p, _ in workload]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return ThroughputResult("aioinfer", len(prompts), sum(map(len, prompts)), generated, seconds)
+
+
+def run_transformers(
+    llm: Any, workload: list[tuple[list[int], int]], batch_size: int
+) -> ThroughputResult:
+    """transformers' `generate` on the very weights our runner loaded, left-padded batches."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    runner_model = llm.engine.gpu.call(lambda: llm.engine.gpu.runner.model).result()
+    hf_config = runner_model.hf_config
+    state = {k: v.detach().clone() for k, v in runner_model.state_dict().items()}
+    # Built for real, not on meta: its rotary buffers must be initialised.
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=next(iter(state.values())).dtype)
+    hf.load_state_dict(state, strict=False)
+    hf.eval()
+    device = next(iter(state.values())).device
+    pad = 0
+    generated, input_tokens = 0, 0
+    start = time.perf_counter()
+    for i in range(0, len(workload), batch_size):
+        batch = workload[i : i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        max_new = max(n for _, n in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device
+        )
+        with torch.inference_mode():
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        generated += (out.shape[1] - width) * len(batch)
+        input_tokens += sum(len(p) for p, _ in batch)
+    seconds = time.perf_counter() - start
+    return ThroughputResult("transformers", len(workload), input_tokens, generated, seconds)
+
+
+def print_table(results: list[ThroughputResult]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Offline throughput")
+    for column in ("engine", "prompts", "in tok", "out tok", "seconds", "out tok/s", "total tok/s"):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            r.engine, str(r.num_prompts), str(r.input_tokens), str(r.output_tokens),
+            f"{r.seconds:.1f}", f"{r.output_tokens_per_s:.1f}", f"{r.total_tokens_per_s:.1f}",
+        )  # fmt: skip
+    console = Console()
+    console.print(table)
+    if len(results) == 2:
+        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        console.print(f"aioinfer / {results[1].engine} output throughput: {ratio:.2f}x")
+
+
+def main(
+    model: str,
+    num_prompts: int,
+    input_len: str,
+    output_len: str,
+    vs: str | None,
+    hf_batch_size: int,
+    seed: int,
+    result_file: str | None,
+    options: dict[str, Any],
+) -> list[ThroughputResult]:
+    from aioinfer.engine.llm import LLM
+
+    llm = LLM(model, **options)
+    try:
+        vocab = llm.engine.info.vocab_size
+        workload = make_workload(
+            num_prompts, _parse_len(input_len), _parse_len(output_len), vocab, seed
+        )
+        # One short warm-up request, so one-time costs do not count.
+        run_ours(llm, workload[:1])
+        results = [run_ours(llm, workload)]
+        if vs == "transformers":
+            results.append(run_transformers(llm, workload, hf_batch_size))
+        elif vs is not None:
+            raise ValueError(f"--vs must be 'transformers', got {vs!r}")
+    finally:
+        llm.shutdown()
+    print_table(results)
+    if result_file:
+        with open(result_file, "w") as f:
+            json.dump([r.as_dict() for r in results], f, indent=2)
+    return results
+
+
+def _parse_len(value: str) -> int | tuple[int, int]:
+    """ "128" or a uniform range "100:1024"."""
+    if ":" in value:
+        lo, hi = value.split(":", 1)
+        return int(lo), int(hi)
+    return int(value)
