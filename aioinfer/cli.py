@@ -10,14 +10,18 @@ import dataclasses
 import inspect
 import os
 import sys
+import time
 import types
 import typing
 from typing import Any
 
 import typer
 
-from aioinfer import __version__
-from aioinfer.config import (
+# Startup time is measured from here: the `Ready in X s` line.
+_STARTED_AT = time.perf_counter()
+
+from aioinfer import __version__  # noqa: E402
+from aioinfer.config import (  # noqa: E402
     CONFIG_CLASSES,
     CacheConfig,
     ModelConfig,
@@ -110,7 +114,7 @@ def serve(**values: Any) -> None:
         raise typer.Exit(2) from None
     from aioinfer.server.launch import run_server
 
-    code = run_server(*configs)
+    code = run_server(*configs, started_at=_STARTED_AT)
     raise typer.Exit(code)
 
 

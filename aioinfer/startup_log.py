@@ -11,9 +11,20 @@ logger = logging.getLogger("aioinfer")
 
 
 def setup_logging(level: str = "INFO") -> None:
+    import sys
+
+    from rich.console import Console
     from rich.logging import RichHandler
 
-    handler = RichHandler(show_path=False, rich_tracebacks=True, markup=False, log_time_format="%X")
+    # Piped into a file or a log collector, each message must stay on one greppable line.
+    width = None if sys.stderr.isatty() else 1000
+    handler = RichHandler(
+        console=Console(stderr=True, width=width),
+        show_path=False,
+        rich_tracebacks=True,
+        markup=False,
+        log_time_format="%X",
+    )
     logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)
     # Library chatter that says nothing an operator needs.
     for name in ("aiohttp.access", "httpx", "urllib3", "filelock"):

@@ -39,10 +39,14 @@ def _gather(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of blocks [..., nb] as [..., nb * block_size, KV, D] each, in dtype."""
-    blocks = kv_cache[block_ids].to(dtype)  # [..., nb, 2, block_size, KV, D]
-    lead = blocks.shape[:-5]
-    flat = (*lead, blocks.shape[-5] * blocks.shape[-3], *blocks.shape[-2:])
-    return blocks[..., 0, :, :, :].reshape(flat), blocks[..., 1, :, :, :].reshape(flat)
+    # index_select on the flat block ids: far faster on the CPU than advanced indexing.
+    lead, nb = block_ids.shape[:-1], block_ids.shape[-1]
+    blocks = kv_cache.index_select(0, block_ids.reshape(-1).to(torch.long))
+    blocks = blocks.view(*lead, nb, *kv_cache.shape[1:])  # [..., nb, 2, block_size, KV, D]
+    flat = (*lead, nb * kv_cache.shape[2], *kv_cache.shape[-2:])
+    keys = blocks[..., 0, :, :, :].reshape(flat).to(dtype)
+    values = blocks[..., 1, :, :, :].reshape(flat).to(dtype)
+    return keys, values
 
 
 def decode_attention(
@@ -57,10 +61,11 @@ def decode_attention(
     num_blocks = _cdiv(max_seq_len, kv_cache.shape[2])
     keys, values = _gather(kv_cache, block_tables[:, :num_blocks], query.dtype)  # [B, L, KV, D]
     valid = torch.arange(keys.shape[1], device=keys.device) < seq_lens[:, None]  # [B, L]
-    # Slots past a request's length may hold anything, NaN included; 0 * NaN would leak through.
-    keep = valid[:, :, None, None]
-    keys = keys.masked_fill(~keep, 0.0)
-    values = values.masked_fill(~keep, 0.0)
+    # Slots past a request's length may hold anything, NaN included, and SDPA's mask does not
+    # shield it (NaN scores, 0 * NaN values). The gathered tensors are fresh copies: zero in place.
+    invalid = ~valid[:, :, None, None]
+    keys.masked_fill_(invalid, 0.0)
+    values.masked_fill_(invalid, 0.0)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # [B, H, 1, D]
         keys.transpose(1, 2),  # [B, KV, L, D]

@@ -1,0 +1,121 @@
+"""`aioinfer serve`: bind the port at once, build the engine behind it, serve until a signal.
+
+The socket is listening (and /health answers 503) while weights load, so a load balancer sees
+the truth from the first second. SIGTERM or SIGINT drains: /health turns 503, new requests are
+refused, in-flight ones get `shutdown_timeout` seconds, the rest are aborted; exit code 0.
+An engine that fails to start or dies exits the process with code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+
+from aiohttp import web
+
+from aioinfer.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    non_default_args,
+)
+from aioinfer.startup_log import (
+    log_engine_started,
+    log_non_default_args,
+    log_stats_periodically,
+    setup_logging,
+)
+
+logger = logging.getLogger("aioinfer")
+
+
+def server_address(config: ServerConfig) -> str:
+    if config.uds:
+        return f"unix:{config.uds}"
+    host = config.host if ":" not in config.host else f"[{config.host}]"
+    return f"http://{host}:{config.port}"
+
+
+def run_server(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    server_config: ServerConfig,
+    started_at: float | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT (returns 0) or an engine failure (returns 1)."""
+    setup_logging()
+    args = non_default_args(model_config, cache_config, scheduler_config, server_config)
+    if "api_key" in args:
+        args["api_key"] = f"<{len(server_config.api_key)} key(s)>"
+    log_non_default_args(args)
+    return asyncio.run(
+        _serve(model_config, cache_config, scheduler_config, server_config, started_at)
+    )
+
+
+async def _serve(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    server_config: ServerConfig,
+    started_at: float | None,
+) -> int:
+    from aioinfer.engine.async_engine import AsyncEngine
+    from aioinfer.server.app import create_app
+
+    started_at = started_at if started_at is not None else time.perf_counter()
+    stop = asyncio.Event()
+    exit_code = 0
+    background: list[asyncio.Task[None]] = []
+
+    async def build_engine() -> AsyncEngine:
+        engine = await AsyncEngine.create(model_config, cache_config, scheduler_config)
+        log_engine_started(engine)
+        logger.info("Starting aioinfer server on %s", server_address(server_config))
+        logger.info("Ready in %.2f s", time.perf_counter() - started_at)
+        if server_config.log_stats_interval > 0:
+            interval = server_config.log_stats_interval
+            background.append(asyncio.create_task(log_stats_periodically(engine, interval)))
+        return engine
+
+    def on_fatal(error: BaseException) -> None:
+        nonlocal exit_code
+        logger.error("engine failed, shutting down: %r", error)
+        exit_code = 1
+        stop.set()
+
+    app = create_app(build_engine, server_config, on_fatal=on_fatal)
+    runner = web.AppRunner(
+        app, handle_signals=False, shutdown_timeout=server_config.shutdown_timeout
+    )
+    await runner.setup()
+    site: web.BaseSite
+    if server_config.uds:
+        site = web.UnixSite(runner, server_config.uds)
+    else:
+        site = web.TCPSite(runner, server_config.host, server_config.port)
+    await site.start()
+    logger.info(
+        "Listening on %s; /health answers 503 until the engine is ready",
+        server_address(server_config),
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        logger.info("Shutting down: draining in-flight requests (up to %.0f s)",
+                    server_config.shutdown_timeout)  # fmt: skip
+    finally:
+        for task in background:
+            task.cancel()
+        for task in background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await runner.cleanup()
+    return exit_code
