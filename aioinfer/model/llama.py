@@ -57,7 +57,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # In place: at prefill sizes these intermediates are the largest activations.
+        gate = F.silu(self.gate_proj(x), inplace=True)
+        return self.down_proj(gate.mul_(self.up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

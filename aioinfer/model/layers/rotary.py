@@ -82,7 +82,7 @@ def compute_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """positions [T] -> (cos, sin), each [T, head_dim], for `apply_rotary`."""
+    """positions [T] -> (cos, sin), each [T, head_dim // 2], for `apply_rotary`."""
 
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
@@ -102,21 +102,22 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Both halves of the rotated dims share these frequencies: only one half is kept.
         freqs = positions.float()[:, None] * self._inv_freq(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.rope.theta}, type={self.rope.rope_type}"
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by cos/sin [T, head_dim]."""
+    """x [T, heads, head_dim] rotated by cos/sin [T, head_dim // 2] ("rotate half" layout).
+
+    The same arithmetic as Hugging Face's `x * cos + rotate_half(x) * sin`, whose cos and sin
+    repeat the same half twice, with half the multiplications.
+    """
+    half = x.shape[-1] // 2
     cos = cos[:, None, :]
     sin = sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
