@@ -58,6 +58,12 @@ def log_engine_started(engine: Any) -> None:
     )
     logger.info("Available KV cache memory: %.2f GiB", info.available_kv_gib)
     logger.info(
+        "KV cache blocks: %d usable of %d (block 0 is reserved), %d tokens each",
+        info.num_blocks - 1,
+        info.num_blocks,
+        info.block_size,
+    )
+    logger.info(
         "KV cache size: %d tokens, Maximum concurrency for %d tokens per request: %.2fx",
         info.kv_capacity_tokens,
         info.max_model_len,
@@ -73,8 +79,7 @@ def log_engine_started(engine: Any) -> None:
         logger.info("CUDA graphs are off: %s; every step runs eagerly.", info.graphs_off_reason)
     if engine.default_sampling:
         logger.info(
-            "Default sampling parameters have been overridden by the model's generation "
-            "config: %s",
+            "Default sampling parameters have been overridden by the model's generation config: %s",
             engine.default_sampling,
         )
     logger.info(

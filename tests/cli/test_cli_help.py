@@ -1,0 +1,50 @@
+"""The command line: generated flags, grouped help, version, config errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from aioinfer import __version__
+from aioinfer.cli import build_configs, serve_help
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aioinfer", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_plain_help_lists_the_groups():
+    text = serve_help(None)
+    for group in ("ModelConfig", "CacheConfig", "SchedulerConfig", "ServerConfig"):
+        assert group in text
+    assert "--max-num-seqs" in text and "--enable-prefix-caching" in text
+
+
+def test_help_topics():
+    assert "--gpu-memory-utilization  [default: 0.92]" in serve_help("all")
+    one = serve_help("max-num-seqs")
+    assert one.strip().startswith("--max-num-seqs") and "[default: 256]" in one
+    group = serve_help("SchedulerConfig")
+    assert "--max-num-batched-tokens" in group and "--host" not in group
+    with pytest.raises(KeyError):
+        serve_help("no-such-flag")
+
+
+def test_subprocess_help_version_and_errors():
+    result = run_cli("serve", "--help=max-num-seqs")
+    assert result.returncode == 0 and "Most requests in one step." in result.stdout
+    assert run_cli("--version").stdout.strip() == f"aioinfer {__version__}"
+    bad = run_cli("serve", "--gpu-memory-utilization", "1.5")
+    assert bad.returncode == 2 and "gpu_memory_utilization must be in (0, 1]" in bad.stderr
+    unknown = run_cli("serve", "--help=bogus")
+    assert unknown.returncode == 2
+
+
+def test_api_keys_from_flags_and_environment(monkeypatch):
+    monkeypatch.setenv("AIOINFER_API_KEY", "k2, k3")
+    _, _, _, server = build_configs({"api_key": ["k1"], "port": 9000})
+    assert server.api_key == ("k1", "k2", "k3") and server.port == 9000

@@ -1,0 +1,133 @@
+"""`aioinfer serve` as a real subprocess: the startup log and the socket, TCP and Unix."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.model.tiny_models import make_variant
+from tests.tokenizer_fixtures import make_tokenizer
+
+READY_TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-serve")
+    make_variant("llama").save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str]) -> tuple[subprocess.Popen, list[str]]:
+    """Start `aioinfer serve ARGS`; return once the log says it is ready (lines so far)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aioinfer", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + READY_TIMEOUT
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip())
+        if "Ready in" in line:
+            return proc, lines
+    proc.kill()
+    raise AssertionError("server did not become ready:\n" + "\n".join(lines))
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def grab(lines: list[str], pattern: str) -> re.Match[str]:
+    for line in lines:
+        match = re.search(pattern, line)
+        if match:
+            return match
+    raise AssertionError(f"no line matches {pattern!r}:\n" + "\n".join(lines))
+
+
+async def test_tcp_startup_log_numbers_agree(tiny_model_dir):
+    port = free_port()
+    proc, lines = start_server(
+        [str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
+         "--kv-cache-memory", "0.01", "--max-model-len", "200", "--block-size", "16"]
+    )  # fmt: skip
+    try:
+        order = [
+            "non-default args: {",
+            "Initializing engine with config: ",
+            "Chunked prefill is enabled with max_num_batched_tokens=",
+            "Using max model len 200",
+            "Loading weights took",
+            "Model loading took",
+            "Available KV cache memory:",
+            "KV cache size:",
+            "CUDA graphs are off",
+            "init engine (profile, create kv cache, warmup model) took",
+            f"Starting aioinfer server on http://127.0.0.1:{port}",
+            "Ready in",
+        ]
+        positions = [next(i for i, line in enumerate(lines) if text in line) for text in order]
+        assert positions == sorted(positions)
+        usable = int(grab(lines, r"KV cache blocks: (\d+) usable").group(1))
+        size = grab(lines, r"KV cache size: (\d+) tokens, Maximum concurrency for (\d+) tokens "
+                           r"per request: ([\d.]+)x")  # fmt: skip
+        tokens, max_len, concurrency = int(size[1]), int(size[2]), float(size[3])
+        assert tokens == usable * 16
+        assert max_len == 200
+        assert concurrency == pytest.approx(tokens / max_len, abs=0.005)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/health") as resp:
+                assert resp.status == 200
+            body = {"model": tiny_model_dir.name, "prompt": "Hello", "max_tokens": 3}
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["usage"]["completion_tokens"] <= 3
+    finally:
+        assert stop_server(proc) == 0
+
+
+async def test_unix_socket(tiny_model_dir, tmp_path):
+    sock = str(tmp_path / "aioinfer.sock")
+    proc, lines = start_server(
+        [str(tiny_model_dir), "--uds", sock, "--kv-cache-memory", "0.01", "--max-model-len", "128"]
+    )
+    try:
+        assert any(f"Starting aioinfer server on unix:{sock}" in line for line in lines)
+        connector = aiohttp.UnixConnector(path=sock)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async with session.get("http://localhost/health") as resp:
+                assert resp.status == 200
+            async with session.get("http://localhost/v1/models") as resp:
+                assert (await resp.json())["data"][0]["max_model_len"] == 128
+    finally:
+        assert stop_server(proc) == 0
