@@ -268,13 +268,16 @@ class IncrementalDetokenizer:
         self._unsent = self._unsent[: max(0, len(self._unsent) - count)]
 
     def _holdback(self, text: str) -> int:
-        """How many trailing characters of `text` must wait: U+FFFD and stop-string prefixes."""
-        hold = len(text) - len(text.rstrip(REPLACEMENT_CHAR))
-        if self._include_stop:
-            return hold
-        for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:size]):
-                    hold = size
-                    break
-        return hold
+        """How many trailing characters of `text` must wait: U+FFFD (the bytes of a character
+        may still be arriving) and, before them, a part that could start a stop string. What is
+        left must not end in U+FFFD either."""
+        kept = text.rstrip(REPLACEMENT_CHAR)
+        if not self._include_stop:
+            longest = 0
+            for stop in self._stops:
+                for size in range(min(len(stop) - 1, len(kept)), longest, -1):
+                    if kept.endswith(stop[:size]):
+                        longest = size
+                        break
+            kept = kept[: len(kept) - longest].rstrip(REPLACEMENT_CHAR)
+        return len(text) - len(kept)

@@ -369,3 +369,19 @@ def test_metaspace_output_is_decoded_in_the_prompt_context(
     else:
         expected = tokenizer.decode(output)
     assert "".join(result.deltas) == expected == result.text
+
+
+def test_no_delta_ends_in_a_replacement_char_held_before_a_stop_prefix():
+    """An invalid byte (a lasting U+FFFD) followed by the first character of a stop string:
+    holding the stop prefix back must not leave the U+FFFD at the end of a delta."""
+    tokenizer = make_tokenizer()
+    output = [130, 0, 105, 16, 67]  # found by hypothesis
+    text = tokenizer.decode(output, skip_special_tokens=False)
+    result = stream(
+        tokenizer,
+        tokenizer.encode("Q:"),
+        output,
+        skip_special_tokens=False,
+        stop=["a", ".a"],
+    )  # `stream` asserts that no delta before the end ends in U+FFFD
+    assert "".join(result.deltas) == first_stop(text, ["a", ".a"], False)[1]
