@@ -1,0 +1,58 @@
+"""API keys: `Authorization: Bearer <key>` against any of the configured keys.
+
+The comparison is constant-time over fixed-length digests, and every key is compared, so neither
+the length of a key nor which key matched shows in the timing. Health, metrics and version stay
+open so that load balancers and scrapers need no key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from aioinfer.server.errors import AuthenticationError, Handler
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+_SCHEME = "bearer"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def is_authorized(header: str | None, digests: Sequence[bytes]) -> bool:
+    """Whether an Authorization header carries one of the keys (given as sha256 digests)."""
+    if not header:
+        return False
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != _SCHEME:
+        return False
+    candidate = _digest(token.strip())
+    matched = False
+    for digest in digests:
+        matched |= hmac.compare_digest(candidate, digest)
+    return matched
+
+
+def make_auth_middleware(keys: Sequence[str]) -> Middleware | None:
+    """A middleware that requires one of `keys`; None when no key is configured."""
+    if not keys:
+        return None
+    digests = tuple(_digest(key) for key in keys)
+
+    @web.middleware
+    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "OPTIONS" or request.path in OPEN_PATHS:
+            return await handler(request)
+        if not is_authorized(request.headers.get("Authorization"), digests):
+            raise AuthenticationError(
+                "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    return auth_middleware

@@ -1,0 +1,129 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, and the middleware that
+turns every failure of a handler (ours, aiohttp's 404/405/413, a bug) into that body.
+
+The `type` strings follow vLLM (BadRequestError, NotFoundError, ...); `code` is the HTTP status.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+import orjson
+from aiohttp import web
+
+from aioinfer.server.protocol import ErrorResponse, RequestValidationError
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_TYPE_BY_STATUS = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestEntityTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+# Headers of aiohttp's own HTTP exceptions that must survive the rewrite.
+_KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate")
+
+
+class APIError(Exception):
+    """An error response; raise it from a handler."""
+
+    status = 500
+
+    def __init__(
+        self, message: str, *, param: str | None = None, headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+
+
+class BadRequestError(APIError):
+    status = 400
+
+
+class AuthenticationError(APIError):
+    status = 401
+
+
+class NotFoundError(APIError):
+    status = 404
+
+
+class PayloadTooLargeError(APIError):
+    status = 413
+
+
+class InternalServerError(APIError):
+    status = 500
+
+
+class ServiceUnavailableError(APIError):
+    status = 503
+
+
+def error_type(status: int) -> str:
+    return _TYPE_BY_STATUS.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+
+
+def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
+    return {
+        "error": {"message": message, "type": error_type(status), "param": param, "code": status}
+    }
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=orjson.dumps(error_body(status, message, param)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.Response:
+    status = exc.status
+    if status == 404:
+        message = f"Not Found: {request.path}"
+    elif status == 405:
+        allowed = exc.headers.get("Allow", "")
+        message = f"Method {request.method} is not allowed on {request.path}; allowed: {allowed}"
+    elif status == 413:
+        message = f"Request body too large: {exc.text or exc.reason}"
+    else:
+        message = exc.text or exc.reason
+    headers = {k: exc.headers[k] for k in _KEPT_HEADERS if k in exc.headers}
+    return error_response(status, message, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
+    except RequestValidationError as exc:
+        return error_response(400, exc.message, exc.param)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _from_http_exception(request, exc)
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "Internal server error")

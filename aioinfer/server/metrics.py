@@ -1,0 +1,131 @@
+"""Prometheus metrics, one CollectorRegistry per app, named like vLLM's with prefix `aioinfer:`.
+
+Engine-wide numbers (queue sizes, KV usage, token and prefix-cache counters, finished requests)
+are read from the engine at scrape time, so they also count work that did not come through HTTP.
+Latencies are observed by the HTTP layer, per request, as outputs arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from aioinfer.core.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from aioinfer.engine.async_engine import AsyncEngine
+
+PREFIX = "aioinfer:"
+_LABELS = ("model_name",)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class EngineCollector(Collector):
+    """Reads the engine's gauges and cumulative counters when scraped."""
+
+    def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
+        self._get_engine = get_engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._get_engine()
+        if engine is None or engine.scheduler is None:
+            return
+        name = [engine.model_name]
+        scheduler = engine.scheduler
+        kv = scheduler.kv
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", scheduler.num_running),
+            "num_requests_waiting": ("Requests waiting to run.", scheduler.num_waiting),
+            "kv_cache_usage_perc": ("KV-cache usage; 1 means 100 percent.", kv.usage),
+        }
+        for metric, (doc, value) in gauges.items():
+            gauge = GaugeMetricFamily(PREFIX + metric, doc, labels=_LABELS)
+            gauge.add_metric(name, float(value))
+            yield gauge
+        counters = {
+            "prompt_tokens": ("Prompt tokens admitted.", engine.stats.prompt_tokens),
+            "generation_tokens": ("Tokens generated.", engine.stats.generation_tokens),
+            "prefix_cache_queries": ("Prompt tokens looked up in the cache.", kv.stats.queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", kv.stats.hits),
+            "num_preemptions": ("Preemptions of running requests.", scheduler.num_preemptions),
+        }  # fmt: skip
+        for metric, (doc, value) in counters.items():
+            counter = CounterMetricFamily(PREFIX + metric, doc, labels=_LABELS)
+            counter.add_metric(name, float(value))
+            yield counter
+        finished = CounterMetricFamily(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            labels=(*_LABELS, "finished_reason"),
+        )
+        for reason, count in sorted(engine.stats.finished.items()):
+            finished.add_metric([*name, reason], float(count))
+        yield finished
+
+
+class ServerMetrics:
+    """The registry of one app, its latency histograms and the engine collector."""
+
+    def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(get_engine))
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from admission to the first output token.",
+            _LABELS,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            _LABELS,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from admission to the last output token.",
+            _LABELS,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+
+    def timer(self, model_name: str) -> RequestTimer:
+        return RequestTimer(self, model_name)
+
+
+class RequestTimer:
+    """Latencies of one engine request, fed with its output deltas."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
+        self._ttft = metrics.ttft.labels(model_name)
+        self._itl = metrics.itl.labels(model_name)
+        self._e2e = metrics.e2e.labels(model_name)
+        self.start = time.perf_counter()
+        self._last: float | None = None
+
+    def observe(self, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        # Sequences of one request advance together: a delta holds up to this many steps.
+        steps = max((len(seq.token_ids) for seq in output.outputs), default=0)
+        if steps:
+            if self._last is None:
+                self._ttft.observe(now - self.start)
+            else:
+                gap = (now - self._last) / steps
+                for _ in range(steps):
+                    self._itl.observe(gap)
+            self._last = now
+        if output.finished and self._last is not None:
+            self._e2e.observe(now - self.start)

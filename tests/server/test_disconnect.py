@@ -1,0 +1,143 @@
+"""Clients that leave early abort their requests, and every KV block returns to the pool.
+
+The live server runs with aiohttp's default settings (handlers are not cancelled on
+disconnect), so the app must notice by itself; the test client's server does cancel handlers,
+which is the other path. Requests are made slow (20 ms per step) so that they are still running
+when the client leaves; each would take seconds to finish on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+
+from aioinfer.server.app import create_app
+from tests.server.conftest import LiveServer, assert_pool_free, build_engine
+
+LONG = {"max_tokens": 100, "ignore_eos": True}
+ABORT_DEADLINE = 1.0  # seconds; finishing on their own would take about 2 s
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def raw_request(server: LiveServer, path: str, body: dict):
+    """A hand-written HTTP/1.1 request on a socket that the test can simply close."""
+    host, port = server.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    data = orjson.dumps(body)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    writer.write(head.encode() + data)
+    await writer.drain()
+    return reader, writer
+
+
+async def assert_aborted_quickly(engine, num_aborted_before: int, count: int = 1) -> None:
+    start = time.monotonic()
+    await wait_until(lambda: engine.num_unfinished == 0)
+    assert time.monotonic() - start < ABORT_DEADLINE
+    assert engine.stats.aborted == num_aborted_before + count
+    await asyncio.sleep(0)  # the blocks are free before the next step
+    assert_pool_free(engine)
+
+
+async def test_streaming_clients_that_leave_abort(live_factory):
+    engine = await build_engine(step_delay=0.02)
+    try:
+        server = await live_factory(engine)
+        body = {"prompt": [5, 6, 7], "stream": True, "n": 2, **LONG}
+        readers = [await raw_request(server, "/v1/completions", body) for _ in range(3)]
+        for reader, _ in readers:
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            await reader.readuntil(b"data: ")  # a token has been streamed
+        assert engine.num_unfinished == 3
+        for _, writer in readers:
+            writer.close()
+        await assert_aborted_quickly(engine, 0, count=3)
+    finally:
+        await engine.shutdown()
+
+
+async def test_non_streaming_client_that_leaves_aborts(live_factory):
+    engine = await build_engine(step_delay=0.02)
+    try:
+        server = await live_factory(engine)
+        body = {"messages": [{"role": "user", "content": "hi"}], **LONG}
+        _, writer = await raw_request(server, "/v1/chat/completions", body)
+        await wait_until(lambda: engine.scheduler.num_running == 1)
+        writer.close()
+        await assert_aborted_quickly(engine, 0)
+    finally:
+        await engine.shutdown()
+
+
+async def test_waiting_request_of_a_client_that_leaves_is_aborted(live_factory):
+    engine = await build_engine(step_delay=0.02, max_num_seqs=1)
+    try:
+        server = await live_factory(engine)
+        body = {"prompt": [5, 6], "max_tokens": 30, "ignore_eos": True}
+        first = await raw_request(server, "/v1/completions", body)
+        await wait_until(lambda: engine.scheduler.num_running == 1)
+        _, writer = await raw_request(server, "/v1/completions", {**body, "stream": True})
+        await wait_until(lambda: engine.scheduler.num_waiting == 1)
+        writer.close()  # it never ran: no token was ever written to it
+        await wait_until(lambda: engine.scheduler.num_waiting == 0, ABORT_DEADLINE)
+        assert engine.stats.aborted == 1
+        head = await first[0].readuntil(b"\r\n\r\n")  # the other one is unaffected
+        assert head.startswith(b"HTTP/1.1 200")
+        first[1].close()
+        await wait_until(lambda: engine.num_unfinished == 0)
+        assert_pool_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+async def test_disconnect_with_handler_cancellation(aiohttp_client):
+    engine = await build_engine(step_delay=0.02)
+    try:
+        client = await aiohttp_client(create_app(engine))
+        body = {"prompt": [9, 9], "stream": True, **LONG}
+        response = await client.post("/v1/completions", json=body)
+        assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+        response.close()
+        await assert_aborted_quickly(engine, 0)
+        task = asyncio.create_task(client.post("/v1/completions", json={**body, "stream": False}))
+        await wait_until(lambda: engine.scheduler.num_running == 1)
+        task.cancel()
+        await assert_aborted_quickly(engine, 1)
+    finally:
+        await engine.shutdown()
+
+
+async def test_server_keeps_serving_after_disconnects(live_factory):
+    engine = await build_engine(step_delay=0.002)
+    try:
+        server = await live_factory(engine)
+        body = {"prompt": [5, 6, 7], "stream": True, **LONG}
+        for _ in range(5):
+            reader, writer = await raw_request(server, "/v1/completions", body)
+            await reader.readuntil(b"data: ")
+            writer.close()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"{server.url}/v1/completions", json={"prompt": [5], "max_tokens": 3}
+            ) as response,
+        ):
+            assert response.status == 200
+            assert (await response.json())["usage"]["completion_tokens"] == 3
+        await wait_until(lambda: engine.num_unfinished == 0)
+        assert_pool_free(engine)
+        assert engine.stats.aborted == 5
+    finally:
+        await engine.shutdown()

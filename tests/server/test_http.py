@@ -1,0 +1,601 @@
+"""The app through aiohttp's test client: responses against the fake model's reference outputs,
+exact SSE framing, every error class, auth, the engine lifecycle and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from pydantic import TypeAdapter
+
+import aioinfer
+from aioinfer.config import ServerConfig
+from aioinfer.server import app as app_module
+from aioinfer.server import protocol
+from aioinfer.server.app import create_app, wait_for_engine
+from aioinfer.server.routes import STATE
+from tests.server.conftest import (
+    API_KEYS,
+    MAX_MODEL_LEN,
+    MODEL,
+    assert_pool_free,
+    build_engine,
+    chat_prompt_ids,
+    expected_output,
+    fake_logprobs,
+    text_prompt_ids,
+)
+from tests.tokenizer_fixtures import make_tokenizer
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello, world! How are you today?"},
+]
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """Split an SSE body, asserting the exact framing: only `data: ...` events, each ending in a
+    blank line, the last one `[DONE]`."""
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = raw.split(b"\n\n")
+    assert events[-1] == b""
+    events = events[:-1]
+    for event in events:
+        assert event.startswith(b"data: ") and b"\n" not in event, event
+    payloads = [e.removeprefix(b"data: ") for e in events]
+    assert payloads[-1] == b"[DONE]" and b"[DONE]" not in payloads[:-1]
+    return payloads[:-1]
+
+
+def chunks_of(raw: bytes) -> list[dict]:
+    out = []
+    for payload in sse_events(raw):
+        chunk = orjson.loads(payload)
+        assert orjson.dumps(chunk) == payload  # compact JSON, nothing else on the line
+        out.append(chunk)
+    return out
+
+
+async def post(client, path, body, **kwargs):
+    response = await client.post(path, json=body, **kwargs)
+    return response, await response.read()
+
+
+def error_of(raw: bytes, status: int) -> dict:
+    body = orjson.loads(raw)
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status
+    return error
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+async def test_plain_endpoints(client):
+    response = await client.get("/health")
+    assert response.status == 200 and await response.read() == b""
+    response = await client.get("/version")
+    assert await response.json() == {"version": aioinfer.__version__}
+    response = await client.get("/v1/models")
+    body = await response.json()
+    assert body["object"] == "list"
+    assert [(m["id"], m["max_model_len"]) for m in body["data"]] == [(MODEL, MAX_MODEL_LEN)]
+    TypeAdapter(protocol.ModelList).validate_python(body)
+    response = await client.get(f"/v1/models/{MODEL}")
+    assert (await response.json())["id"] == MODEL
+    response = await client.get("/openapi.json")
+    assert (await response.json())["openapi"].startswith("3.")
+
+
+async def test_completion_matches_the_reference(client):
+    prompt = "The quick brown fox"
+    response, raw = await post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 9})
+    assert response.status == 200 and response.content_type == "application/json"
+    body = orjson.loads(raw)
+    TypeAdapter(protocol.CompletionResponse).validate_python(body)
+    ids = text_prompt_ids(prompt)
+    _, text = expected_output(ids, 9)
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == MODEL and isinstance(body["created"], int)
+    [choice] = body["choices"]
+    assert choice == {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+    }
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 9,
+                             "total_tokens": len(ids) + 9}  # fmt: skip
+
+
+async def test_completion_defaults_to_16_tokens_clamped_to_the_context(client):
+    _, raw = await post(client, "/v1/completions", {"prompt": [5, 6, 7]})
+    assert orjson.loads(raw)["usage"]["completion_tokens"] == 16
+    long_prompt = [5] * (MAX_MODEL_LEN - 4)
+    _, raw = await post(client, "/v1/completions", {"prompt": long_prompt})
+    body = orjson.loads(raw)
+    assert body["usage"]["completion_tokens"] == 4
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_completion_prompt_forms_and_n(client):
+    prompts = [[5, 6, 7], [9, 10]]
+    body = {"prompt": prompts, "max_tokens": 4, "n": 2}
+    _, raw = await post(client, "/v1/completions", body)
+    choices = orjson.loads(raw)["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for choice in choices:
+        assert choice["text"] == expected_output(prompts[choice["index"] // 2], 4)[1]
+    texts = ["Hello, world!", "An inference server"]
+    _, raw = await post(client, "/v1/completions", {"prompt": texts, "max_tokens": 3})
+    got = [c["text"] for c in orjson.loads(raw)["choices"]]
+    assert got == [expected_output(text_prompt_ids(t), 3)[1] for t in texts]
+
+
+async def test_echo_and_logprobs(client):
+    prompt = [40, 41, 42]
+    body = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2}
+    _, raw = await post(client, "/v1/completions", body)
+    choice = orjson.loads(raw)["choices"][0]
+    out_ids, out_text = expected_output(prompt, 3)
+    tok = make_tokenizer()
+    prompt_text = tok.decode(prompt)
+    assert choice["text"] == prompt_text + out_text
+    logprobs = choice["logprobs"]
+    all_ids = prompt + out_ids
+    assert logprobs["tokens"] == [tok.decode([t]) for t in all_ids]
+    expected = [None] + [fake_logprobs(t, 2).logprob for t in all_ids[1:]]
+    assert logprobs["token_logprobs"] == pytest.approx(expected)
+    assert logprobs["top_logprobs"][0] is None
+    for token_id, top in zip(all_ids[1:], logprobs["top_logprobs"][1:], strict=True):
+        reference = fake_logprobs(token_id, 2)
+        alternatives = {tok.decode([t]): lp for t, lp in reference.top}
+        alternatives.setdefault(tok.decode([token_id]), reference.logprob)
+        assert top == pytest.approx(alternatives)
+    offsets = [0]
+    for token in logprobs["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs["text_offset"] == offsets
+
+
+async def test_chat_matches_the_reference_and_fills_the_context(client):
+    _, raw = await post(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6})
+    body = orjson.loads(raw)
+    TypeAdapter(protocol.ChatCompletionResponse).validate_python(body)
+    ids = chat_prompt_ids(MESSAGES)
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected_output(ids, 6)[1]}
+    assert choice["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    # Without a limit, chat may use the rest of the context.
+    _, raw = await post(client, "/v1/chat/completions", {"messages": MESSAGES})
+    assert orjson.loads(raw)["usage"]["completion_tokens"] == MAX_MODEL_LEN - len(ids)
+
+
+async def test_chat_without_generation_prompt_and_with_text_parts(client):
+    parts = [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "world"}]
+    body = {
+        "messages": [{"role": "user", "content": parts}],
+        "add_generation_prompt": False,
+        "max_completion_tokens": 3,
+    }
+    _, raw = await post(client, "/v1/chat/completions", body)
+    ids = chat_prompt_ids([{"role": "user", "content": "Hello,\nworld"}], False)
+    assert orjson.loads(raw)["choices"][0]["message"]["content"] == expected_output(ids, 3)[1]
+
+
+async def test_stop_strings(client):
+    prompt = [12, 13, 14]
+    _, full = expected_output(prompt, 24)
+    stop = full[6:8]
+    cut = full.index(stop)
+    for include in (False, True):
+        body = {"prompt": prompt, "max_tokens": 24, "stop": [stop],
+                "include_stop_str_in_output": include}  # fmt: skip
+        _, raw = await post(client, "/v1/completions", body)
+        choice = orjson.loads(raw)["choices"][0]
+        assert choice["text"] == full[: cut + (len(stop) if include else 0)]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+
+
+async def test_stop_token_ids(client):
+    prompt = [12, 13, 14]
+    out_ids, _ = expected_output(prompt, 10)
+    body = {"prompt": prompt, "max_tokens": 10, "stop_token_ids": [out_ids[3]]}
+    _, raw = await post(client, "/v1/completions", body)
+    choice = orjson.loads(raw)["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == out_ids[3]
+    first = out_ids.index(out_ids[3])
+    assert choice["text"] == make_tokenizer().decode(out_ids[: first + 1])
+
+
+async def test_model_defaults_apply_to_unset_fields(client, engine, monkeypatch):
+    seen = []
+    add_request = engine.add_request
+
+    def spy(prompt_token_ids, params, *args):
+        seen.append(params)
+        return add_request(prompt_token_ids, params, *args)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    monkeypatch.setattr(engine, "default_sampling", {"temperature": 0.25, "top_k": 4})
+    await post(client, "/v1/completions", {"prompt": [5], "max_tokens": 2, "top_k": 9})
+    assert (seen[0].temperature, seen[0].top_k) == (0.25, 9)
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+async def test_chat_stream_framing_and_headers(client):
+    body = {"messages": MESSAGES, "max_tokens": 5, "stream": True}
+    response, raw = await post(client, "/v1/chat/completions", body)
+    assert response.status == 200
+    assert response.headers["Content-Type"] == "text/event-stream"
+    assert response.headers["Cache-Control"] == "no-cache"
+    assert response.headers["X-Accel-Buffering"] == "no"
+    chunks = chunks_of(raw)
+    for chunk in chunks:
+        TypeAdapter(protocol.ChatCompletionChunk).validate_python(chunk)
+        assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
+        assert chunk["id"] == chunks[0]["id"] and chunk["id"].startswith("chatcmpl-")
+    first, *middle, last = (chunk["choices"][0] for chunk in chunks)
+    assert first["delta"] == {"role": "assistant", "content": ""}
+    assert first["finish_reason"] is None
+    assert all(c["finish_reason"] is None and set(c["delta"]) == {"content"} for c in middle)
+    assert last["delta"] == {} and last["finish_reason"] == "length"
+    text = "".join(c["delta"]["content"] for c in middle)
+    assert text == expected_output(chat_prompt_ids(MESSAGES), 5)[1]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_stream_deltas_concatenate_to_the_non_streamed_text(client, path):
+    base = {"max_tokens": 12, "n": 2, "seed": 7, "temperature": 0.8}
+    base |= {"messages": MESSAGES} if "chat" in path else {"prompt": "Hello, world!"}
+    _, raw = await post(client, path, base)
+    whole = {c["index"]: c for c in orjson.loads(raw)["choices"]}
+    _, raw = await post(client, path, {**base, "stream": True})
+    streamed: dict[int, str] = {0: "", 1: ""}
+    finish = {}
+    for chunk in chunks_of(raw):
+        [choice] = chunk["choices"]
+        piece = choice.get("text", choice.get("delta", {}).get("content", ""))
+        streamed[choice["index"]] += piece
+        if choice["finish_reason"]:
+            finish[choice["index"]] = choice["finish_reason"]
+    for index, choice in whole.items():
+        text = choice.get("text", choice.get("message", {}).get("content"))
+        assert streamed[index] == text
+        assert finish[index] == choice["finish_reason"]
+
+
+async def test_stream_usage_options(client):
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "stream": True, "n": 2,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    _, raw = await post(client, "/v1/completions", body)
+    chunks = chunks_of(raw)
+    assert all("usage" not in c for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    _, raw = await post(client, "/v1/completions", body)
+    chunks = chunks_of(raw)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 8
+    assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
+
+
+async def test_chat_stream_logprobs(client):
+    body = {"messages": MESSAGES, "max_tokens": 4, "stream": True, "logprobs": True,
+            "top_logprobs": 2}  # fmt: skip
+    _, raw = await post(client, "/v1/chat/completions", body)
+    entries = []
+    for chunk in chunks_of(raw):
+        logprobs = chunk["choices"][0]["logprobs"]
+        if logprobs is not None:
+            entries.extend(logprobs["content"])
+    out_ids, _ = expected_output(chat_prompt_ids(MESSAGES), 4)
+    tok = make_tokenizer()
+    assert [e["token"] for e in entries] == [tok.decode([t]) for t in out_ids]
+    assert [e["logprob"] for e in entries] == pytest.approx(
+        [fake_logprobs(t, 2).logprob for t in out_ids]
+    )
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)
+    assert entries[0]["bytes"] == list(entries[0]["token"].encode())
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("data", "headers", "fragment"),
+    [
+        (b"{", {"Content-Type": "application/json"}, "not valid JSON"),
+        (b"", {"Content-Type": "application/json"}, "not valid JSON"),
+        (b"[1, 2]", {"Content-Type": "application/json"}, "must be a JSON object, got an array"),
+        (b'"x"', {"Content-Type": "application/json"}, "must be a JSON object"),
+        (b'{"prompt": "a", "temperature": NaN}', {"Content-Type": "application/json"}, "JSON"),
+        (b'{"prompt": "a", "top_p": Infinity}', {"Content-Type": "application/json"}, "JSON"),
+        (b'{"prompt": "\xff\xfe"}', {"Content-Type": "application/json"}, "UTF-8"),
+        (b'{"prompt": "\\ud800"}', {"Content-Type": "application/json"}, "surrogate"),
+        (b'{"prompt": "a"}', {"Content-Type": "text/plain"}, "Unsupported Media Type"),
+        (b'{"prompt": "a"}', {}, "Unsupported Media Type"),
+        (b'{"prompt": "a"}', {"Content-Type": "application/json; charset=latin-1"}, "UTF-8"),
+    ],
+)
+async def test_malformed_bodies_are_400(client, data, headers, fragment):
+    response = await client.post("/v1/completions", data=data, headers=headers)
+    error = error_of(await response.read(), 400)
+    assert response.status == 400
+    assert error["type"] == "BadRequestError" and fragment in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "fragment"),
+    [
+        ("/v1/completions", {"prompt": "a", "max_tokens": "10"}, "max_tokens", "valid integer"),
+        ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature", ">= 0"),
+        ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix", "not supported"),
+        ("/v1/completions", {"prompt": "a", "best_of": 3}, "best_of", "best_of"),
+        ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+        ("/v1/completions", {"prompt": [5, 4096]}, "prompt", "[0, 4096)"),
+        ("/v1/completions", {"prompt": [5], "logprobs": 21}, "logprobs", "<= 20"),
+        ("/v1/completions", {"prompt": [5], "logit_bias": {"9999": 1}}, "logit_bias", "vocab"),
+        ("/v1/completions", {"prompt": [5] * 120, "max_tokens": 10}, "max_tokens", "130"),
+        ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{}]}, "tools", "tools"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 0}, "n", ">= 1"),
+    ],
+)
+async def test_invalid_requests_name_the_field(client, engine, path, body, param, fragment):
+    _, raw = await post(client, path, body)
+    error = error_of(raw, 400)
+    assert error["param"] == param and fragment in error["message"]
+    assert_pool_free(engine)
+
+
+async def test_prompt_too_long_names_both_lengths(client):
+    _, raw = await post(client, "/v1/completions", {"prompt": [5] * 200})
+    error = error_of(raw, 400)
+    assert "128" in error["message"] and "200" in error["message"]
+
+
+async def test_unknown_model_route_and_method(client):
+    response, raw = await post(client, "/v1/completions", {"prompt": "a", "model": "gpt-9"})
+    error = error_of(raw, 404)
+    assert error["type"] == "NotFoundError" and error["param"] == "model"
+    assert "`gpt-9` does not exist" in error["message"] and MODEL in error["message"]
+    response = await client.get("/v1/models/gpt-9")
+    assert error_of(await response.read(), 404)["param"] == "model"
+    response = await client.get("/v1/nothing")
+    assert error_of(await response.read(), 404)["type"] == "NotFoundError"
+    response = await client.get("/v1/completions")
+    error = error_of(await response.read(), 405)
+    assert "POST" in response.headers["Allow"] and "GET" in error["message"]
+
+
+async def test_oversized_bodies_are_413(client):
+    big = b'{"prompt": "' + b"a" * (17 << 20) + b'"}'
+    response = await client.post(
+        "/v1/completions", data=big, headers={"Content-Type": "application/json"}
+    )
+    error = error_of(await response.read(), 413)
+    assert "limit" in error["message"]
+
+    async def chunked():  # no Content-Length: the size is checked after reading
+        yield big
+
+    response = await client.post(
+        "/v1/completions", data=chunked(), headers={"Content-Type": "application/json"}
+    )
+    assert response.status == 413
+
+
+async def test_overload_is_503_with_retry_after(aiohttp_client):
+    engine = await build_engine(step_delay=0.02, max_num_seqs=1, max_queued_requests=1)
+    try:
+        client = await aiohttp_client(create_app(engine))
+        body = {"prompt": [5], "max_tokens": 40, "ignore_eos": True}
+        running = asyncio.create_task(client.post("/v1/completions", json=body))
+        while engine.scheduler.num_running < 1:
+            await asyncio.sleep(0.005)
+        waiting = asyncio.create_task(client.post("/v1/completions", json=body))
+        while engine.scheduler.num_waiting < 1:
+            await asyncio.sleep(0.005)
+        response, raw = await post(client, "/v1/completions", body)
+        error = error_of(raw, 503)
+        assert error["type"] == "ServiceUnavailableError" and response.headers["Retry-After"]
+        for task in (running, waiting):
+            assert (await task).status == 200
+    finally:
+        await engine.shutdown()
+
+
+# --------------------------------------------------------------------------- auth
+
+
+async def test_api_keys(aiohttp_client, engine):
+    client = await aiohttp_client(create_app(engine, ServerConfig(api_key=API_KEYS)))
+    for path in ("/health", "/metrics", "/version"):
+        assert (await client.get(path)).status == 200
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {API_KEYS[0]}"},
+                    {"Authorization": API_KEYS[0]}):  # fmt: skip
+        response = await client.get("/v1/models", headers=headers)
+        error = error_of(await response.read(), 401)
+        assert error["type"] == "AuthenticationError"
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+    for key in API_KEYS:
+        response = await client.get("/v1/models", headers={"Authorization": f"bearer {key}"})
+        assert response.status == 200
+    response = await client.post("/v1/completions", json={"prompt": "a"})
+    assert response.status == 401
+
+
+# --------------------------------------------------------------------------- tokenizer endpoints
+
+
+async def test_tokenize_and_detokenize(client):
+    _, raw = await post(client, "/tokenize", {"prompt": "Hello, world!"})
+    ids = text_prompt_ids("Hello, world!")
+    assert orjson.loads(raw) == {"tokens": ids, "count": len(ids), "max_model_len": MAX_MODEL_LEN}
+    _, raw = await post(client, "/tokenize", {"messages": MESSAGES})
+    assert orjson.loads(raw)["tokens"] == chat_prompt_ids(MESSAGES)
+    _, raw = await post(client, "/detokenize", {"tokens": ids})
+    assert orjson.loads(raw) == {"prompt": "Hello, world!"}
+    _, raw = await post(client, "/detokenize", {"tokens": [1, -5]})
+    assert error_of(raw, 400)["param"] == "tokens"
+    _, raw = await post(client, "/tokenize", {"prompt": "a", "messages": MESSAGES})
+    assert error_of(raw, 400)["message"]
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+async def test_health_while_loading_then_serving(aiohttp_client):
+    release = asyncio.Event()
+    built = []
+
+    async def factory():
+        await release.wait()
+        engine = await build_engine()
+        built.append(engine)
+        return engine
+
+    app = create_app(factory)
+    client = await aiohttp_client(app)
+    response = await client.get("/health")
+    assert response.status == 503 and "loading" in error_of(await response.read(), 503)["message"]
+    response, raw = await post(client, "/v1/completions", {"prompt": "a"})
+    assert error_of(raw, 503)["type"] == "ServiceUnavailableError"
+    assert (await client.get("/version")).status == 200
+    assert (await client.get("/metrics")).status == 200
+    release.set()
+    engine = await asyncio.wait_for(wait_for_engine(app), 10)
+    assert (await client.get("/health")).status == 200
+    response, _ = await post(client, "/v1/completions", {"prompt": "a", "max_tokens": 2})
+    assert response.status == 200
+    await client.close()  # the app owns the engine it built: cleanup shuts it down
+    assert built == [engine] and not engine.ready
+
+
+async def test_startup_failure_is_reported(aiohttp_client):
+    errors = []
+
+    async def factory():
+        raise RuntimeError("no weights")
+
+    app = create_app(factory, on_fatal=errors.append)
+    client = await aiohttp_client(app)
+    with pytest.raises(RuntimeError, match="no weights"):
+        await asyncio.wait_for(wait_for_engine(app), 5)
+    response = await client.get("/health")
+    assert "no weights" in error_of(await response.read(), 503)["message"]
+    assert [str(e) for e in errors] == ["no weights"]
+
+
+async def test_engine_death_500_in_flight_then_503(aiohttp_client, monkeypatch):
+    monkeypatch.setattr(app_module, "DEATH_CHECK_INTERVAL", 0.01)
+    engine = await build_engine(fail_at_step=3)
+    fatal = []
+    try:
+        client = await aiohttp_client(create_app(engine, on_fatal=fatal.append))
+        body = {"prompt": [5], "max_tokens": 20, "ignore_eos": True}
+        response, raw = await post(client, "/v1/completions", body)
+        error = error_of(raw, 500)
+        assert error["type"] == "InternalServerError" and "device lost" in error["message"]
+        response = await client.get("/health")
+        assert response.status == 503
+        response, raw = await post(client, "/v1/completions", body)
+        assert error_of(raw, 503)["type"] == "ServiceUnavailableError"
+        for _ in range(100):
+            if fatal:
+                break
+            await asyncio.sleep(0.01)
+        assert [str(e) for e in fatal] == ["device lost"]
+    finally:
+        await engine.shutdown()
+
+
+async def test_engine_death_mid_stream_is_an_in_band_error(aiohttp_client):
+    engine = await build_engine(fail_at_step=3)
+    try:
+        client = await aiohttp_client(create_app(engine))
+        body = {"messages": MESSAGES, "max_tokens": 20, "stream": True}
+        response, raw = await post(client, "/v1/chat/completions", body)
+        assert response.status == 200
+        payloads = sse_events(raw)
+        last = orjson.loads(payloads[-1])
+        error = last["error"]
+        assert error["code"] == 500 and error["type"] == "InternalServerError"
+        assert "device lost" in error["message"]
+        assert orjson.loads(payloads[0])["choices"][0]["delta"]["role"] == "assistant"
+    finally:
+        await engine.shutdown()
+
+
+async def test_shutdown_drains(client):
+    await client.app.shutdown()  # what the runner does first on SIGTERM
+    response = await client.get("/health")
+    assert "shutting down" in error_of(await response.read(), 503)["message"]
+    assert client.app[STATE].draining
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+async def test_metrics(aiohttp_client, client, engine):
+    other = await aiohttp_client(create_app(engine))  # a second app: its own registry
+    body = {"prompt": [5, 6, 7], "max_tokens": 5, "stream": True}
+    await post(client, "/v1/completions", body)
+    await post(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
+    text = (await (await client.get("/metrics")).read()).decode()
+    label = f'{{model_name="{MODEL}"}}'
+    stats = engine.stats
+    for line in (
+        f"aioinfer:num_requests_running{label} 0.0",
+        f"aioinfer:num_requests_waiting{label} 0.0",
+        f"aioinfer:kv_cache_usage_perc{label} 0.0",
+        f"aioinfer:prompt_tokens_total{label} {float(stats.prompt_tokens)}",
+        f"aioinfer:generation_tokens_total{label} 8.0",
+        f"aioinfer:prefix_cache_queries_total{label} {float(engine.scheduler.kv.stats.queries)}",
+        f'aioinfer:request_success_total{{finished_reason="length",model_name="{MODEL}"}} 2.0',
+        f"aioinfer:time_to_first_token_seconds_count{label} 2.0",
+        f"aioinfer:e2e_request_latency_seconds_count{label} 2.0",
+        f"aioinfer:inter_token_latency_seconds_count{label} 6.0",
+    ):
+        assert line in text, line
+    assert "aioinfer:prefix_cache_hits_total" in text
+    other_text = (await (await other.get("/metrics")).read()).decode()
+    assert f"aioinfer:time_to_first_token_seconds_count{label}" not in other_text
+
+
+async def test_streamed_echo_and_logprobs_equal_the_non_streamed_ones(client):
+    body = {"prompt": ["Hello, world!", "An inference"], "max_tokens": 5, "n": 2, "echo": True,
+            "logprobs": 1}  # fmt: skip
+    _, raw = await post(client, "/v1/completions", body)
+    whole = {c["index"]: c for c in orjson.loads(raw)["choices"]}
+    _, raw = await post(client, "/v1/completions", {**body, "stream": True})
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    streamed = {i: {"text": "", **{k: [] for k in keys}} for i in whole}
+    for chunk in chunks_of(raw):
+        [choice] = chunk["choices"]
+        into = streamed[choice["index"]]
+        into["text"] += choice["text"]
+        for key in keys if choice["logprobs"] else ():
+            into[key] += choice["logprobs"][key]
+    for index, choice in whole.items():
+        assert streamed[index]["text"] == choice["text"]
+        assert {k: streamed[index][k] for k in keys} == choice["logprobs"]
+
+
+async def test_json_content_type_with_utf8_charset_is_fine(client):
+    response = await client.post(
+        "/v1/completions",
+        data=b'{"prompt": [5], "max_tokens": 1}',
+        headers={"Content-Type": "Application/JSON; charset=UTF-8"},
+    )
+    assert response.status == 200

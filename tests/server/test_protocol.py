@@ -1,0 +1,219 @@
+"""The pure protocol layer: strict request parsing, readable errors, SamplingParams building,
+the OpenAPI document."""
+
+from __future__ import annotations
+
+import pytest
+
+from aioinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestValidationError,
+    TokenizeRequest,
+    openapi_document,
+)
+
+
+def completion(**fields):
+    return CompletionRequest.parse({"prompt": "hi", **fields})
+
+
+def chat(**fields):
+    return ChatCompletionRequest.parse({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def refused(factory, **fields) -> RequestValidationError:
+    with pytest.raises(RequestValidationError) as info:
+        factory(**fields)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "10"),
+        ("max_tokens", 1.5),
+        ("max_tokens", 10.0),
+        ("n", True),
+        ("temperature", "0.5"),
+        ("echo", 1),
+        ("stream", "true"),
+        ("seed", 3.0),
+    ],
+)
+def test_types_are_strict(field, value):
+    error = refused(completion, **{field: value})
+    assert error.param == field
+    assert field in error.message and repr(value) in error.message
+
+
+def test_errors_inside_lists_name_the_element():
+    error = refused(completion, stop_token_ids=[1, "2"])
+    assert error.param == "stop_token_ids[1]"
+    assert "valid integer, got '2' (string)" in error.message
+
+
+def test_integers_are_valid_floats_and_unknown_fields_are_ignored():
+    req = completion(temperature=1, top_p=1, frequency_penalty=0, some_future_field={"x": 1})
+    params = req.to_sampling_params({})
+    assert params.temperature == 1.0 and isinstance(params.temperature, float)
+
+
+@pytest.mark.parametrize(
+    "prompt", ["", "text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]], ids=lambda p: repr(p)
+)
+def test_prompt_shapes(prompt):
+    assert CompletionRequest.parse({"prompt": prompt}).prompt == prompt
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], ["a", 1], [[1, "2"]], [1.0], None, {"a": 1}, [True]])
+def test_bad_prompt_shapes_name_the_allowed_ones(prompt):
+    error = refused(CompletionRequest.parse, data={"prompt": prompt})
+    assert error.param == "prompt"
+    assert "a list of token ids" in error.message
+
+
+def test_missing_fields():
+    assert refused(CompletionRequest.parse, data={}).param == "prompt"
+    assert refused(ChatCompletionRequest.parse, data={}).param == "messages"
+    assert refused(ChatCompletionRequest.parse, data={"messages": []}).param == "messages"
+
+
+def test_chat_message_errors_point_into_the_list():
+    error = refused(chat, messages=[{"role": "user", "content": "a"}, {"role": "tool"}])
+    assert error.param == "messages[1].role"
+    assert "'system', 'user' or 'assistant'" in error.message
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    error = refused(chat, messages=[{"role": "user", "content": [image]}])
+    assert error.param == "messages[0].content"
+    assert "only text content parts" in error.message
+
+
+def test_text_parts_are_joined():
+    req = chat(
+        messages=[
+            {"role": "system", "content": None},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ]
+    )
+    assert req.template_messages() == [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "a\nb"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("factory", "fields", "param"),
+    [
+        (completion, {"suffix": "tail"}, "suffix"),
+        (completion, {"best_of": 2}, "best_of"),
+        (chat, {"tools": [{"type": "function"}]}, "tools"),
+        (chat, {"tool_choice": "auto"}, "tool_choice"),
+        (chat, {"functions": [{"name": "f"}]}, "functions"),
+        (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+        (chat, {"top_logprobs": 2}, "top_logprobs"),
+        (chat, {"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(factory, fields, param):
+    error = refused(factory, **fields)
+    assert error.param == param
+    assert param in error.message
+
+
+def test_no_op_values_of_unsupported_fields_pass():
+    chat(tools=[], tool_choice="none", response_format={"type": "text"})
+    completion(suffix="", best_of=1)
+
+
+def test_sampling_params_defaults_order():
+    defaults = {"temperature": 0.3, "top_k": 7, "repetition_penalty": 1.1}
+    params = completion(top_k=3).to_sampling_params(defaults)
+    assert (params.temperature, params.top_k, params.repetition_penalty) == (0.3, 3, 1.1)
+    assert params.max_tokens == 16 and params.top_p == 1.0
+    assert chat().to_sampling_params({}).max_tokens is None
+    assert chat(max_tokens=5).to_sampling_params({}).max_tokens == 5
+    assert chat(max_tokens=5, max_completion_tokens=7).to_sampling_params({}).max_tokens == 7
+
+
+def test_sampling_fields_map_to_sampling_params():
+    params = completion(
+        n=2,
+        stop=["x", "yz"],
+        stop_token_ids=[5],
+        seed=3,
+        logit_bias={"12": -100, "7": 2.5},
+        logprobs=2,
+        echo=True,
+        ignore_eos=True,
+        min_tokens=2,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+    ).to_sampling_params({})
+    assert params.n == 2 and params.stop_strings == ["x", "yz"] and params.stop_token_ids == [5]
+    assert params.logit_bias == {12: -100.0, 7: 2.5}
+    assert params.logprobs == 2 and params.prompt_logprobs == 2
+    assert params.ignore_eos and params.min_tokens == 2 and params.include_stop_str_in_output
+    assert not params.skip_special_tokens
+    assert chat(logprobs=True).to_sampling_params({}).logprobs == 0
+    assert chat(logprobs=True, top_logprobs=3).to_sampling_params({}).logprobs == 3
+    assert chat(logprobs=False).to_sampling_params({}).logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"min_tokens": 20}, "min_tokens"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"stop": ["ok", ""]}, "stop"),
+    ],
+)
+def test_sampling_param_errors_name_the_field(fields, param):
+    with pytest.raises(RequestValidationError) as info:
+        completion(**fields).to_sampling_params({})
+    assert info.value.param == param
+    assert param in info.value.message
+
+
+def test_tokenize_request_takes_one_input():
+    assert TokenizeRequest.parse({"prompt": "x"}).prompt == "x"
+    with pytest.raises(RequestValidationError):
+        TokenizeRequest.parse({})
+    with pytest.raises(RequestValidationError):
+        TokenizeRequest.parse({"prompt": "x", "messages": [{"role": "user", "content": "y"}]})
+
+
+def test_openapi_document_refs_resolve():
+    doc = openapi_document("1.2.3")
+    schemas = doc["components"]["schemas"]
+    refs: list[str] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                refs.append(node["$ref"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(doc)
+    assert refs
+    for ref in refs:
+        assert ref.startswith("#/components/schemas/")
+        assert ref.rsplit("/", 1)[1] in schemas, ref
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
+    assert body["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ChatCompletionRequest"
+    }
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    assert {"/v1/models", "/v1/completions", "/tokenize", "/health"} <= set(doc["paths"])
