@@ -75,45 +75,76 @@ def grab(lines: list[str], pattern: str) -> re.Match[str]:
     raise AssertionError(f"no line matches {pattern!r}:\n" + "\n".join(lines))
 
 
-async def test_tcp_startup_log_numbers_agree(tiny_model_dir):
+@pytest.fixture(scope="module")
+def tcp_server(tiny_model_dir):
     port = free_port()
     proc, lines = start_server(
         [str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
-         "--kv-cache-memory", "0.01", "--max-model-len", "200", "--block-size", "16"]
+         "--kv-cache-memory", "0.01", "--max-model-len", "200", "--block-size", "16",
+         "--served-model-name", "tiny"]
     )  # fmt: skip
+    yield port, lines
+    assert stop_server(proc) == 0
+
+
+def test_tcp_startup_log_numbers_agree(tcp_server):
+    port, lines = tcp_server
+    order = [
+        "non-default args: {",
+        "Initializing engine with config: ",
+        "Chunked prefill is enabled with max_num_batched_tokens=",
+        "Using max model len 200",
+        "Loading weights took",
+        "Model loading took",
+        "Available KV cache memory:",
+        "KV cache size:",
+        "CUDA graphs are off",
+        "init engine (profile, create kv cache, warmup model) took",
+        f"Starting aioinfer server on http://127.0.0.1:{port}",
+        "Ready in",
+    ]
+    positions = [next(i for i, line in enumerate(lines) if text in line) for text in order]
+    assert positions == sorted(positions)
+    usable = int(grab(lines, r"KV cache blocks: (\d+) usable").group(1))
+    size = grab(lines, r"KV cache size: (\d+) tokens, Maximum concurrency for (\d+) tokens "
+                       r"per request: ([\d.]+)x")  # fmt: skip
+    tokens, max_len, concurrency = int(size[1]), int(size[2]), float(size[3])
+    assert tokens == usable * 16
+    assert max_len == 200
+    assert concurrency == pytest.approx(tokens / max_len, abs=0.005)
+
+
+async def test_openai_client_against_the_real_engine(tcp_server):
+    import openai
+
+    port, _ = tcp_server
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
     try:
-        order = [
-            "non-default args: {",
-            "Initializing engine with config: ",
-            "Chunked prefill is enabled with max_num_batched_tokens=",
-            "Using max model len 200",
-            "Loading weights took",
-            "Model loading took",
-            "Available KV cache memory:",
-            "KV cache size:",
-            "CUDA graphs are off",
-            "init engine (profile, create kv cache, warmup model) took",
-            f"Starting aioinfer server on http://127.0.0.1:{port}",
-            "Ready in",
-        ]
-        positions = [next(i for i, line in enumerate(lines) if text in line) for text in order]
-        assert positions == sorted(positions)
-        usable = int(grab(lines, r"KV cache blocks: (\d+) usable").group(1))
-        size = grab(lines, r"KV cache size: (\d+) tokens, Maximum concurrency for (\d+) tokens "
-                           r"per request: ([\d.]+)x")  # fmt: skip
-        tokens, max_len, concurrency = int(size[1]), int(size[2]), float(size[3])
-        assert tokens == usable * 16
-        assert max_len == 200
-        assert concurrency == pytest.approx(tokens / max_len, abs=0.005)
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"http://127.0.0.1:{port}/health") as resp:
-                assert resp.status == 200
-            body = {"model": tiny_model_dir.name, "prompt": "Hello", "max_tokens": 3}
-            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-                assert resp.status == 200, await resp.text()
-                assert (await resp.json())["usage"]["completion_tokens"] <= 3
+        assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+        messages = [{"role": "user", "content": "Hello, world!"}]
+        whole = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=5
+        )
+        stream = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=5,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        pieces, usage = [], None
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+            usage = chunk.usage or usage
+        assert "".join(pieces) == whole.choices[0].message.content
+        assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(model="tiny", prompt="x", max_tokens=500)
+        assert "200" in str(err.value)
     finally:
-        assert stop_server(proc) == 0
+        await client.close()
+    url = f"http://127.0.0.1:{port}/metrics"
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        text = await resp.text()
+    assert "aioinfer:" in text and "generation_tokens" in text
 
 
 async def test_unix_socket(tiny_model_dir, tmp_path):
