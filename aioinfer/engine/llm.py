@@ -8,6 +8,7 @@ a single token's latency.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -103,6 +104,13 @@ class LLM:
         if not self._loop.is_closed():
             self._loop.run_until_complete(self.engine.shutdown())
             self._loop.close()
+
+    def __del__(self) -> None:
+        # Best effort for an LLM that was never shut down: stop the GPU thread and the loop.
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            with contextlib.suppress(Exception):
+                self.shutdown()
 
     def __enter__(self) -> LLM:
         return self

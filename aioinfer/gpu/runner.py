@@ -5,8 +5,10 @@ Everything here runs on the GPU thread (also when the device is the CPU).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ class RunnerInfo:
     max_num_batched_tokens: int
     num_blocks: int
     block_size: int
+    attention_backend: str
     eos_token_ids: tuple[int, ...]
     default_sampling: dict[str, Any]
     weights_load_seconds: float
@@ -112,7 +115,7 @@ class ModelRunner:
             seed=model_config.seed,
             max_logprobs=model_config.max_logprobs,
         )
-        self.attn_backend = None  # torch reference backend
+        self.attn_backend = select_attention_backend(model_config.attention_backend, self.device)
 
         bytes_per_block = (
             2 * self.block_size * self.num_kv_heads * self.head_dim
@@ -143,6 +146,7 @@ class ModelRunner:
             served_name=resolved.served_name,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=getattr(self.attn_backend, "name", "torch"),
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
@@ -155,18 +159,13 @@ class ModelRunner:
             model_load_seconds=time.perf_counter() - start,
             weights_gib=weights_bytes / GiB,
             available_kv_gib=available_kv / GiB,
-            graphs_off_reason=(
-                "enforce_eager is set" if model_config.enforce_eager
-                else "CUDA graphs need a CUDA device" if self.device.type != "cuda"
-                else "CUDA graphs are not implemented yet"
-            ),  # fmt: skip
+            graphs_off_reason=_graphs_off_reason(model_config, self.device),
         )
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.num_layers)
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
 
     # ----------------------------------------------------------------- one step
@@ -241,6 +240,35 @@ class ModelRunner:
             result.prompt_logprobs[chunk.request_id] = compute_prompt_logprobs(
                 logits, targets, num_top
             )
+
+
+def select_attention_backend(name: str, device: torch.device) -> Any:
+    """None selects the torch reference backend. `auto`: triton on CUDA (when installed), torch
+    elsewhere. Imported lazily: a kernel module imported without TRITON_INTERPRET=1 stays
+    compiled-only for the whole process."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and has_triton else "torch"
+    if name == "torch":
+        return None
+    if not has_triton:
+        raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 to run the "
+            "kernels slowly on the CPU)"
+        )
+    from aioinfer.model.layers.triton_attention import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+def _graphs_off_reason(model_config: ModelConfig, device: torch.device) -> str:
+    if model_config.enforce_eager:
+        return "enforce_eager is set"
+    if device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    return "CUDA graphs are not implemented yet"
 
 
 def _resolve_device(name: str) -> torch.device:
