@@ -19,6 +19,7 @@ import torch
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import memory
+from aioinfer.gpu.cuda_graphs import CudaGraphRunner
 from aioinfer.gpu.forward_context import forward_context
 from aioinfer.gpu.sampler import Sampler, compute_prompt_logprobs
 from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
@@ -115,6 +116,7 @@ class ModelRunner:
             seed=model_config.seed,
             max_logprobs=model_config.max_logprobs,
         )
+        self.graph_runner: CudaGraphRunner | None = None  # captured after the KV cache exists
         self.attn_backend = select_attention_backend(model_config.attention_backend, self.device)
 
         bytes_per_block = (
@@ -140,6 +142,19 @@ class ModelRunner:
                 f"--gpu-memory-utilization or --kv-cache-memory, or decrease --max-model-len."
             )
         self.kv_caches = self._allocate_kv_cache(num_blocks)
+        graph_seconds = graph_bytes = None
+        graphs_off = _graphs_off_reason(model_config, self.device, self.attn_backend)
+        if graphs_off is None:
+            self.graph_runner = CudaGraphRunner(
+                self.model,
+                self.kv_caches,
+                self.attn_backend,
+                self.max_num_seqs,
+                -(-self.max_model_len // self.block_size),
+                self.max_model_len,
+                self.device,
+            )
+            graph_seconds, graph_bytes = self.graph_runner.capture()
 
         gen = resolved.generation_config or {}
         self.info = RunnerInfo(
@@ -159,7 +174,9 @@ class ModelRunner:
             model_load_seconds=time.perf_counter() - start,
             weights_gib=weights_bytes / GiB,
             available_kv_gib=available_kv / GiB,
-            graphs_off_reason=_graphs_off_reason(model_config, self.device),
+            graph_capture_seconds=graph_seconds,
+            graph_memory_gib=None if graph_bytes is None else graph_bytes / GiB,
+            graphs_off_reason=graphs_off,
         )
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
@@ -174,8 +191,12 @@ class ModelRunner:
         # Decodes first: the attention backend batches the leading one-token requests.
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
         input_ids, positions, metadata = self.prepare_inputs(chunks)
-        with forward_context(metadata, self.kv_caches, self.attn_backend):
-            hidden = self.model(input_ids, positions)
+        graphs = self.graph_runner
+        if graphs is not None and metadata.decode_only and graphs.can_run(len(chunks)):
+            hidden = graphs.replay(input_ids, positions, metadata)
+        else:
+            with forward_context(metadata, self.kv_caches, self.attn_backend):
+                hidden = self.model(input_ids, positions)
         result = StepResult(plan.step_id)
         self._sample(chunks, hidden, metadata, result)
         self._prompt_logprobs(chunks, hidden, metadata, result)
@@ -263,12 +284,17 @@ def select_attention_backend(name: str, device: torch.device) -> Any:
     return TritonAttentionBackend()
 
 
-def _graphs_off_reason(model_config: ModelConfig, device: torch.device) -> str:
+def _graphs_off_reason(
+    model_config: ModelConfig, device: torch.device, attn_backend: Any
+) -> str | None:
+    """Why decode steps run eagerly, or None when CUDA graphs are captured."""
     if model_config.enforce_eager:
         return "enforce_eager is set"
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
-    return "CUDA graphs are not implemented yet"
+    if getattr(attn_backend, "name", "torch") != "triton":
+        return "the torch attention backend sizes its work on the host"
+    return None
 
 
 def _resolve_device(name: str) -> torch.device:
