@@ -167,6 +167,113 @@ def bench_throughput(
     run(model, num_prompts, input_len, output_len, vs, hf_batch_size, seed, result_file, options)
 
 
+@bench_app.command("serve")
+def bench_serve(
+    base_url: str = typer.Option("http://127.0.0.1:8000", help="Root URL of the server."),
+    model: str = typer.Option(None, help="Model to request (default: the server's first)."),
+    endpoint: str = typer.Option("completions", help="completions or chat."),
+    dataset: str = typer.Option("random", help="random or sharegpt-like."),
+    num_prompts: int = typer.Option(64, help="Number of requests."),
+    input_len: int = typer.Option(128, help="Prompt tokens (random dataset)."),
+    output_len: int = typer.Option(128, help="Output tokens (random dataset)."),
+    concurrency: int = typer.Option(None, help="Most requests in flight (default: no cap)."),
+    request_rate: float = typer.Option(
+        float("inf"), help="Requests per second, Poisson arrivals; inf sends all at once."
+    ),
+    seed: int = typer.Option(0, help="Seed of the prompts and the arrivals."),
+    result_file: str = typer.Option(None, help="Write the results as JSON here."),
+    api_key: str = typer.Option(None, envvar="OPENAI_API_KEY", help="Bearer token to send."),
+    ignore_eos: str = typer.Option(
+        "param", help="param: send ignore_eos and min_tokens; none: send neither."
+    ),
+    timeout: float = typer.Option(600.0, help="Seconds one request may take."),
+    tokenizer: str = typer.Option(
+        None, help="Tokenizer (hub id, folder or .gguf) for exact prompt token counts."
+    ),
+    warmup: int = typer.Option(1, help="Uncounted warm-up requests."),
+    allow_remote: bool = typer.Option(False, help="Allow a server that is not on loopback."),
+) -> None:
+    """Load an OpenAI-compatible server (aioinfer, vLLM, llama.cpp) as `vllm bench serve` does."""
+    from aioinfer.bench.serve import BenchError, ServeBenchConfig
+    from aioinfer.bench.serve import main as run
+
+    try:
+        config = ServeBenchConfig(
+            base_url=base_url,
+            model=model,
+            endpoint=endpoint,
+            dataset=dataset,
+            num_prompts=num_prompts,
+            input_len=input_len,
+            output_len=output_len,
+            concurrency=concurrency,
+            request_rate=request_rate,
+            seed=seed,
+            result_file=result_file,
+            api_key=api_key,
+            ignore_eos=ignore_eos,
+            timeout=timeout,
+            tokenizer=tokenizer,
+            allow_remote=allow_remote,
+            warmup=warmup,
+        )
+    except ValueError as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        result = run(config)
+    except BenchError as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if result["completed"] == 0:
+        raise typer.Exit(1)
+
+
+@bench_app.command("latency")
+def bench_latency(
+    model: str = typer.Argument("", help="Model (default: the bundled SmolLM2-135M-Instruct)."),
+    input_len: int = typer.Option(128, help="Prompt tokens (random ids) unless --prompt is given."),
+    output_len: int = typer.Option(128, help="Output tokens (at least 2)."),
+    prompt: str = typer.Option(None, help="Prompt text to use instead of random ids."),
+    num_iters: int = typer.Option(5, help="Measured iterations; medians are reported."),
+    num_iters_warmup: int = typer.Option(1, help="Uncounted iterations before them."),
+    seed: int = typer.Option(0, help="Seed of the random prompt."),
+    result_file: str = typer.Option(None, help="Write the results as JSON here."),
+    bandwidth_mib: int = typer.Option(1024, help="MiB copied to measure memory bandwidth."),
+    dtype: str = typer.Option("auto", help="Model dtype."),
+    device: str = typer.Option("auto", help="auto, cuda or cpu."),
+    max_model_len: int = typer.Option(None, help="Longest prompt plus output."),
+    kv_cache_memory: float = typer.Option(4.0, help="KV cache GiB on the CPU."),
+    load_format: str = typer.Option("auto", help="auto or dummy."),
+    enforce_eager: bool = typer.Option(False, help="Never capture CUDA graphs."),
+    enable_prefix_caching: bool = typer.Option(
+        False, help="Reuse the prompt's KV cache between iterations (skips the prefill)."
+    ),
+) -> None:
+    """Batch-1 TTFT and TPOT through LLM, beside the memory-bandwidth floor of a decode step."""
+    from aioinfer.bench.latency import main as run
+    from aioinfer.startup_log import setup_logging
+
+    setup_logging("WARNING")
+    options = {
+        "dtype": dtype,
+        "device": device,
+        "max_model_len": max_model_len,
+        "kv_cache_memory": kv_cache_memory,
+        "load_format": load_format,
+        "enforce_eager": enforce_eager,
+        "enable_prefix_caching": enable_prefix_caching,
+    }
+    try:
+        run(
+            model, input_len, output_len, num_iters, num_iters_warmup, prompt, seed,
+            result_file, options, bandwidth_mib,
+        )  # fmt: skip
+    except ValueError as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 # ----------------------------------------------------------------------------- serve --help
 
 
