@@ -274,6 +274,109 @@ def bench_latency(
         raise typer.Exit(2) from None
 
 
+# ----------------------------------------------------------------------------- clients
+
+
+def _config_option(name: str) -> Any:
+    """A typer.Option with the default and help text of the config field `name`."""
+    for _cls, f, _tp in _config_fields():
+        if f.name == name:
+            return typer.Option(f.default, help=f.metadata.get("help", ""))
+    raise KeyError(name)
+
+
+_URL_HELP = "URL of a running aioinfer server (or any OpenAI-compatible one)."
+_API_KEY_HELP = f"API key (default: the first key in ${API_KEY_ENV})."
+
+
+@app.command("chat")
+def chat(
+    url: str = typer.Option("http://127.0.0.1:8000", help=_URL_HELP),
+    api_key: str = typer.Option(None, help=_API_KEY_HELP),
+    model: str = typer.Option(None, help="Model (default: the first the server lists)."),
+    system: str = typer.Option(None, help="System prompt."),
+    max_tokens: int = typer.Option(None, help="Most tokens per reply (default: up to the limit)."),
+    temperature: float = typer.Option(None, help="Sampling temperature (default: the server's)."),
+) -> None:
+    """Chat with a running server: streamed replies, history kept.
+
+    /exit or Ctrl-D quits; /clear forgets the conversation.
+    """
+    from aioinfer.client import chat_main
+
+    raise typer.Exit(chat_main(url, api_key, model, system, max_tokens, temperature))
+
+
+@app.command("complete")
+def complete(
+    prompt: str = typer.Argument(..., help="The prompt; '-' reads it from stdin."),
+    url: str = typer.Option("http://127.0.0.1:8000", help=_URL_HELP),
+    api_key: str = typer.Option(None, help=_API_KEY_HELP),
+    model: str = typer.Option(None, help="Model (default: the first the server lists)."),
+    max_tokens: int = typer.Option(256, help="Most tokens to generate."),
+    temperature: float = typer.Option(None, help="Sampling temperature (default: the server's)."),
+) -> None:
+    """Stream the completion of one prompt (plain text, no chat template)."""
+    from aioinfer.client import complete_main
+
+    raise typer.Exit(complete_main(prompt, url, api_key, model, max_tokens, temperature))
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@app.command("plan")
+def plan(
+    model: str = typer.Argument("", help="Model (default: the bundled SmolLM2-135M-Instruct)."),
+    gpu_memory: float = typer.Option(
+        None, help="Plan for a GPU with this many GiB (default: the local GPU; none: the CPU)."
+    ),
+    non_torch_memory: float = typer.Option(
+        None, help="GiB used outside torch (default: measured on the local GPU, else 0.5)."
+    ),
+    json_output: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    revision: str = _config_option("revision"),
+    served_model_name: str = _config_option("served_model_name"),
+    dtype: str = _config_option("dtype"),
+    device: str = _config_option("device"),
+    max_model_len: int = _config_option("max_model_len"),
+    block_size: int = _config_option("block_size"),
+    gpu_memory_utilization: float = _config_option("gpu_memory_utilization"),
+    kv_cache_memory: float = _config_option("kv_cache_memory"),
+    num_gpu_blocks_override: int = _config_option("num_gpu_blocks_override"),
+    max_num_seqs: int = _config_option("max_num_seqs"),
+    max_num_batched_tokens: int = _config_option("max_num_batched_tokens"),
+) -> None:
+    """Predict serve's memory numbers without loading weights.
+
+    Weights, KV cache size and maximum concurrency as `serve MODEL` would print them. Exit code 1:
+    serve would refuse these settings.
+    """
+    from aioinfer.plan import plan_main
+
+    flags = {
+        "revision": revision,
+        "served_model_name": served_model_name,
+        "dtype": dtype,
+        "device": device,
+        "max_model_len": max_model_len,
+        "block_size": block_size,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "kv_cache_memory": kv_cache_memory,
+        "num_gpu_blocks_override": num_gpu_blocks_override,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+    }
+    code = plan_main(
+        model,
+        gpu_memory=gpu_memory,
+        non_torch_memory=non_torch_memory,
+        as_json=json_output,
+        **flags,
+    )
+    raise typer.Exit(code)
+
+
 # ----------------------------------------------------------------------------- serve --help
 
 

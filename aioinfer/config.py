@@ -81,10 +81,21 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = _opt(
         None, "Token budget of one step (default: by device; larger for the offline LLM)."
     )
-    max_queued_requests: int | None = _opt(None, "Most waiting requests; beyond it a 503.")
+    max_queued_requests: int | None = _opt(
+        None,
+        "Most waiting sequences (a request with n > 1 counts n); beyond it a 503 with "
+        "Retry-After, before any tokenization work (default: no limit).",
+    )
+    queue_timeout: float | None = _opt(
+        None,
+        "Seconds a request may wait for its first step; beyond it the request is dropped "
+        "with a 503 (default: no limit).",
+    )
 
     def __post_init__(self) -> None:
-        _check_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests")
+        _check_positive(
+            self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "queue_timeout"
+        )
 
 
 @dataclass(frozen=True)
@@ -93,12 +104,35 @@ class ServerConfig:
     port: int = _opt(8000, "Port to listen on.")
     uds: str | None = _opt(None, "Listen on this Unix socket instead of host:port.")
     api_key: tuple[str, ...] = _opt((), "Accepted API key (repeatable; also AIOINFER_API_KEY).")
-    shutdown_timeout: float = _opt(10.0, "Seconds in-flight requests may finish after SIGTERM.")
+    shutdown_timeout: float = _opt(
+        10.0,
+        "Seconds in-flight requests may finish after SIGTERM (new ones get 503); the rest end "
+        "with finish_reason 'abort'.",
+    )
     log_stats_interval: float = _opt(10.0, "Seconds between throughput log lines (0: off).")
+    sse_keep_alive_interval: float = _opt(
+        15.0, "Seconds between SSE ': keep-alive' comments while a stream waits (0: off)."
+    )
+    stream_write_timeout: float = _opt(
+        30.0,
+        "Seconds a write to a client that stopped reading may block before its request is "
+        "aborted and the connection closed.",
+    )
+    log_requests: bool = _opt(
+        False, "Log one line per generation request: id, status, token counts, latency."
+    )
+    log_prompts: bool = _opt(
+        False,
+        "With --log-requests, add the prompt and output text to the log (off: never logged).",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("shutdown_timeout", "log_stats_interval", "sse_keep_alive_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        _check_positive(self, "stream_write_timeout")
 
 
 CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ServerConfig)

@@ -2,7 +2,8 @@
 
 Each run spawns the server on a free loopback port and times, from just before the spawn:
 
-    health   the first 200 from GET /health (polled every POLL_SECONDS)
+    listen   the first answer of any status from GET /health (polled every POLL_SECONDS)
+    health   the first 200 from GET /health
     first    the first completed request: GET /v1/models for the name, then a 1-token completion
 
 The server's startup log gives the phases beside them (`weights`, `init engine`, `ready`, and
@@ -36,12 +37,18 @@ from typing import Any
 POLL_SECONDS = 0.02
 STOP_SECONDS = 30.0
 HOST = "127.0.0.1"
-# Phase name -> the startup log line that gives its seconds.
+# Phase name -> the startup log line that gives its seconds, in start-up order. Lines a server
+# does not print leave their column out of the table.
 PHASE_PATTERNS = {
+    "import": re.compile(r"Imports took ([\d.]+) seconds"),
     "convert": re.compile(r"converted \S+ in ([\d.]+) s"),
+    "resolve": re.compile(r"Resolving the model took ([\d.]+) seconds"),
+    "tokenizer": re.compile(r"Loading the tokenizer took ([\d.]+) seconds"),
     "weights": re.compile(r"Loading weights took ([\d.]+) seconds"),
-    "init engine": re.compile(r"init engine .*? took ([\d.]+) seconds"),
+    "profiling": re.compile(r"Memory profiling took ([\d.]+) seconds"),
+    "kv cache": re.compile(r"Allocating the KV cache took ([\d.]+) seconds"),
     "graphs": re.compile(r"Graph capturing finished in ([\d.]+) secs"),
+    "init engine": re.compile(r"init engine .*? took ([\d.]+) seconds"),
     "ready": re.compile(r"Ready in ([\d.]+) s"),
 }
 _LOG_TAIL_LINES = 30
@@ -54,6 +61,7 @@ class StartupRun:
     server: str
     health_s: float | None = None
     first_request_s: float | None = None
+    listen_s: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
@@ -78,6 +86,7 @@ class StartupSummary:
         return {
             "server": self.server,
             "command": self.command,
+            "median_listen_s": self.median("listen_s"),
             "median_health_s": self.median("health_s"),
             "median_first_request_s": self.median("first_request_s"),
             "median_phases": {p: self.median_phase(p) for p in PHASE_PATTERNS},
@@ -141,7 +150,7 @@ def measure_start(
         )
         try:
             deadline = start + timeout
-            _wait_healthy(proc, base, deadline)
+            run.listen_s = _wait_healthy(proc, base, deadline) - start
             run.health_s = time.perf_counter() - start
             _first_completion(base, deadline)
             run.first_request_s = time.perf_counter() - start
@@ -158,16 +167,23 @@ def measure_start(
     return run
 
 
-def _wait_healthy(proc: subprocess.Popen[Any], base: str, deadline: float) -> None:
+def _wait_healthy(proc: subprocess.Popen[Any], base: str, deadline: float) -> float:
+    """Poll /health until it answers 200; returns when it first answered at all."""
+    answered: float | None = None
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode} before /health")
         try:
             with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                now = time.perf_counter()
                 if response.status == 200:
-                    return
+                    return answered if answered is not None else now
+        except urllib.error.HTTPError:  # 503 while loading: listening already
+            now = time.perf_counter()
         except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass  # not listening yet, or 503 while loading
+            now = None  # not listening yet
+        if answered is None and now is not None:
+            answered = now
         if time.perf_counter() > deadline:
             raise RuntimeError("timed out waiting for /health")
         time.sleep(POLL_SECONDS)
@@ -245,13 +261,14 @@ def render_table(summaries: list[StartupSummary], title: str) -> Any:
 
     phases = [p for p in PHASE_PATTERNS if any(s.median_phase(p) is not None for s in summaries)]
     table = Table(title=title)
-    for header in ("server", "ok", "health", "1st completion", *phases):
+    for header in ("server", "ok", "listen", "health", "1st completion", *phases):
         table.add_column(header, justify="left" if header == "server" else "right")
     for summary in summaries:
         ok = sum(r.error is None for r in summary.runs)
         table.add_row(
             summary.server,
             f"{ok}/{len(summary.runs)}",
+            _fmt(summary.median("listen_s")),
             _fmt(summary.median("health_s")),
             _fmt(summary.median("first_request_s")),
             *(_fmt(summary.median_phase(p)) for p in phases),

@@ -23,7 +23,12 @@ from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import RequestUpdate, Scheduler
 from aioinfer.engine.step_loop import StepLoop
-from aioinfer.engine.stream import EngineDeadError, RequestStream
+from aioinfer.engine.stream import (
+    EngineDeadError,
+    EngineOverloadedError,
+    QueueTimeoutError,
+    RequestStream,
+)
 from aioinfer.gpu.thread import GpuThread
 
 logger = logging.getLogger(__name__)
@@ -38,13 +43,27 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
-    aborted: int = 0
+    aborted: int = 0  # requests (not sequences) that ended early, all reasons together
+    aborted_by_reason: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, int] = field(default_factory=dict)  # refused at admission, by reason
 
 
 @dataclass
 class _Child:
     stream: RequestStream
     index: int
+
+
+@dataclass
+class _Parent:
+    """One request of the API: its stream and the ids of its n sequences in the scheduler."""
+
+    stream: RequestStream
+    child_ids: list[str]
+
+
+def _count(counter: dict[str, int], key: str) -> None:
+    counter[key] = counter.get(key, 0) + 1
 
 
 class AsyncEngine:
@@ -73,7 +92,8 @@ class AsyncEngine:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.default_sampling: dict[str, Any] = {}  # from the model's generation_config.json
         self._children: dict[str, _Child] = {}
-        self._parents: dict[str, list[str]] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._died = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._step_loop: StepLoop | None = None
         self.dead_error: BaseException | None = None
@@ -121,14 +141,15 @@ class AsyncEngine:
             max_num_seqs=self.info.max_num_seqs,
             max_num_batched_tokens=self.info.max_num_batched_tokens,
         )
-        self._step_loop = StepLoop(self.scheduler, self.gpu, self._fan_out, self._die)
+        self._step_loop = StepLoop(
+            self.scheduler, self.gpu, self._fan_out, self._die, before_step=self.expire_queued
+        )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop.run())
         self.ready = True
 
     async def shutdown(self) -> None:
         """Abort whatever runs, stop the step loop and the GPU thread."""
-        for request_id in list(self._parents):
-            self.abort(request_id)
+        self.abort_all("shutdown")
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -151,6 +172,12 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._parents)
+
+    async def wait_dead(self) -> BaseException:
+        """Returns the error once the engine died (the step loop failed)."""
+        await self._died.wait()
+        assert self.dead_error is not None
+        return self.dead_error
 
     # ----------------------------------------------------------------- requests
 
@@ -204,6 +231,29 @@ class AsyncEngine:
             if not stream.taken_final:
                 self.abort(stream.request_id)
 
+    def check_admission(self, num_sequences: int) -> None:
+        """Admission control, the one place it is enforced: raises EngineOverloadedError when
+        `num_sequences` more waiting sequences would exceed --max-queued-requests, ValueError
+        when they never could. It only reads counters, so callers run it before any
+        tokenization; with no await between it and add_request the two are one atomic step."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        limit = self.scheduler_config.max_queued_requests
+        if limit is None or self.scheduler is None:
+            return
+        if num_sequences > limit:
+            raise ValueError(
+                f"n must be <= {limit} (--max-queued-requests) counted over all prompts of the "
+                f"request, got {num_sequences} sequences"
+            )
+        waiting = self.scheduler.num_waiting
+        if waiting + num_sequences > limit:
+            _count(self.stats.rejected, "queue_full")
+            raise EngineOverloadedError(
+                f"The server is overloaded: {waiting} sequences are waiting and the limit is "
+                f"{limit} (--max-queued-requests); retry later"
+            )
+
     def add_request(
         self,
         prompt_token_ids: list[int],
@@ -211,6 +261,8 @@ class AsyncEngine:
         request_id: str | None = None,
         prompt: str | None = None,
     ) -> RequestStream:
+        """Admit one request (all n sequences) to the scheduler; raises ValueError for what
+        does not fit this model, EngineDeadError once the engine died."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
         assert self.scheduler is not None, "engine not started"
@@ -237,25 +289,73 @@ class AsyncEngine:
             self.scheduler.add(request)
             self._children[child_id] = _Child(stream, index)
             child_ids.append(child_id)
-        self._parents[request_id] = child_ids
+        self._parents[request_id] = _Parent(stream, child_ids)
         self.stats.prompt_tokens += len(prompt_token_ids) * params.n
         assert self._step_loop is not None
         self._step_loop.notify()
         return stream
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request (all its sequences) in any state; idempotent. Its blocks return to
-        the pool before the next step. Returns whether anything was aborted."""
-        child_ids = self._parents.pop(request_id, None)
-        if child_ids is None or self.scheduler is None:
+    def abort(
+        self, request_id: str, reason: str = "abort", error: BaseException | None = None
+    ) -> bool:
+        """The one way a request ends early: every path (client gone, write timeout, queue
+        timeout, shutdown, a failed handler) comes here. Aborts all n sequences in any state
+        and frees their blocks at once, so the next step sees them in the pool. Idempotent:
+        only the first call for an unfinished request counts (under `reason`) and returns True.
+        The consumer sees finish_reason "abort" on each unfinished sequence, or `error`."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None or self.scheduler is None:
             return False
-        for child_id in child_ids:
+        for child_id in parent.child_ids:
             child = self._children.pop(child_id, None)
             request = self.scheduler.abort(child_id)
-            if child is not None and request is not None:
+            if child is not None and request is not None and error is None:
                 child.stream.put(child.index, "", [], None, None, "abort")
+        if error is not None:
+            parent.stream.fail(error)
         self.stats.aborted += 1
+        _count(self.stats.aborted_by_reason, reason)
         return True
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every unfinished request; returns how many there were."""
+        return sum(self.abort(request_id, reason) for request_id in list(self._parents))
+
+    def expire_queued(self, now: float | None = None) -> int:
+        """Drop requests that waited longer than --queue-timeout without ever being scheduled
+        (their consumers get QueueTimeoutError); returns how many. Runs before each step."""
+        timeout = self.scheduler_config.queue_timeout
+        if timeout is None or self.scheduler is None or not self.scheduler.waiting:
+            return 0
+        now = time.monotonic() if now is None else now
+        expired: dict[str, float] = {}
+        for request in self.scheduler.waiting:
+            if not _never_started(request):
+                continue  # preempted requests come first: they already produced output
+            waited = now - request.arrival_time
+            if waited < timeout:
+                break  # never-started requests wait in arrival order
+            child = self._children.get(request.request_id)
+            if child is not None:
+                expired.setdefault(child.stream.request_id, waited)
+        count = 0
+        for request_id, waited in expired.items():
+            if not self._all_never_started(request_id):
+                continue  # a sibling of n > 1 already runs: the request has started
+            error = QueueTimeoutError(
+                f"The request waited {waited:.1f} s in the queue, longer than the server's "
+                f"limit of {timeout:g} s (--queue-timeout); retry later"
+            )
+            count += self.abort(request_id, "queue_timeout", error)
+        return count
+
+    def _all_never_started(self, request_id: str) -> bool:
+        assert self.scheduler is not None
+        requests = self.scheduler.requests
+        return all(
+            _never_started(requests.get(child_id))
+            for child_id in self._parents[request_id].child_ids
+        )
 
     def _make_detokenizer(
         self, prompt_token_ids: list[int], params: SamplingParams
@@ -280,6 +380,11 @@ class AsyncEngine:
             if token >= vocab:
                 raise ValueError(
                     f"logit_bias token id {token} is outside the vocabulary [0, {vocab})"
+                )
+        for token in params.stop_token_ids or ():
+            if token >= vocab:
+                raise ValueError(
+                    f"stop_token_ids token id {token} is outside the vocabulary [0, {vocab})"
                 )
 
     # ----------------------------------------------------------------- step-loop callbacks
@@ -316,10 +421,21 @@ class AsyncEngine:
     def _die(self, error: BaseException) -> None:
         self.dead_error = error
         failure = EngineDeadError(f"engine failed: {error!r}")
-        for child in self._children.values():
-            child.stream.fail(failure)
+        for parent in self._parents.values():
+            parent.stream.fail(failure)
         self._children.clear()
         self._parents.clear()
+        self._died.set()
+
+
+def _never_started(request: Request | None) -> bool:
+    """Waiting for its first step: nothing computed, nothing produced, never preempted."""
+    return (
+        request is not None
+        and request.num_computed_tokens == 0
+        and request.num_preemptions == 0
+        and request.num_output_tokens == 0
+    )
 
 
 def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:

@@ -25,11 +25,14 @@ class StepLoop:
         gpu: GpuThread,
         on_updates: Callable[[list[RequestUpdate]], None],
         on_fatal: Callable[[BaseException], None],
+        before_step: Callable[[], object] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.gpu = gpu
         self.on_updates = on_updates
         self.on_fatal = on_fatal
+        # Runs before each plan is built (e.g. dropping requests that waited too long).
+        self.before_step = before_step
         self.wakeup = asyncio.Event()
         self.num_steps = 0
         self.busy_seconds = 0.0
@@ -54,6 +57,10 @@ class StepLoop:
             self.on_fatal(exc)
 
     async def step(self) -> None:
+        if self.before_step is not None:
+            self.before_step()
+            if not self.scheduler.has_work():
+                return
         plan = self.scheduler.schedule()
         if not plan.chunks:
             # Everything left is waiting for blocks that running requests hold: yield a tick.

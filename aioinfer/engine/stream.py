@@ -7,6 +7,7 @@ queued, so memory stays bounded by one pending delta per sequence.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
 from aioinfer.core.step import TokenLogprobs
@@ -14,6 +15,14 @@ from aioinfer.core.step import TokenLogprobs
 
 class EngineDeadError(RuntimeError):
     """The engine failed (e.g. the forward pass raised); every in-flight request gets this."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Admitting the request would exceed --max-queued-requests; nothing was admitted."""
+
+
+class QueueTimeoutError(RuntimeError):
+    """The request waited longer than --queue-timeout for its first step and was dropped."""
 
 
 class RequestStream:
@@ -72,6 +81,15 @@ class RequestStream:
     async def get(self) -> RequestOutput:
         """The deltas since the last get, merged. Raises the engine's error, if any."""
         await self._ready.wait()
+        return self._take()
+
+    async def get_within(self, timeout: float | None) -> RequestOutput | None:
+        """Like get(), but None when `timeout` seconds pass with nothing new (None: no limit)."""
+        if timeout is not None and not await wait_event(self._ready, timeout):
+            return None
+        return await self.get()
+
+    def _take(self) -> RequestOutput:
         if self._error is not None:
             raise self._error
         self._ready.clear()
@@ -89,3 +107,29 @@ class RequestStream:
             prompt_logprobs,
             self.num_cached_tokens,
         )
+
+
+if sys.version_info >= (3, 11):
+
+    async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+        """Whether `event` was set within `timeout` seconds. A timer, not a task, per wait."""
+        if event.is_set():
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await event.wait()
+        except TimeoutError:
+            return False
+        return True
+
+else:
+
+    async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+        """Whether `event` was set within `timeout` seconds."""
+        if event.is_set():
+            return True
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True

@@ -2,11 +2,13 @@
 
 Where the tokenizer comes from:
 
-    --tokenizer given          AutoTokenizer of that hub id or folder
+    --tokenizer given          that hub id or folder (a folder as below)
     a .gguf checkpoint         AutoTokenizer(folder, gguf_file=...): vocabulary, merges, special
                                tokens and chat template are all rebuilt from the GGUF metadata
-    a folder with tokenizer    AutoTokenizer(folder)
-    files (hub snapshot too)
+                               (a GGUF from the converted-model cache is a folder, below)
+    a folder with tokenizer    its tokenizer.json as it is, when tokenizer_config.json names the
+    files (hub snapshot too)   plain fast class: built directly (`plain_tokenizer`); otherwise
+                               AutoTokenizer(folder), which knows each model-specific class
     a bundled config           no tokenizer files exist, so `fallback_tokenizer` builds one: each
     (--load-format dummy)      UTF-8 byte is one token (ids 0-255), every other id up to the
                                model's vocab_size decodes to a placeholder "<|tok_N|>", the
@@ -15,15 +17,18 @@ Where the tokenizer comes from:
                                runs (benchmarks, memory checks) work end to end; its text is
                                meaningless.
 
-Only fast (Rust) tokenizers are returned. This module imports no torch itself.
+Only fast (Rust) tokenizers are returned, and chat templates are always rendered by transformers'
+own `apply_chat_template`, so prompts match what transformers builds. This module imports no torch
+itself.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -32,6 +37,17 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 )
 _NUM_BYTES = 256
+# tokenizer_config.json classes that mean "tokenizer.json as it is"; model-specific classes
+# rebuild or patch the backend, so only AutoTokenizer loads them correctly.
+PLAIN_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+# Files whose legacy merge rules only AutoTokenizer applies.
+_LEGACY_FILES = ("special_tokens_map.json", "added_tokens.json", "additional_chat_templates")
+# tokenizer_config.json entries that are loader bookkeeping, not tokenizer arguments; BOS/EOS
+# flags are ignored next to a tokenizer.json (its post-processor decides), as transformers does.
+_NOT_ARGUMENTS = (
+    "tokenizer_class", "name_or_path", "is_local", "local_files_only", "add_bos_token",
+    "add_eos_token",
+)  # fmt: skip
 
 
 class TokenizerSource(Protocol):
@@ -54,12 +70,13 @@ def load_tokenizer(
     `tokenizer` (hub id or folder) replaces the model's tokenizer.
     """
     if tokenizer:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
+        path = Path(tokenizer).expanduser()
+        tok = _folder_tokenizer(path) if path.is_dir() else AutoTokenizer.from_pretrained(tokenizer)
     elif resolved.gguf_file is not None:
         path = Path(resolved.gguf_file)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     elif any((Path(resolved.folder) / name).is_file() for name in TOKENIZER_FILES):
-        tok = AutoTokenizer.from_pretrained(str(resolved.folder))
+        tok = _folder_tokenizer(Path(resolved.folder))
     else:
         tok = fallback_tokenizer(resolved.hf_config)
     if not tok.is_fast:
@@ -68,6 +85,73 @@ def load_tokenizer(
     if template is not None:
         tok.chat_template = template
     return tok
+
+
+def plain_tokenizer(folder: Path) -> PreTrainedTokenizerFast | None:
+    """The folder's tokenizer.json with the special tokens and chat template of its
+    tokenizer_config.json, built directly: what AutoTokenizer builds for a plain fast class, in
+    less time (no class lookup, no search for a dozen optional files).
+
+    None when the folder needs AutoTokenizer: a model-specific class, remote code, legacy
+    special-token files, several chat templates.
+    """
+    tokenizer_file = folder / "tokenizer.json"
+    config_file = folder / "tokenizer_config.json"
+    if not (tokenizer_file.is_file() and config_file.is_file()):
+        return None
+    with config_file.open(encoding="utf-8") as f:
+        config = json.load(f)
+    if (
+        not isinstance(config, dict)
+        or config.get("tokenizer_class") not in PLAIN_TOKENIZER_CLASSES
+        or config.get("auto_map")
+        or config.get("init_inputs")
+        or any((folder / name).exists() for name in _LEGACY_FILES)
+    ):
+        return None
+    kwargs = {k: v for k, v in config.items() if k not in (*_NOT_ARGUMENTS, "init_inputs")}
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        kwargs["chat_template"] = template.read_text(encoding="utf-8")
+    _special_token_arguments(kwargs)
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_file),
+        name_or_path=str(folder),
+        is_local=True,
+        local_files_only=False,
+        **kwargs,
+    )
+
+
+def _special_token_arguments(kwargs: dict[str, Any]) -> None:
+    """Rewrite tokenizer_config.json's special-token entries in place the way transformers'
+    `from_pretrained` hands them to the class."""
+    if "additional_special_tokens" in kwargs and not kwargs.get("extra_special_tokens"):
+        kwargs["extra_special_tokens"] = kwargs.pop("additional_special_tokens")
+    named = set(PreTrainedTokenizerFast.SPECIAL_TOKENS_ATTRIBUTES)
+    specific = {
+        key: kwargs.pop(key)
+        for key in list(kwargs)
+        if key not in named and key.endswith("_token") and isinstance(kwargs[key], str)
+    }
+    if isinstance(kwargs.get("extra_special_tokens"), dict):
+        specific.update(kwargs.pop("extra_special_tokens"))
+    if specific:
+        kwargs["model_specific_special_tokens"] = specific
+    decoder = {
+        int(index): AddedToken(**token) if isinstance(token, dict) else token
+        for index, token in (kwargs.pop("added_tokens_decoder", None) or {}).items()
+    }
+    kwargs["added_tokens_decoder"] = decoder
+    kwargs.update(PreTrainedTokenizerFast.convert_added_tokens(kwargs, save=False))
+    by_text = {str(token): token for token in decoder.values()}
+    for key in named:
+        if kwargs.get(key) is not None and str(kwargs[key]) in by_text:
+            kwargs[key] = by_text[str(kwargs[key])]
+
+
+def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    return plain_tokenizer(folder) or AutoTokenizer.from_pretrained(str(folder))
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -37,9 +37,10 @@ EngineFactory = Callable[[], Awaitable["AsyncEngine"]]
 EngineProvider = Union["AsyncEngine", EngineFactory]
 # Called once when the engine fails to start or dies: the CLI exits non-zero from there.
 FatalCallback = Callable[[BaseException], None]
-DEATH_CHECK_INTERVAL = 1.0  # seconds
+ABORT_GRACE = 2.0  # seconds for handlers to write the final chunk of an aborted request
+DRAIN_POLL = 0.02  # seconds
 
-__all__ = ["STATE", "ServerState", "create_app", "wait_for_engine"]
+__all__ = ["STATE", "ServerState", "create_app", "drain", "wait_for_engine"]
 
 
 def create_app(
@@ -123,13 +124,10 @@ async def _create_engine(
 
 
 async def _watch_for_death(state: ServerState, on_fatal: FatalCallback) -> None:
-    """The engine fails requests itself; this tells the process, so it can exit."""
-    while True:
-        await asyncio.sleep(DEATH_CHECK_INTERVAL)
-        engine = state.engine
-        if engine is not None and engine.dead_error is not None:
-            on_fatal(engine.dead_error)
-            return
+    """The engine fails requests itself; this tells the process at once, so it can exit."""
+    await state.ready.wait()
+    if state.engine is not None:
+        on_fatal(await state.engine.wait_dead())
 
 
 async def _watcher_context(app: web.Application) -> AsyncIterator[None]:
@@ -144,3 +142,28 @@ async def _start_draining(app: web.Application) -> None:
     """On shutdown: /health turns 503 and new requests are refused while in-flight ones finish
     (up to the runner's shutdown_timeout); the cleanup then aborts what is left."""
     app[STATE].draining = True
+
+
+async def drain(app: web.Application, timeout: float, grace: float = ABORT_GRACE) -> int:
+    """Graceful shutdown while the socket still listens: /health and new requests answer 503
+    at once; in-flight generation requests get `timeout` seconds to finish; then the engine
+    aborts the rest, which end with finish_reason "abort", and their handlers get `grace`
+    seconds to write that. Returns how many requests were aborted."""
+    state = app[STATE]
+    state.draining = True
+    if await _wait_idle(state, timeout):
+        return 0
+    aborted = state.engine.abort_all("shutdown") if state.engine is not None else 0
+    await _wait_idle(state, grace)
+    return aborted
+
+
+async def _wait_idle(state: ServerState, timeout: float) -> bool:
+    """Whether every generation request was answered within `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while state.in_flight > 0:
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(DRAIN_POLL)
+    return True

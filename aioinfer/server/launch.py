@@ -1,9 +1,10 @@
 """`aioinfer serve`: bind the port at once, build the engine behind it, serve until a signal.
 
 The socket is listening (and /health answers 503) while weights load, so a load balancer sees
-the truth from the first second. SIGTERM or SIGINT drains: /health turns 503, new requests are
-refused, in-flight ones get `shutdown_timeout` seconds, the rest are aborted; exit code 0.
-An engine that fails to start or dies exits the process with code 1.
+the truth from the first second. SIGTERM or SIGINT drains while the socket still listens:
+/health and new requests answer 503, in-flight requests get `shutdown_timeout` seconds, the
+rest end with finish_reason "abort"; exit code 0. An engine that fails to start or dies fails
+its requests at once and exits the process with code 1, without draining.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from aioinfer.startup_log import (
 )
 
 logger = logging.getLogger("aioinfer")
+
+# aiohttp's own shutdown wait, after the drain: only handlers that ignored the abort are left.
+RUNNER_SHUTDOWN_TIMEOUT = 2.0
 
 
 def server_address(config: ServerConfig) -> str:
@@ -66,7 +70,7 @@ async def _serve(
     started_at: float | None,
 ) -> int:
     from aioinfer.engine.async_engine import AsyncEngine
-    from aioinfer.server.app import create_app
+    from aioinfer.server.app import create_app, drain
 
     started_at = started_at if started_at is not None else time.perf_counter()
     stop = asyncio.Event()
@@ -90,9 +94,7 @@ async def _serve(
         stop.set()
 
     app = create_app(build_engine, server_config, on_fatal=on_fatal)
-    runner = web.AppRunner(
-        app, handle_signals=False, shutdown_timeout=server_config.shutdown_timeout
-    )
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=RUNNER_SHUTDOWN_TIMEOUT)
     await runner.setup()
     site: web.BaseSite
     if server_config.uds:
@@ -109,8 +111,13 @@ async def _serve(
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        logger.info("Shutting down: draining in-flight requests (up to %.0f s)",
-                    server_config.shutdown_timeout)  # fmt: skip
+        if exit_code == 0:
+            logger.info("Shutting down: draining in-flight requests (up to %g s)",
+                        server_config.shutdown_timeout)  # fmt: skip
+            aborted = await drain(app, server_config.shutdown_timeout)
+            if aborted:
+                logger.info("Aborted %d requests still running after %g s", aborted,
+                            server_config.shutdown_timeout)  # fmt: skip
     finally:
         for task in background:
             task.cancel()

@@ -71,6 +71,28 @@ class EngineCollector(Collector):
         for reason, count in sorted(engine.stats.finished.items()):
             finished.add_metric([*name, reason], float(count))
         yield finished
+        yield _by_reason(
+            "request_aborted",
+            "Requests ended early (once each), by reason: client_disconnect, write_timeout, "
+            "queue_timeout, shutdown, cancelled, error, rejected.",
+            name,
+            engine.stats.aborted_by_reason,
+        )
+        yield _by_reason(
+            "request_rejected",
+            "Requests refused at admission, by reason (queue_full).",
+            name,
+            engine.stats.rejected,
+        )
+
+
+def _by_reason(
+    metric: str, doc: str, name: list[str], counts: dict[str, int]
+) -> CounterMetricFamily:
+    counter = CounterMetricFamily(PREFIX + metric, doc, labels=(*_LABELS, "reason"))
+    for reason, count in sorted(counts.items()):
+        counter.add_metric([*name, reason], float(count))
+    return counter
 
 
 class ServerMetrics:

@@ -10,6 +10,7 @@ response schemas. The builders at the end turn engine outputs into those dicts.
 
 from __future__ import annotations
 
+import reprlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from aioinfer.core.step import TokenLogprobs
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 _MAX_REPORTED_ERRORS = 3
 _MAX_INPUT_REPR = 80
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, _MAX_INPUT_REPR, _MAX_INPUT_REPR
 
 TokenText = Callable[[int], str]
 _M = TypeVar("_M", bound="OpenAIRequest")
@@ -362,6 +365,17 @@ class CompletionResponse(TypedDict):
     usage: NotRequired[UsageInfo | None]
 
 
+class CompletionChunk(TypedDict):
+    """One SSE chunk of a streamed completion: usage only with stream_options."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: NotRequired[UsageInfo | None]
+
+
 class TopLogprob(TypedDict):
     token: str
     logprob: float | None
@@ -503,7 +517,7 @@ def format_loc(loc: Sequence[int | str]) -> str:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    text = _REPR.repr(value)  # bounded work, whatever the size or depth of the value
     if len(text) > _MAX_INPUT_REPR:
         text = text[: _MAX_INPUT_REPR - 3] + "..."
     return f"{text} ({_json_type(value)})"
@@ -915,8 +929,12 @@ _ERROR_CODES = {
     "400": "Invalid request",
     "401": "Missing or wrong API key",
     "404": "Unknown model",
-    "503": "Engine not ready",
+    "503": "Engine not ready, shutting down, or queue full (with Retry-After)",
 }
+# Only where a body is read, or the engine generates.
+_OPEN: dict[str, Any] = {"security": []}
+_BODY_ERROR_CODES = {"413": "Body over the size limit"}
+_GENERATION_ERROR_CODES = {"500": "The engine failed while generating"}
 
 
 def openapi_document(version: str) -> dict[str, Any]:
@@ -935,40 +953,83 @@ def openapi_document(version: str) -> dict[str, Any]:
     def body(kind: Any) -> dict[str, Any]:
         return {"required": True, "content": {_JSON: {"schema": ref(kind, "validation")}}}
 
-    def ok(kind: Any | None, media: str = _JSON, stream: bool = False) -> dict[str, Any]:
+    def events(chunk: Any) -> dict[str, Any]:
+        """Each SSE event (OpenAPI 3.1: the schema describes one event): its data is a chunk,
+        an in-band error, or the final [DONE]."""
+        json_data = {
+            "contentMediaType": _JSON,
+            "contentSchema": {
+                "anyOf": [ref(chunk, "serialization"), ref(ErrorResponse, "serialization")]
+            },
+        }
+        data = {"type": "string", "if": {"const": "[DONE]"}, "else": json_data}
+        return {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}
+
+    def ok(kind: Any | None, media: str = _JSON, stream: Any = None) -> dict[str, Any]:
+        """Responses of an operation; `stream` is the chunk type when it can stream."""
         responses: dict[str, Any] = {"200": {"description": "OK"}}
         if kind is not None:
             content = {media: {"schema": ref(kind, "serialization")}}
-            if stream:
-                content["text/event-stream"] = {"schema": {"type": "string"}}
+            if stream is not None:
+                content["text/event-stream"] = events(stream)
             responses["200"]["content"] = content
+        codes = dict(_ERROR_CODES)
+        if stream is not None:
+            codes.update(_GENERATION_ERROR_CODES)
         error = {_JSON: {"schema": ref(ErrorResponse, "serialization")}}
-        for code, text in _ERROR_CODES.items():
+        for code, text in codes.items():
             responses[code] = {"description": text, "content": error}
         return responses
 
-    def op(summary: str, responses: dict[str, Any], request: Any = None) -> dict[str, Any]:
+    def op(
+        summary: str,
+        responses: dict[str, Any],
+        request: Any = None,
+        parameters: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         operation: dict[str, Any] = {"summary": summary, "responses": responses}
         if request is not None:
             operation["requestBody"] = body(request)
+            error = {_JSON: {"schema": ref(ErrorResponse, "serialization")}}
+            for code, text in _BODY_ERROR_CODES.items():
+                responses[code] = {"description": text, "content": error}
+        if parameters:
+            operation["parameters"] = parameters
         return operation
 
     text_plain = {"200": {"description": "OK", "content": {"text/plain": {"schema": {}}}}}
+    model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     paths = {
         "/v1/models": {"get": op("List the served model", ok(ModelList))},
+        "/v1/models/{model}": {
+            "get": op("The served model, by its name", ok(ModelCard), parameters=[model_param])
+        },
         "/v1/completions": {
-            "post": op("Text completion", ok(CompletionResponse, stream=True), CompletionRequest)
+            "post": op(
+                "Text completion",
+                ok(CompletionResponse, stream=CompletionChunk),
+                CompletionRequest,
+            )
         },
         "/v1/chat/completions": {
             "post": op(
-                "Chat completion", ok(ChatCompletionResponse, stream=True), ChatCompletionRequest
+                "Chat completion",
+                ok(ChatCompletionResponse, stream=ChatCompletionChunk),
+                ChatCompletionRequest,
             )
         },
         "/tokenize": {"post": op("Tokenize", ok(TokenizeResponse), TokenizeRequest)},
         "/detokenize": {"post": op("Detokenize", ok(DetokenizeResponse), DetokenizeRequest)},
-        "/health": {"get": op("200 once the engine serves, 503 otherwise", ok(None))},
-        "/version": {"get": op("Server version", ok(VersionResponse))},
-        "/metrics": {"get": op("Prometheus metrics", text_plain)},
+        # Open to load balancers and scrapers: no API key needed.
+        "/health": {"get": op("200 once the engine serves, 503 otherwise", ok(None)) | _OPEN},
+        "/version": {"get": op("Server version", ok(VersionResponse)) | _OPEN},
+        "/metrics": {"get": op("Prometheus metrics", text_plain) | _OPEN},
+        "/openapi.json": {
+            "get": op(
+                "This document",
+                {"200": {"description": "OK", "content": {_JSON: {"schema": {"type": "object"}}}}},
+            )
+        },
     }
     return {
         "openapi": "3.1.0",

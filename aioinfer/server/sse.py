@@ -1,14 +1,20 @@
-"""Server-sent events, and noticing that a client went away.
+"""Server-sent events, and noticing that a client went away or stopped reading.
 
-Framing: each event is `data: <json>\\n\\n`; a stream ends with `data: [DONE]\\n\\n`.
+Framing: each event is `data: <json>\\n\\n`; a stream ends with `data: [DONE]\\n\\n`. While a
+stream waits (in the queue, behind a long prefill) a comment line `: keep-alive` goes out every
+`interval` seconds so that proxies do not close an idle connection.
+
+The status line and headers go out with the first write, not before: a request that fails before
+its first token (the engine died, it waited too long in the queue) still gets a plain HTTP error.
 
 aiohttp does not cancel a handler when its client disconnects (unless the server runs with
 `handler_cancellation=True`), and a handler waiting for its first token writes nothing that could
 fail. So handlers run their work under a `DisconnectWatcher`: one task per app that checks, every
 `interval` seconds, whether the connection of each watched request is gone, and cancels that
-request's work. Cancelling the work leaves the engine's output iterator, which aborts the request
-and returns its KV blocks to the pool before the next step. A failed write (the client closed the
-socket while tokens flow) ends the work the same way, at once.
+request's work. A failed write (the client closed the socket while tokens flow) ends the work at
+once. A write that blocks longer than the write timeout (a client that stopped reading, so the
+socket buffers are full) closes the connection, which drops what was buffered for it; memory per
+stream stays bounded by those buffers. The handler then aborts the engine request.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Iterable
+import sys
+from collections.abc import Awaitable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import orjson
@@ -30,13 +37,19 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 DONE = b"data: [DONE]\n\n"
+KEEP_ALIVE = b": keep-alive\n\n"
 WATCH_INTERVAL = 0.1  # seconds between disconnect checks
 
 _T = TypeVar("_T")
 
 
 class ClientDisconnected(Exception):
-    """The client closed its connection before the response was complete."""
+    """The client closed its connection, or stopped reading, before the response was complete.
+    `reason` is the abort reason the metrics count: client_disconnect or write_timeout."""
+
+    def __init__(self, message: str, reason: str = "client_disconnect") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def encode_event(payload: Any) -> bytes:
@@ -44,19 +57,18 @@ def encode_event(payload: Any) -> bytes:
 
 
 class EventStream:
-    """An SSE response. Every write raises ClientDisconnected once the client is gone."""
+    """An SSE response, prepared by its first write. Every write raises ClientDisconnected once
+    the client is gone or when it blocks for longer than `write_timeout` seconds."""
 
-    def __init__(self, response: web.StreamResponse) -> None:
-        self.response = response
+    def __init__(self, request: web.Request, write_timeout: float) -> None:
+        self.request = request
+        self.write_timeout = write_timeout
+        self.response = web.StreamResponse(status=200, headers=SSE_HEADERS)
 
-    @classmethod
-    async def open(cls, request: web.Request) -> EventStream:
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        try:
-            await response.prepare(request)
-        except ConnectionResetError as exc:
-            raise ClientDisconnected(str(exc)) from exc
-        return cls(response)
+    @property
+    def started(self) -> bool:
+        """Whether the status line went out (errors can then only be reported in band)."""
+        return self.response.prepared
 
     async def send(self, payloads: Iterable[Any]) -> None:
         """Write events in one go (one write per engine delta, however many choices moved)."""
@@ -67,15 +79,47 @@ class EventStream:
     async def send_done(self) -> None:
         await self._write(DONE)
 
+    async def send_keep_alive(self) -> None:
+        await self._write(KEEP_ALIVE)
+
     async def finish(self) -> None:
         with contextlib.suppress(ConnectionError):
             await self.response.write_eof()
 
     async def _write(self, data: bytes) -> None:
         try:
-            await self.response.write(data)
-        except ConnectionResetError as exc:
+            await within(self.write_timeout, self._prepare_and_write(data))
+        except asyncio.TimeoutError:
+            self._drop_connection()
+            raise ClientDisconnected(
+                f"the client did not read for {self.write_timeout:g} s", reason="write_timeout"
+            ) from None
+        except ConnectionError as exc:  # reset, broken pipe, or lost while waiting to drain
             raise ClientDisconnected(str(exc)) from exc
+
+    async def _prepare_and_write(self, data: bytes) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(data)
+
+    def _drop_connection(self) -> None:
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()  # discards the bytes buffered for this client
+
+
+if sys.version_info >= (3, 11):
+
+    async def within(seconds: float, work: Coroutine[Any, Any, _T]) -> _T:
+        """`await work`, or TimeoutError after `seconds`; a timer, not a task, per call."""
+        async with asyncio.timeout(seconds):
+            return await work
+
+else:
+
+    async def within(seconds: float, work: Coroutine[Any, Any, _T]) -> _T:
+        """`await work`, or asyncio.TimeoutError after `seconds`."""
+        return await asyncio.wait_for(work, seconds)
 
 
 def client_gone(request: web.Request) -> bool:

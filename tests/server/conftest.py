@@ -74,13 +74,18 @@ class ServerRunnerFactory(FakeRunnerFactory):
 
 
 async def build_engine(
-    step_delay: float = 0.0, fail_at_step: int | None = None, **sched: Any
+    step_delay: float = 0.0,
+    fail_at_step: int | None = None,
+    num_blocks: int = NUM_BLOCKS,
+    **sched: Any,
 ) -> AsyncEngine:
     return await AsyncEngine.create(
         ModelConfig(model="fake"),
         CacheConfig(block_size=BLOCK_SIZE),
         SchedulerConfig(**{"max_num_batched_tokens": 256, **sched}),
-        runner_factory=ServerRunnerFactory(step_delay, fail_at_step=fail_at_step),
+        runner_factory=ServerRunnerFactory(
+            step_delay, num_blocks=num_blocks, fail_at_step=fail_at_step
+        ),
         tokenizer=make_tokenizer(),
     )
 

@@ -11,7 +11,6 @@ from pydantic import TypeAdapter
 
 import aioinfer
 from aioinfer.config import ServerConfig
-from aioinfer.server import app as app_module
 from aioinfer.server import protocol
 from aioinfer.server.app import create_app, wait_for_engine
 from aioinfer.server.routes import STATE
@@ -497,8 +496,7 @@ async def test_startup_failure_is_reported(aiohttp_client):
     assert [str(e) for e in errors] == ["no weights"]
 
 
-async def test_engine_death_500_in_flight_then_503(aiohttp_client, monkeypatch):
-    monkeypatch.setattr(app_module, "DEATH_CHECK_INTERVAL", 0.01)
+async def test_engine_death_500_in_flight_then_503(aiohttp_client):
     engine = await build_engine(fail_at_step=3)
     fatal = []
     try:
@@ -521,7 +519,8 @@ async def test_engine_death_500_in_flight_then_503(aiohttp_client, monkeypatch):
 
 
 async def test_engine_death_mid_stream_is_an_in_band_error(aiohttp_client):
-    engine = await build_engine(fail_at_step=3)
+    # Slow steps: the first tokens are surely written (the stream started) before step 3 fails.
+    engine = await build_engine(step_delay=0.02, fail_at_step=3)
     try:
         client = await aiohttp_client(create_app(engine))
         body = {"messages": MESSAGES, "max_tokens": 20, "stream": True}

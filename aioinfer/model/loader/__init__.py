@@ -5,7 +5,9 @@
 
 The model is built under `torch.device("meta")` (no memory), then each checkpoint tensor is read,
 converted to the target dtype, moved to the device and put in place of its meta placeholder, one
-tensor at a time, so no weight ever exists twice. Afterwards every parameter must be real.
+tensor at a time, so no weight ever exists twice. A safetensors tensor that already has the target
+dtype and device is the memory map of the file itself: it becomes the parameter without a copy.
+Afterwards every parameter must be real.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +35,7 @@ __all__ = [
     "LOAD_FORMATS",
     "ResolvedModel",
     "bundled_gguf_path",
+    "checkpoint_keys",
     "load_model",
     "load_weights",
     "resolve_dtype",
@@ -61,10 +65,19 @@ def load_model(
     from aioinfer.model.registry import get_model_class
 
     model_cls = get_model_class(resolved.hf_config)
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_init():
         model = model_cls(resolved.hf_config)
     load_weights(model, resolved, dtype, device, seed)
     return model
+
+
+def checkpoint_keys(hf_config: Any) -> set[str]:
+    """The checkpoint keys the registry's model for `hf_config` reads (a tied head left out)."""
+    from aioinfer.model.registry import get_model_class
+
+    with torch.device("meta"), _skip_init():
+        model = get_model_class(hf_config)(hf_config)
+    return set(_weight_targets(model, hf_config))
 
 
 def load_weights(
@@ -119,6 +132,30 @@ def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         raise KeyError(f"{name} is neither a parameter nor a buffer of {type(model).__name__}")
 
 
+@contextmanager
+def _skip_init() -> Iterator[None]:
+    """Turn `torch.nn.init`'s in-place initializers into no-ops while a model is built on meta.
+
+    The values are replaced by the checkpoint anyway, and on meta these ops run Python
+    decompositions that import torch._dynamo: about 2 s of start-up for nothing. The patch is
+    process-wide while it lasts (as transformers' `no_init_weights`): only the thread that loads
+    the model builds modules meanwhile.
+    """
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, _unchanged)
+    try:
+        yield
+    finally:
+        for name, init in saved.items():
+            setattr(torch.nn.init, name, init)
+
+
+def _unchanged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
+
+
 def _weight_targets(model: nn.Module, hf_config: Any) -> dict[str, torch.Tensor]:
     """Every name a checkpoint should fill: parameters and persistent buffers, aliases included.
 
@@ -149,6 +186,8 @@ def _weight_stream(
         if reader is None:
             from gguf import GGUFReader
 
+            if resolved.gguf_file is None:
+                raise ValueError("a model of kind 'gguf' needs its gguf_file")
             reader = GGUFReader(resolved.gguf_file)
         return iter_gguf(reader, resolved.hf_config, targets)
     from aioinfer.model.loader.safetensors_loader import iter_safetensors
@@ -168,6 +207,7 @@ def _convert(
             f"weight {name} has shape {tuple(tensor.shape)} in the checkpoint but "
             f"{tuple(target.shape)} in the model; does config.json match the weights?"
         )
+    # `to` returns `tensor` itself when nothing changes: a memory-mapped tensor stays mapped.
     if tensor.is_floating_point():
         return tensor.to(device=device, dtype=dtype)
     return tensor.to(device=device)
@@ -199,4 +239,6 @@ def _describe_source(resolved: ResolvedModel) -> str:
         return "random weights"
     if resolved.kind == "gguf":
         return str(resolved.gguf_file)
+    if resolved.converted_from is not None:
+        return f"{resolved.folder} (converted from {resolved.converted_from.name})"
     return str(resolved.folder)

@@ -46,12 +46,20 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(weight.shape)
 
 
+def gguf_names(reader: GGUFReader, hf_config: Any, wanted: Iterable[str]) -> dict[str, str]:
+    """{gguf tensor name: HF key} for the tensors of `reader` that fill a key in `wanted`."""
+    arch = gguf_architecture(reader)
+    names = gguf_to_hf_names(arch, int(hf_config.num_hidden_layers), wanted)
+    present = {tensor.name for tensor in reader.tensors}
+    return {name: hf_name for name, hf_name in names.items() if name in present}
+
+
 def iter_gguf(
     reader: GGUFReader, hf_config: Any, wanted: Iterable[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF key, float32 CPU tensor) for each GGUF tensor that maps to a key in `wanted`."""
     arch = gguf_architecture(reader)
-    names = gguf_to_hf_names(arch, int(hf_config.num_hidden_layers), wanted)
+    names = gguf_names(reader, hf_config, wanted)
     num_heads = int(hf_config.num_attention_heads)
     num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
     for tensor in reader.tensors:

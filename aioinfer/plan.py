@@ -1,0 +1,399 @@
+"""`aioinfer plan MODEL`: what `aioinfer serve MODEL` would print about memory, without weights.
+
+Only the model's config is read (a hub id fetches config and tokenizer files, never weights; a
+.gguf file is read for its metadata). From it and the same flags `serve` takes, the plan computes
+the numbers of the startup log:
+
+    weights      = parameters x dtype bytes                (tied embeddings counted once)
+    CPU:  available KV = --kv-cache-memory GiB
+    CUDA: available KV = total x --gpu-memory-utilization - weights - peak activations - non-torch
+    bytes per block    = 2 (K and V) x block_size x kv_heads x head_dim x layers x dtype bytes
+    num_blocks         = available KV // bytes per block    (block 0 is reserved)
+    KV cache size      = (num_blocks - 1) x block_size tokens
+    max concurrency    = KV cache size / max_model_len
+
+On the CPU every number is exact. On CUDA the server measures the activation peak of one dummy
+forward pass at the full token budget; the plan estimates it from the tensors that are alive at
+the three candidate peaks of that pass (see `estimate_activation_bytes`), and the non-torch memory
+(CUDA context, other processes) is measured on the local GPU or taken as `DEFAULT_NON_TORCH_GIB`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    from aioinfer.model.llama import DecoderConfig
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# CUDA context, cuBLAS and kernel modules outside torch's allocator: about 0.5 GiB on recent
+# data-centre GPUs. Used when the plan is for a GPU that is not the local one.
+DEFAULT_NON_TORCH_GIB = 0.5
+# Token budgets of one step, as `aioinfer.gpu.memory.default_token_budget` picks them.
+BIG_GPU_GIB = 70
+CPU_TOKEN_BUDGET = 512
+# The sampler's widest moment in the profiling pass (top-k and top-p rows): five float32 [R, V]
+# buffers (the logits, their working copy, the sorted copy, its softmax and the mass before each
+# token), the bool mask of the kept tokens and its int64 sum.
+SAMPLER_BYTES_PER_LOGIT = 5 * 4 + 1 + 8
+# The cuBLAS workspace, allocated through torch by the first matmul of the profiling pass.
+CUDA_WORKSPACE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The numbers `serve` would log, as predicted from the config."""
+
+    served_name: str
+    device: str
+    dtype: str
+    num_parameters: int
+    weights_bytes: int
+    available_kv_bytes: int
+    bytes_per_block: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    # CUDA only (None on the CPU or with --num-gpu-blocks-override).
+    total_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    activation_bytes: int | None = None
+    non_torch_bytes: int | None = None
+    non_torch_measured: bool = False
+
+    @property
+    def weights_gib(self) -> float:
+        return self.weights_bytes / GiB
+
+    @property
+    def available_kv_gib(self) -> float:
+        return self.available_kv_bytes / GiB
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return max(self.num_blocks - 1, 0) * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.kv_capacity_tokens / self.max_model_len
+
+    @property
+    def problem(self) -> str | None:
+        """Why `serve` would refuse to start with these settings; None when it would start."""
+        if self.available_kv_bytes <= 0:
+            return (
+                f"No memory is left for the KV cache: {self.available_kv_gib:.2f} GiB. Increase "
+                "--gpu-memory-utilization or lower --max-num-batched-tokens."
+            )
+        if self.num_blocks < 2 or self.kv_capacity_tokens < self.max_model_len:
+            return (
+                f"The model's max model len ({self.max_model_len}) is larger than the KV cache "
+                f"can hold ({self.kv_capacity_tokens} tokens in {self.num_blocks} blocks). "
+                "Increase --gpu-memory-utilization or --kv-cache-memory, or decrease "
+                "--max-model-len."
+            )
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for name in (
+            "weights_gib",
+            "available_kv_gib",
+            "kv_capacity_tokens",
+            "max_concurrency",
+            "problem",
+        ):
+            out[name] = getattr(self, name)
+        return out
+
+
+# ----------------------------------------------------------------------------- the formulas
+
+
+def count_parameters(cfg: DecoderConfig) -> int:
+    """Parameters of the decoder `cfg` describes; a tied LM head shares the embedding."""
+    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attention = h * (q + 2 * kv) + q * h
+    attention += (q + 2 * kv) * cfg.qkv_bias + h * cfg.o_bias
+    attention += 2 * cfg.head_dim * cfg.qk_norm
+    mlp = 3 * h * inter + (2 * inter + h) * cfg.mlp_bias
+    per_layer = attention + mlp + 2 * h  # plus the two RMSNorms
+    head = 0 if cfg.tie_word_embeddings else v * h
+    return v * h + cfg.num_layers * per_layer + h + head
+
+
+def estimate_activation_bytes(
+    cfg: DecoderConfig, num_tokens: int, num_seqs: int, dtype_bytes: int, device: str = "cuda"
+) -> int:
+    """The peak the server's profiling pass allocates beyond weights and KV cache, estimated.
+
+    The pass feeds `num_tokens` tokens (T) split evenly over R = min(num_seqs, T) requests of
+    S = T / R tokens, and samples one row per request with top-k and top-p. The peak is the
+    largest of three moments (b = dtype bytes; "hidden" counts the layer's input, which the
+    model's layer loop still holds, the new residual and the normed input):
+
+        MLP:        3 hidden + gate + up                     T x (3 hidden + 2 inter) x b
+        attention:  2 hidden + q, k, v, their rotated copies
+                    and the output, plus one request's
+                    gathered K/V (the torch backend)         T x (2 hidden + 3 q + 3 kv) x b
+                                                             + 4 x S x kv x b
+        sampling:   the final hidden states + R x V float32
+                    buffers, SAMPLER_BYTES_PER_LOGIT each    T x hidden x b + R x V x 29
+
+    On CUDA, CUDA_WORKSPACE_BYTES is added for the cuBLAS workspace the first matmul allocates.
+    Small tensors (positions, block tables, rotary tables, sampling parameters) are left out.
+
+    Accuracy, against torch's memory profiler on the same pass on the CPU: within 2% where the
+    sampler or the attention block peaks, and within 10% where the MLP peaks in bfloat16 (the
+    CPU's matmul keeps a float32 scratch buffer). On CUDA the sampler's sort may take scratch
+    space of its own; at 256 rows and a 150k vocabulary each byte per logit is 37 MiB.
+    """
+    t, h, b = num_tokens, cfg.hidden_size, dtype_bytes
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    rows = max(1, min(num_seqs, num_tokens))
+    per_request = -(-num_tokens // rows)
+    mlp = t * (3 * h + 2 * cfg.intermediate_size) * b
+    attention = t * (2 * h + 3 * q + 3 * kv) * b + 4 * per_request * kv * b
+    sampling = t * h * b + rows * cfg.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    workspace = CUDA_WORKSPACE_BYTES if device == "cuda" else 0
+    return max(mlp, attention, sampling) + workspace
+
+
+def default_token_budget(device: str, total_bytes: int | None, offline: bool = False) -> int:
+    """max_num_batched_tokens when the flag is unset: the rule of `gpu/memory.py`."""
+    if device == "cuda" and total_bytes is not None:
+        if total_bytes / GiB >= BIG_GPU_GIB:
+            return 16384 if offline else 8192
+        return 8192 if offline else 2048
+    return 4096 if offline else CPU_TOKEN_BUDGET
+
+
+def max_model_len_of(hf_config: Any, requested: int | None) -> int:
+    """The context length `serve` uses: the flag, else the config's max_position_embeddings."""
+    derived = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    if requested is None:
+        return derived
+    if requested > derived:
+        raise ValueError(
+            f"max_model_len ({requested}) is larger than the model's maximum length "
+            f"(max_position_embeddings={derived})"
+        )
+    return requested
+
+
+def kv_bytes_per_block(cfg: DecoderConfig, block_size: int, dtype_bytes: int) -> int:
+    return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * dtype_bytes
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """The GPU to plan for: its total memory and the memory outside torch's allocator."""
+
+    total_bytes: int
+    non_torch_bytes: int
+    measured: bool
+
+
+def make_plan(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    gpu_memory_gib: float | None = None,
+    non_torch_gib: float | None = None,
+) -> MemoryPlan:
+    """Predict `serve`'s memory numbers. Raises ValueError for settings `serve` would reject.
+
+    The device follows `model_config.device`: "cpu" plans for the CPU; otherwise
+    `gpu_memory_gib` plans for a GPU of that size, and without it the local GPU is used if
+    there is one (its total and its measured non-torch memory), else the CPU.
+    """
+    gpu = _gpu_target(model_config.device, gpu_memory_gib, non_torch_gib)
+    device = "cpu" if gpu is None else "cuda"
+    dtype = _dtype_name(model_config.dtype, device)
+    resolved = _resolve(model_config)
+    cfg = _decoder_config(resolved.hf_config)
+    dtype_bytes = DTYPE_BYTES[dtype]
+    num_params = count_parameters(cfg)
+    weights = num_params * dtype_bytes
+    max_len = max_model_len_of(resolved.hf_config, model_config.max_model_len)
+    budget = scheduler_config.max_num_batched_tokens or default_token_budget(
+        device, gpu.total_bytes if gpu else None
+    )
+    per_block = kv_bytes_per_block(cfg, cache_config.block_size, dtype_bytes)
+    activations = None
+    if cache_config.num_gpu_blocks_override is not None:
+        num_blocks = cache_config.num_gpu_blocks_override
+        available = num_blocks * per_block
+    elif gpu is not None:
+        activations = estimate_activation_bytes(
+            cfg, budget, scheduler_config.max_num_seqs, dtype_bytes, device
+        )
+        available = int(
+            gpu.total_bytes * cache_config.gpu_memory_utilization
+            - weights
+            - activations
+            - gpu.non_torch_bytes
+        )
+        num_blocks = max(available, 0) // per_block
+    else:
+        available = int(cache_config.kv_cache_memory * GiB)
+        num_blocks = available // per_block
+    return MemoryPlan(
+        served_name=model_config.served_model_name or resolved.served_name,
+        device=device,
+        dtype=dtype,
+        num_parameters=num_params,
+        weights_bytes=weights,
+        available_kv_bytes=available,
+        bytes_per_block=per_block,
+        num_blocks=num_blocks,
+        block_size=cache_config.block_size,
+        max_model_len=max_len,
+        max_num_seqs=scheduler_config.max_num_seqs,
+        max_num_batched_tokens=budget,
+        total_bytes=gpu.total_bytes if gpu else None,
+        gpu_memory_utilization=cache_config.gpu_memory_utilization if gpu else None,
+        activation_bytes=activations,
+        non_torch_bytes=gpu.non_torch_bytes if gpu else None,
+        non_torch_measured=bool(gpu and gpu.measured),
+    )
+
+
+def _gpu_target(
+    device: str, gpu_memory_gib: float | None, non_torch_gib: float | None
+) -> GpuTarget | None:
+    if gpu_memory_gib is not None and gpu_memory_gib <= 0:
+        raise ValueError(f"gpu_memory must be > 0 GiB, got {gpu_memory_gib}")
+    if non_torch_gib is not None and non_torch_gib < 0:
+        raise ValueError(f"non_torch_memory must be >= 0 GiB, got {non_torch_gib}")
+    if device == "cpu":
+        if gpu_memory_gib is not None:
+            raise ValueError("gpu_memory plans for a GPU; it does not fit device 'cpu'")
+        return None
+    if gpu_memory_gib is not None:
+        non_torch = DEFAULT_NON_TORCH_GIB if non_torch_gib is None else non_torch_gib
+        return GpuTarget(int(gpu_memory_gib * GiB), int(non_torch * GiB), measured=False)
+    local = _local_gpu()
+    if local is None:
+        if device == "cuda":
+            raise ValueError("device is 'cuda' but no CUDA device is available: pass gpu_memory")
+        return None
+    if non_torch_gib is not None:
+        return GpuTarget(local.total_bytes, int(non_torch_gib * GiB), measured=False)
+    return local
+
+
+def _local_gpu() -> GpuTarget | None:
+    """The local GPU's total memory and what is used outside torch once CUDA and cuBLAS are up
+    (the CUDA context and other processes), as the server's profiling sees it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda")
+    a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
+    (a @ a).sum().item()  # loads cuBLAS into the context, as the first forward pass would
+    del a
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return GpuTarget(int(total), int(non_torch), measured=True)
+
+
+def _dtype_name(name: str, device: str) -> str:
+    if name == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {('auto', *DTYPE_BYTES)}, got {name!r}")
+    return name
+
+
+def _resolve(model_config: ModelConfig) -> Any:
+    from aioinfer.model.loader.resolve import resolve_model
+
+    # "dummy" reads configs only: no weights are fetched, and a .gguf is not converted.
+    return resolve_model(model_config.model, model_config.revision, "dummy")
+
+
+def _decoder_config(hf_config: Any) -> DecoderConfig:
+    from aioinfer.model.registry import get_model_class
+
+    return get_model_class(hf_config).decoder_config(hf_config)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan in the startup log's wording, so that the two can be compared line by line."""
+    lines = [
+        f"Plan for {plan.served_name}: device={plan.device}, dtype={plan.dtype}, "
+        f"max_model_len={plan.max_model_len}, block_size={plan.block_size}",
+        f"Chunked prefill is enabled with max_num_batched_tokens={plan.max_num_batched_tokens}.",
+        f"Using max model len {plan.max_model_len}",
+        f"Model loading took {plan.weights_gib:.4f} GiB memory "
+        f"({plan.num_parameters:,} parameters x {DTYPE_BYTES[plan.dtype]} bytes)",
+    ]
+    if plan.total_bytes is not None and plan.activation_bytes is not None:
+        non_torch = plan.non_torch_bytes or 0
+        source = "measured" if plan.non_torch_measured else "assumed"
+        lines.append(
+            f"Memory profiling (estimated): total {plan.total_bytes / GiB:.2f} GiB x "
+            f"utilization {plan.gpu_memory_utilization}, weights {plan.weights_gib:.2f} GiB, "
+            f"peak activations {plan.activation_bytes / GiB:.2f} GiB, "
+            f"non-torch {non_torch / GiB:.2f} GiB ({source})"
+        )
+    lines += [
+        f"Available KV cache memory: {plan.available_kv_gib:.2f} GiB",
+        f"KV cache blocks: {max(plan.num_blocks - 1, 0)} usable of {plan.num_blocks} "
+        f"(block 0 is reserved), {plan.block_size} tokens each",
+        f"KV cache size: {plan.kv_capacity_tokens} tokens, Maximum concurrency for "
+        f"{plan.max_model_len} tokens per request: {plan.max_concurrency:.2f}x",
+    ]
+    if plan.problem is not None:
+        lines.append(f"serve would not start: {plan.problem}")
+    return "\n".join(lines)
+
+
+def build_plan_configs(values: dict[str, Any]) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+    """Sort flag values by config field name into the three configs (ValueError on bad ones)."""
+    values = {k: v for k, v in values.items() if v is not None}
+    values.setdefault("model", "")
+    built = []
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        names = {f.name for f in dataclasses.fields(cls)}
+        built.append(cls(**{k: v for k, v in values.items() if k in names}))
+    return built[0], built[1], built[2]  # type: ignore[return-value]
+
+
+def plan_main(
+    model: str = "",
+    *,
+    gpu_memory: float | None = None,
+    non_torch_memory: float | None = None,
+    as_json: bool = False,
+    **serve_flags: Any,
+) -> int:
+    """`aioinfer plan`: print the plan; 0 when serve would start, 1 when it would not, 2 for bad
+    flags. `serve_flags` are serve's flags by config field name (dtype, max_model_len, ...)."""
+    try:
+        configs = build_plan_configs({"model": model, **serve_flags})
+        plan = make_plan(*configs, gpu_memory_gib=gpu_memory, non_torch_gib=non_torch_memory)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
+    return 0 if plan.problem is None else 1

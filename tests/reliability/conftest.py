@@ -1,0 +1,138 @@
+"""Fixtures for the reliability tests: the app and the fake-runner engine of tests/server on a
+server thread of their own (for synchronous clients such as schemathesis), and helpers to run
+`aioinfer serve` as a subprocess on a tiny random model folder."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from aioinfer.config import ServerConfig
+from aioinfer.engine.async_engine import AsyncEngine
+from aioinfer.server.app import create_app
+from tests.server.conftest import LiveServer, build_engine
+
+READY_TIMEOUT = 120.0
+_T = TypeVar("_T")
+
+
+class ThreadedServer:
+    """The real app over the fake engine, served by a loop on its own thread."""
+
+    def __init__(self, config: ServerConfig | None = None, **engine_kwargs: Any) -> None:
+        self.config = config or ServerConfig()
+        self.engine_kwargs = engine_kwargs
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.engine: AsyncEngine | None = None
+        self.server: LiveServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float = 30.0) -> _T:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> ThreadedServer:
+        self.thread.start()
+        self.run(self._start())
+        return self
+
+    async def _start(self) -> None:
+        self.engine = await build_engine(**self.engine_kwargs)
+        self.server = await LiveServer(create_app(self.engine, self.config)).start()
+
+    def stop(self) -> None:
+        self.run(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    async def _stop(self) -> None:
+        assert self.server is not None and self.engine is not None
+        await self.server.stop()
+        await self.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def threaded_server() -> Iterator[ThreadedServer]:
+    server = ThreadedServer().start()
+    yield server
+    server.stop()
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+def make_tiny_model_dir(path: Path, max_position_embeddings: int = 256) -> Path:
+    from tests.model.tiny_models import make_hf_model
+    from tests.tokenizer_fixtures import make_tokenizer
+
+    make_hf_model("llama", max_position_embeddings=max_position_embeddings).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama whose context is long enough to keep requests running for seconds."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-reliability"), 2048)
+
+
+class ServeProcess:
+    """`aioinfer serve` in a subprocess; its output is collected by a reader thread."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aioinfer", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            if "Ready in" in line:
+                self._ready.set()
+        self._ready.set()  # the process ended: whoever waits must look
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        self._ready.wait(timeout)
+        if not any("Ready in" in line for line in self.lines):
+            self.kill()
+            raise AssertionError("server did not become ready:\n" + self.output)
+
+    def wait_exit(self, timeout: float) -> tuple[int, float]:
+        """(exit code, seconds it took)."""
+        start = time.monotonic()
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code, time.monotonic() - start
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

@@ -1,0 +1,151 @@
+"""`aioinfer serve` as a real process on a tiny random model: an engine fault fails the in-flight
+requests and ends the process non-zero within seconds; SIGTERM under load drains (requests
+finish or end with finish_reason "abort", new ones and /health get 503) and exits 0; the API key
+never reaches the log."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from aioinfer.gpu.thread import FAULT_ENV
+from tests.reliability.conftest import ServeProcess
+
+KEY = "sk-process-key-7730"
+EXIT_AFTER_FAULT = 5.0  # seconds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_args(model_dir: Path, port: int, *extra: str) -> list[str]:
+    return [str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+            "--kv-cache-memory", "0.02", "--max-model-len", "2048",
+            "--log-stats-interval", "0", *extra]  # fmt: skip
+
+
+async def request(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    first_event: asyncio.Event | None = None,
+    **kw: Any,
+) -> tuple[int, bytes]:
+    """POST and read the whole answer; `first_event` is set when the first SSE event arrived."""
+    async with session.post(url, json=body, **kw) as response:
+        if first_event is None:
+            return response.status, await response.read()
+        raw = b""
+        async for chunk in response.content.iter_any():
+            raw += chunk
+            if b"data: " in raw:
+                first_event.set()
+        return response.status, raw
+
+
+def stream_result(raw: bytes) -> tuple[list[dict[str, Any]], str | None]:
+    """(chunks, last finish_reason) of an SSE body, which must end with [DONE]."""
+    events = [e for e in raw.split(b"\n\n") if e and not e.startswith(b":")]
+    assert events[-1] == b"data: [DONE]", events[-3:]
+    chunks = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+    return chunks, next((r for r in reversed(reasons) if r), None)
+
+
+async def test_an_engine_fault_fails_requests_and_exits_non_zero(tiny_model_dir: Path):
+    port = free_port()
+    proc = ServeProcess(serve_args(tiny_model_dir, port), env={FAULT_ENV: "30"})
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        long = {"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True}
+        async with aiohttp.ClientSession() as session:
+            (stream_status, stream_raw), (json_status, json_raw) = await asyncio.wait_for(
+                asyncio.gather(
+                    request(session, url, {**long, "stream": True}),
+                    request(session, url, long),
+                ),
+                60,
+            )
+        failed_at = time.monotonic()
+        code, _ = await asyncio.to_thread(proc.wait_exit, 30)
+        exit_seconds = time.monotonic() - failed_at
+    finally:
+        proc.kill()
+    # The stream had started: the error comes in band, then [DONE].
+    chunks, _ = stream_result(stream_raw)
+    assert stream_status == 200 and chunks[0]["choices"]
+    assert chunks[-1]["error"]["code"] == 500 and "fault injected" in chunks[-1]["error"]["message"]
+    error = orjson.loads(json_raw)["error"]
+    assert json_status == 500 and error["type"] == "InternalServerError"
+    assert code == 1 and exit_seconds < EXIT_AFTER_FAULT, (code, exit_seconds, proc.output)
+    assert "engine failed, shutting down" in proc.output
+
+
+async def test_sigterm_under_load_drains_then_exits_zero(tiny_model_dir: Path):
+    port = free_port()
+    shutdown_timeout = 3.0
+    proc = ServeProcess(
+        serve_args(tiny_model_dir, port, "--shutdown-timeout", str(shutdown_timeout),
+                   "--api-key", KEY, "--log-requests")
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        base = f"http://127.0.0.1:{port}"
+        url = f"{base}/v1/completions"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        long = {"prompt": "Hello", "max_tokens": 1800, "ignore_eos": True}
+        async with aiohttp.ClientSession(headers=auth) as session:
+            # A body of nested brackets that would overflow the JSON parser's stack: refused.
+            nested = b"[" * 1_000_000 + b"]" * 1_000_000
+            json_type = {"Content-Type": "application/json"}
+            async with session.post(url, data=nested, headers=json_type) as response:
+                assert response.status == 400
+            started = [asyncio.Event() for _ in range(3)]
+            long_streams = [
+                asyncio.create_task(request(session, url, {**long, "stream": True}, ready))
+                for ready in started[:2]
+            ]
+            long_json = asyncio.create_task(request(session, url, long))
+            short = asyncio.create_task(
+                request(session, url, {"prompt": "Hi", "max_tokens": 30, "stream": True},
+                        started[2])
+            )  # fmt: skip
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            proc.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            await asyncio.sleep(0.3)
+            async with session.get(f"{base}/health") as response:
+                assert response.status == 503  # still listening, but draining
+            status, raw = await request(session, url, {"prompt": "new", "max_tokens": 2})
+            assert status == 503 and "shutting down" in orjson.loads(raw)["error"]["message"]
+            results = await asyncio.wait_for(
+                asyncio.gather(*long_streams, long_json, short), shutdown_timeout + 30
+            )
+        code, _ = await asyncio.to_thread(proc.wait_exit, 30)
+        exit_seconds = time.monotonic() - signalled
+    finally:
+        proc.kill()
+    *streams, (json_status, json_raw), (short_status, short_raw) = results
+    for status, raw in streams:  # still running at the deadline: aborted, properly ended
+        assert status == 200 and stream_result(raw)[1] == "abort"
+    assert json_status == 200
+    assert orjson.loads(json_raw)["choices"][0]["finish_reason"] == "abort"
+    chunks, reason = stream_result(short_raw)  # finished within the grace period
+    assert short_status == 200 and reason == "length"
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks if c.get("choices")) > 0
+    assert code == 0, proc.output
+    assert shutdown_timeout <= exit_seconds < shutdown_timeout + 8
+    assert "Aborted 3 requests still running" in proc.output
+    assert KEY not in proc.output and "Hello" not in proc.output  # no key, no prompt text
+    assert "/v1/completions: status 200" in proc.output  # the request log was on

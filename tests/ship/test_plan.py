@@ -1,0 +1,300 @@
+"""`aioinfer plan` against what the server really does: parameter counts against transformers,
+every KV number against the model runner and the live server's startup log, the activation
+estimate against torch's memory profiler, and (marked `gpu`) the whole plan against `serve` on
+CUDA."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.core.step import ScheduledChunk, StepPlan
+from aioinfer.gpu import memory
+from aioinfer.gpu.runner import ModelRunner
+from aioinfer.model.loader.resolve import BUNDLED_CONFIGS, resolve_model
+from aioinfer.model.registry import get_model_class
+from aioinfer.plan import (
+    DTYPE_BYTES,
+    GiB,
+    build_plan_configs,
+    count_parameters,
+    default_token_budget,
+    estimate_activation_bytes,
+    make_plan,
+    plan_main,
+)
+from tests.model.tiny_models import ARCH_CONFIG, ARCHS, BASE_CONFIG, VARIANTS
+from tests.ship.conftest import LiveServer, cli_flags, free_port, start_server, stop_server
+
+TOLERANCE = 0.02
+
+
+def variant_config(name: str, **overrides: Any) -> PretrainedConfig:
+    arch, variant_overrides = VARIANTS[name]
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(**{**BASE_CONFIG, **ARCH_CONFIG[arch], **variant_overrides, **overrides})
+    config.architectures = [model_cls.__name__]
+    return config
+
+
+def config_dir(tmp_path: Path, config: PretrainedConfig) -> Path:
+    config.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def decoder_config(hf_config: Any) -> Any:
+    return get_model_class(hf_config).decoder_config(hf_config)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_parameter_count_equals_transformers(name):
+    config = variant_config(name)
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(config).num_parameters()
+    assert count_parameters(decoder_config(config)) == reference
+
+
+@pytest.mark.parametrize("model", sorted(BUNDLED_CONFIGS))
+def test_parameter_count_of_the_bundled_configs(model):
+    config = resolve_model(model, load_format="dummy").hf_config
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config).num_parameters()
+        ours = sum(p.numel() for p in get_model_class(config)(config).parameters())
+    assert count_parameters(decoder_config(config)) == hf == ours
+
+
+# ----------------------------------------------------------------------------- the CPU runner
+
+
+CPU_CASES = {
+    "llama": ("llama", {}),
+    "qwen2-tied-bf16-block32": ("qwen2-tied", {"dtype": "bfloat16", "block_size": 32}),
+    "qwen3-short": ("qwen3", {"max_model_len": 100, "kv_cache_memory": 0.003}),
+    "mha-override": ("llama-mha", {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 64}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CPU_CASES))
+def test_plan_equals_the_model_runner_on_cpu(case, tmp_path):
+    variant, flags = CPU_CASES[case]
+    folder = config_dir(tmp_path, variant_config(variant))
+    model_config, cache_config, scheduler_config = build_plan_configs(
+        {"model": str(folder), "device": "cpu", **flags}
+    )
+    plan = make_plan(model_config, cache_config, scheduler_config)
+    runner_model_config = ModelConfig(**{**model_config.__dict__, "load_format": "dummy"})
+    resolved = ModelRunner.resolve(runner_model_config)
+    info = ModelRunner(resolved, runner_model_config, cache_config, scheduler_config).info
+    assert plan.problem is None
+    assert (plan.device, plan.dtype) == (info.device, info.dtype)
+    assert plan.weights_gib == info.weights_gib
+    assert plan.available_kv_gib == info.available_kv_gib
+    assert plan.num_blocks == info.num_blocks
+    assert plan.kv_capacity_tokens == info.kv_capacity_tokens
+    assert plan.max_concurrency == info.max_concurrency
+    assert plan.max_model_len == info.max_model_len
+    assert plan.max_num_batched_tokens == info.max_num_batched_tokens
+
+
+def test_plan_and_runner_refuse_the_same_settings(tmp_path, capsys):
+    folder = config_dir(tmp_path, variant_config("llama"))
+    # 8 KiB blocks (2 layers x 2 KV heads x 16 dims x 16 tokens x K and V x 4 bytes): 2 of them.
+    flags = {"device": "cpu", "kv_cache_memory": 0.00002}
+    configs = build_plan_configs({"model": str(folder), **flags})
+    plan = make_plan(*configs)
+    assert plan.problem is not None and "max model len (256)" in plan.problem
+    runner_model_config = ModelConfig(model=str(folder), device="cpu", load_format="dummy")
+    with pytest.raises(ValueError, match=re.escape("max model len (256)")):
+        ModelRunner(ModelRunner.resolve(runner_model_config), runner_model_config, *configs[1:])
+    assert plan_main(str(folder), **flags) == 1
+    assert "serve would not start" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the live server
+
+
+def served_numbers(log: list[str]) -> dict[str, float]:
+    text = "\n".join(log)
+    size = re.search(r"KV cache size: (\d+) tokens, Maximum concurrency for (\d+) tokens per "
+                     r"request: ([\d.]+)x", text)  # fmt: skip
+    weights = re.search(r"Model loading took ([\d.]+) GiB memory", text)
+    kv = re.search(r"Available KV cache memory: ([\d.]+) GiB", text)
+    assert size and weights and kv, text
+    return {
+        "kv_tokens": int(size[1]),
+        "max_model_len": int(size[2]),
+        "concurrency": float(size[3]),
+        "weights_gib": float(weights[1]),
+        "kv_gib": float(kv[1]),
+    }
+
+
+def assert_plan_matches(plan: Any, served: dict[str, float]) -> None:
+    assert plan.max_model_len == served["max_model_len"]
+    assert plan.kv_capacity_tokens == pytest.approx(served["kv_tokens"], rel=TOLERANCE)
+    assert plan.max_concurrency == pytest.approx(served["concurrency"], rel=TOLERANCE, abs=0.01)
+    assert plan.weights_gib == pytest.approx(served["weights_gib"], rel=TOLERANCE, abs=1e-4)
+    assert plan.available_kv_gib == pytest.approx(served["kv_gib"], rel=TOLERANCE, abs=0.01)
+
+
+def test_plan_matches_the_live_servers_startup_log(live_server: LiveServer, capsys):
+    served = served_numbers(live_server.log)
+    flags = {"model": str(live_server.model_dir), **live_server.flags}
+    plan = make_plan(*build_plan_configs(flags))
+    assert_plan_matches(plan, served)
+    # On the CPU nothing is estimated: the numbers are the same ones.
+    assert plan.kv_capacity_tokens == served["kv_tokens"]
+    assert plan_main(str(live_server.model_dir), as_json=True, **live_server.flags) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["kv_capacity_tokens"] == served["kv_tokens"]
+    assert printed["served_name"] == "tiny"
+
+
+# ----------------------------------------------------------------------------- the formulas
+
+
+@pytest.mark.parametrize("offline", [False, True])
+@pytest.mark.parametrize("total_gib", [8, 24, 69.9, 70, 80, 141])
+def test_default_token_budget_follows_the_runner(monkeypatch, total_gib, offline):
+    total = int(total_gib * GiB)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total)
+    )
+    expected = memory.default_token_budget(torch.device("cuda"), offline)
+    assert default_token_budget("cuda", total, offline) == expected
+    cpu = memory.default_token_budget(torch.device("cpu"), offline)
+    assert default_token_budget("cpu", None, offline) == cpu
+
+
+def measured_activation_peak(folder: Path, dtype: str, num_tokens: int, num_seqs: int) -> int:
+    """Bytes the profiling pass of `gpu/memory.py` allocates at its peak, beyond the weights and
+    the KV cache, measured on the CPU with torch's memory profiler."""
+    model_config = ModelConfig(
+        model=str(folder), load_format="dummy", dtype=dtype, device="cpu", max_model_len=num_tokens
+    )
+    runner = ModelRunner(
+        ModelRunner.resolve(model_config),
+        model_config,
+        CacheConfig(kv_cache_memory=0.05),
+        SchedulerConfig(max_num_seqs=num_seqs),
+    )
+    block_size = runner.block_size
+    num_reqs = min(num_seqs, num_tokens)
+    per_req = num_tokens // num_reqs
+    runner.kv_caches = runner._allocate_kv_cache(num_tokens // block_size + num_reqs + 1)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+    chunks, block = [], 1
+    for r in range(num_reqs):
+        n = -(-per_req // block_size)
+        table = tuple(range(block, block + n))
+        block += n
+        chunks.append(ScheduledChunk(f"profile-{r}", (0,) * per_req, 0, table, True, params))
+    plan = StepPlan(0, tuple(chunks))
+    with torch.inference_mode():
+        runner.execute(plan)  # first-call allocations (lazy buffers) stay out of the peak
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            runner.execute(plan)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+WIDE = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 704,
+        "num_attention_heads": 8, "num_key_value_heads": 2}  # fmt: skip
+ATTENTION_HEAVY = {"hidden_size": 256, "intermediate_size": 64, "num_attention_heads": 8,
+                   "num_key_value_heads": 8}  # fmt: skip
+ACTIVATION_CASES = {
+    # name: (config overrides, dtype, tokens, sequences); the comment says which moment peaks
+    "mlp": (WIDE, "float32", 1024, 8),
+    "mlp-bf16": (WIDE, "bfloat16", 1024, 8),
+    "attention": (ATTENTION_HEAVY, "float32", 1024, 64),
+    "sampling": (WIDE, "float32", 512, 64),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACTIVATION_CASES))
+def test_activation_estimate_is_within_ten_percent_of_the_measured_peak(case, tmp_path):
+    overrides, dtype, num_tokens, num_seqs = ACTIVATION_CASES[case]
+    config = LlamaConfig(**{**BASE_CONFIG, "max_position_embeddings": 4096, **overrides})
+    config.architectures = ["LlamaForCausalLM"]
+    folder = config_dir(tmp_path, config)
+    measured = measured_activation_peak(folder, dtype, num_tokens, num_seqs)
+    estimate = estimate_activation_bytes(
+        decoder_config(config), num_tokens, num_seqs, DTYPE_BYTES[dtype], device="cpu"
+    )
+    assert estimate == pytest.approx(measured, rel=0.10)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"dtype": "float64"}, "dtype must be one of"),
+        ({"max_model_len": 10_000}, "max_model_len (10000) is larger"),
+        ({"device": "cpu", "gpu_memory": 80}, "does not fit device 'cpu'"),
+        ({"gpu_memory": -1}, "gpu_memory must be > 0"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
+    ],
+)
+def test_bad_flags_exit_2_with_the_field_named(tmp_path, capsys, flags, message):
+    folder = config_dir(tmp_path, variant_config("llama"))
+    assert plan_main(str(folder), **flags) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_gpu_plan_needs_no_gpu(tmp_path, capsys):
+    folder = config_dir(tmp_path, variant_config("qwen2"))
+    assert plan_main(str(folder), gpu_memory=24, non_torch_memory=0.25) == 0
+    out = capsys.readouterr().out
+    assert "device=cuda, dtype=bfloat16" in out
+    assert "non-torch 0.25 GiB (assumed)" in out
+    assert "max_num_batched_tokens=2048" in out
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+def test_plan_matches_serve_on_cuda():
+    """Plan in a process of its own that ends before the server starts: the plan measures the
+    memory other processes hold on this GPU, and this test's process must not be one of them."""
+    import subprocess
+    import sys
+
+    model = "Qwen/Qwen2.5-1.5B-Instruct"
+    flags = {"max_model_len": 4096}
+    code = (
+        "from aioinfer.plan import plan_main; "
+        f"plan_main({model!r}, as_json=True, load_format='dummy', **{flags!r})"
+    )
+    planned = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    plan = SimpleNamespace(**json.loads(planned.stdout))
+    port = free_port()
+    args = [model, "--load-format", "dummy", "--port", str(port), "--host", "127.0.0.1"]
+    proc, log = start_server([*args, *cli_flags(flags)])
+    try:
+        served = served_numbers(log)
+    finally:
+        assert stop_server(proc) == 0
+    assert plan.device == "cuda"
+    assert_plan_matches(plan, served)
