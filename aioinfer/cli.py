@@ -274,6 +274,32 @@ def bench_latency(
         raise typer.Exit(2) from None
 
 
+@bench_app.command(
+    "startup",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench_startup(
+    ctx: typer.Context,
+    runs: int = typer.Option(3, help="Starts per server; the table shows medians."),
+    vs: str = typer.Option(
+        None,
+        help="Another server command, timed the same way in the same run, e.g. 'vllm serve "
+        "MODEL'. {port} in it is replaced by a free port; without it --host/--port are appended.",
+    ),
+    vs_name: str = typer.Option(None, help="Name of the --vs server in the table."),
+    cold: bool = typer.Option(
+        False, help="Give each of our starts an empty cache (a GGUF is converted every time)."
+    ),
+    timeout: float = typer.Option(600.0, help="Seconds one start may take."),
+    result_file: str = typer.Option(None, help="Write every run and the medians as JSON here."),
+) -> None:
+    """Time `aioinfer serve` from spawn to the first 200 from /health and to a first 1-token
+    completion. MODEL and every flag not listed here go to serve as they are."""
+    from aioinfer.bench.startup import main as run
+
+    run(list(ctx.args), runs, vs, cold, timeout, result_file, vs_name)
+
+
 # ----------------------------------------------------------------------------- clients
 
 

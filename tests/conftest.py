@@ -1,8 +1,15 @@
-"""Suite-wide rules: tests marked `gpu` skip cleanly where CUDA is absent."""
+"""Suite-wide rules: tests marked `gpu` skip cleanly where CUDA is absent; converted models are
+cached in a folder of this test session, never in the user's cache."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+
+# Set before any test runs, so subprocesses (`aioinfer serve` in tests) inherit it too.
+os.environ.setdefault("AIOINFER_CACHE", tempfile.mkdtemp(prefix="aioinfer-test-cache-"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import math
+import mmap
 import os
 import time
 from collections.abc import Sequence
@@ -181,6 +183,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.device.type == "cpu":
+            return [_lazy_zeros(shape, self.dtype) for _ in range(self.num_layers)]
         return [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
@@ -261,6 +265,14 @@ class ModelRunner:
             result.prompt_logprobs[chunk.request_id] = compute_prompt_logprobs(
                 logits, targets, num_top
             )
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose pages the kernel zero-fills on first touch (an anonymous mapping):
+    `torch.zeros` writes every byte up front, seconds for a KV cache of a few GiB. The tensor
+    keeps the mapping alive."""
+    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def select_attention_backend(name: str, device: torch.device) -> Any:

@@ -36,7 +36,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_any_batch(tiny):
     alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
     others = random_prompts(5, 6)
     other_params = SamplingParams(temperature=0.7, max_tokens=10, ignore_eos=True)
-    batch = others[:3] + [target] + others[3:]
+    batch = [*others[:3], target, *others[3:]]
     batch_params = [other_params] * 3 + [params] + [other_params] * 3
     in_batch = llm.generate(batch, batch_params, use_tqdm=False)[3].outputs[0].token_ids
     assert alone == in_batch
@@ -110,5 +110,6 @@ def test_chat_and_n(tiny):
     out = llm.chat(messages, SamplingParams(n=3, temperature=1.0, max_tokens=5, seed=7))
     assert [o.index for o in out[0].outputs] == [0, 1, 2]
     tok = llm.get_tokenizer()
-    expected_prompt = tok.encode("<|im_start|>user\nHello, world!<|im_end|>\n<|im_start|>assistant\n")
+    rendered = "<|im_start|>user\nHello, world!<|im_end|>\n<|im_start|>assistant\n"
+    expected_prompt = tok.encode(rendered)
     assert out[0].prompt_token_ids == expected_prompt

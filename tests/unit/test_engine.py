@@ -96,10 +96,10 @@ async def test_generate_matches_the_reference_and_decodes_text():
 async def test_n_sequences_and_prompt_too_long():
     engine = await make_engine()
     try:
-        text, tokens, last = await collect(engine, [5, 6], SamplingParams(n=3, max_tokens=4))
+        _, tokens, last = await collect(engine, [5, 6], SamplingParams(n=3, max_tokens=4))
         assert sorted(tokens) == [0, 1, 2]
         assert all(len(t) <= 4 for t in tokens.values())
-        assert [o.finish_reason is not None for o in last.outputs]
+        assert last.finished
         with pytest.raises(ValueError, match="maximum context length is 128"):
             engine.add_request([5] * 128, SamplingParams())
         with pytest.raises(ValueError, match=r"120 in the prompt, 10 for the completion"):
