@@ -24,9 +24,11 @@ from aiohttp.typedefs import Middleware
 
 from aioinfer.config import ServerConfig
 from aioinfer.server.auth import make_auth_middleware
+from aioinfer.server.bodies import MAX_BODY_BYTES
 from aioinfer.server.errors import error_middleware
-from aioinfer.server.routes import MAX_BODY_BYTES, STATE, ServerState, setup_routes
+from aioinfer.server.routes import setup_routes
 from aioinfer.server.sse import WATCH_INTERVAL, DisconnectWatcher
+from aioinfer.server.state import STATE, ServerState
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine

@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable, Mapping
 import orjson
 from aiohttp import web
 
-from aioinfer.server.protocol import ErrorResponse, RequestValidationError
+from aioinfer.server.protocol import RequestValidationError
+from aioinfer.server.responses import ErrorResponse
 
 logger = logging.getLogger(__name__)
 

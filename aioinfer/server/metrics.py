@@ -101,27 +101,22 @@ class ServerMetrics:
     def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(get_engine))
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds",
             "Time from admission to the first output token.",
-            _LABELS,
-            buckets=_TTFT_BUCKETS,
-            registry=self.registry,
+            _TTFT_BUCKETS,
         )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between consecutive output tokens.",
-            _LABELS,
-            buckets=_ITL_BUCKETS,
-            registry=self.registry,
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", _ITL_BUCKETS
         )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds",
             "Time from admission to the last output token.",
-            _LABELS,
-            buckets=_E2E_BUCKETS,
-            registry=self.registry,
+            _E2E_BUCKETS,
         )
+
+    def _histogram(self, metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + metric, doc, _LABELS, buckets=buckets, registry=self.registry)
 
     def timer(self, model_name: str) -> RequestTimer:
         return RequestTimer(self, model_name)

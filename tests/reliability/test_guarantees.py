@@ -25,7 +25,7 @@ from aiohttp import web
 from aioinfer.config import ServerConfig
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.engine.async_engine import AsyncEngine
-from aioinfer.server import routes
+from aioinfer.server import completions
 from aioinfer.server.app import create_app, drain
 from aioinfer.server.sse import KEEP_ALIVE
 from tests.server.conftest import (
@@ -129,13 +129,13 @@ async def test_every_early_end_is_one_idempotent_counted_abort(serve):
 async def test_a_full_queue_is_a_fast_503_before_any_tokenization(serve, monkeypatch):
     tokenized: Counter[str] = Counter()
     for name in ("encode_prompts", "render_chat"):
-        original = getattr(routes, name)
+        original = getattr(completions, name)
 
         def counting(*args: Any, _name: str = name, _fn: Any = original) -> Any:
             tokenized[_name] += 1
             return _fn(*args)
 
-        monkeypatch.setattr(routes, name, counting)
+        monkeypatch.setattr(completions, name, counting)
     engine = await build_engine(step_delay=0.02, max_num_seqs=1, max_queued_requests=2)
     server = await serve(engine)
     url = server.url

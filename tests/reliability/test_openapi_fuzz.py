@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 from aioinfer import __version__  # noqa: E402
 from aioinfer.config import ServerConfig  # noqa: E402
-from aioinfer.server.protocol import openapi_document  # noqa: E402
+from aioinfer.server.openapi import openapi_document  # noqa: E402
 from tests.reliability.conftest import ThreadedServer  # noqa: E402
 
 MAX_EXAMPLES = 25  # per route and generation mode: bounded, about 20 s in all on 2 cores

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from aioinfer.server.openapi import openapi_document
 from aioinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestValidationError,
     TokenizeRequest,
-    openapi_document,
 )
 
 

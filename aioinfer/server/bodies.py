@@ -1,0 +1,118 @@
+"""JSON bodies in and out: the body limit, reading a request's JSON object (refusing what is
+too large, too deep or not an object), parsing it into a request model for the served model, and
+JSON responses."""
+
+from __future__ import annotations
+
+import array
+import itertools
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import orjson
+from aiohttp import web
+
+from aioinfer.server.errors import BadRequestError, NotFoundError, PayloadTooLargeError
+from aioinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from aioinfer.server.state import STATE
+
+if TYPE_CHECKING:
+    from aioinfer.engine.async_engine import AsyncEngine
+
+MiB = 1 << 20
+# The body limit follows the context length: 64 bytes per token covers a token-id list (at most
+# ~8 bytes per id) and text escaped as \uXXXX (6 bytes per character, a few characters per
+# token), with 1 MiB for the rest of the JSON. The floor lets batches of prompts through; the
+# cap (also aiohttp's client_max_size) bounds what one request can make the server buffer.
+MIN_BODY_BYTES = 16 * MiB
+MAX_BODY_BYTES = 128 * MiB
+BODY_BYTES_PER_TOKEN = 64
+# Deeper JSON is refused before parsing: the JSON parser recurses per level (a body of a few MB
+# of brackets overflows its stack), and no request needs more than a handful of levels.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OPEN, _CLOSE = b"[{", b"]}"
+# Brackets become +1 / -1 (as signed bytes); every other byte is deleted.
+_BRACKETS = bytes.maketrans(_OPEN + _CLOSE, b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(set(range(256)) - set(_OPEN + _CLOSE))
+
+# The requests that name a model; constrained so that each handler gets its own type back.
+_R = TypeVar("_R", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+
+async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngine, _R]:
+    """The serving engine and the request's body parsed as `kind`: 503 while the engine cannot
+    serve, 400 or 413 for a bad body, 404 when the body names another model."""
+    engine = request.app[STATE].serving_engine()
+    req = kind.parse(await read_json(request, body_limit(engine)))
+    check_model(req.model, engine)
+    return engine, req
+
+
+def json_response(body: Mapping[str, Any], status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def body_limit(engine: AsyncEngine) -> int:
+    by_context = MiB + BODY_BYTES_PER_TOKEN * engine.max_model_len
+    return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, by_context))
+
+
+async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 400 for anything else, 413 beyond `limit` bytes."""
+    if request.content_type != "application/json":
+        raise BadRequestError(
+            "Unsupported Media Type: only 'application/json' is allowed, got "
+            f"{request.content_type!r}"
+        )
+    charset = request.charset
+    if charset is not None and charset.lower() not in ("utf-8", "utf8"):
+        raise BadRequestError(f"The body must be UTF-8, got charset {charset!r}")
+    length = request.content_length
+    if length is not None and length > limit:
+        raise PayloadTooLargeError(_too_large(length, limit))
+    body = await request.read()
+    if len(body) > limit:
+        raise PayloadTooLargeError(_too_large(len(body), limit))
+    if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise BadRequestError(
+            f"The body is nested too deeply: more than {MAX_JSON_DEPTH} levels of arrays and "
+            "objects"
+        )
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequestError(f"The body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        kind = "an array" if isinstance(data, list) else f"a {type(data).__name__}"
+        raise BadRequestError(f"The body must be a JSON object, got {kind}")
+    return data
+
+
+def json_depth(body: bytes, at_least: int = 0) -> int:
+    """How deeply arrays and objects nest in a JSON text, without parsing it (and so without
+    recursion); brackets inside strings do not count. Bodies with at most `at_least` brackets
+    in all are answered with a cheap upper bound: their count."""
+    num_brackets = sum(body.count(c) for c in (b"[", b"{"))
+    if num_brackets <= at_least:
+        return num_brackets
+    skeleton = _JSON_STRING.sub(b"", body).translate(_BRACKETS, _NOT_BRACKETS)
+    return max(itertools.accumulate(array.array("b", skeleton)), default=0)
+
+
+def _too_large(size: int, limit: int) -> str:
+    return f"Request body too large: {size} bytes, the limit is {limit} bytes"
+
+
+def check_model(name: str | None, engine: AsyncEngine) -> None:
+    if name and name != engine.model_name:
+        raise NotFoundError(
+            f"The model `{name}` does not exist. Valid models: {engine.model_name}.",
+            param="model",
+        )

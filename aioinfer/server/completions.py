@@ -1,0 +1,254 @@
+"""POST /v1/completions and /v1/chat/completions: parse, admit, hand the prompts to the engine,
+and answer with one JSON body or with SSE chunks.
+
+Everything that can be refused is refused before the engine sees the request (a 400 names the
+field); once the request is admitted, leaving the output iteration for any reason (client gone,
+handler cancelled, engine failure) aborts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from aioinfer.core.outputs import RequestOutput
+from aioinfer.engine.stream import EngineDeadError, QueueTimeoutError
+from aioinfer.server.bodies import json_response, parse_request
+from aioinfer.server.errors import APIError, InternalServerError, error_body
+from aioinfer.server.generation import Generation, admit, generation_error, start_generation
+from aioinfer.server.prompts import count_prompts, encode_prompts, render_chat
+from aioinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestValidationError,
+)
+from aioinfer.server.render import (
+    ChatChunks,
+    CompletionChunks,
+    Prompt,
+    ResponseContext,
+    StreamOptionsView,
+    chat_response,
+    completion_response,
+)
+from aioinfer.server.request_log import RequestRecord
+from aioinfer.server.sse import ClientDisconnected, EventStream
+from aioinfer.server.state import STATE, ServerState
+
+if TYPE_CHECKING:
+    from aioinfer.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+
+BodyBuilder = Callable[[list[RequestOutput]], Mapping[str, Any]]
+
+
+def generation_handler(
+    handler: Callable[[web.Request, RequestRecord], Awaitable[web.StreamResponse]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Counts the request as in flight (shutdown waits for these) and writes its log line."""
+
+    @functools.wraps(handler)
+    async def wrapper(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        config = state.config
+        record = RequestRecord(request.path, keep_text=config.log_requests and config.log_prompts)
+        state.in_flight += 1
+        try:
+            response = await handler(request, record)
+            if record.status is None:
+                record.status = response.status
+            return response
+        except APIError as exc:
+            record.status = exc.status
+            raise
+        except RequestValidationError:
+            record.status = 400
+            raise
+        finally:
+            state.in_flight -= 1
+            if config.log_requests:
+                record.log()
+
+    return wrapper
+
+
+@generation_handler
+async def create_completion(request: web.Request, record: RequestRecord) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine, req = await parse_request(request, CompletionRequest)
+    params = req.to_sampling_params(engine.default_sampling)
+    admit(engine, count_prompts(req.prompt), params.n)
+    # From here to the engine's admission there is no await: the admission check holds.
+    prompts = encode_prompts(engine.tokenizer, req.prompt)
+    ctx = _response_context("cmpl", state, engine, prompts, params.n)
+    echo_texts = None
+    if req.echo:
+        decode = engine.tokenizer.decode
+        echo_texts = [ctx.prompt_text(i, decode) for i in range(len(prompts))]
+    want_logprobs = req.logprobs is not None
+    generation = start_generation(
+        state, engine, ctx, params, clamp_max_tokens=not req.max_tokens_given
+    )
+    record.start(ctx, [p.text for p in prompts])
+    chunks: CompletionChunks | None = None
+    if req.stream:
+        chunks = CompletionChunks(
+            ctx, _stream_options(req), echo_texts=echo_texts, want_logprobs=want_logprobs
+        )
+
+    def body(finals: list[RequestOutput]) -> Mapping[str, Any]:
+        return completion_response(ctx, finals, echo_texts=echo_texts, want_logprobs=want_logprobs)
+
+    return await answer(request, state, generation, record, chunks, body)
+
+
+@generation_handler
+async def create_chat_completion(request: web.Request, record: RequestRecord) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine, req = await parse_request(request, ChatCompletionRequest)
+    params = req.to_sampling_params(engine.default_sampling)
+    admit(engine, 1, params.n)
+    # From here to the engine's admission there is no await: the admission check holds.
+    add_generation_prompt = req.add_generation_prompt is not False
+    messages = req.template_messages()
+    ids = render_chat(engine.tokenizer, messages, add_generation_prompt)
+    ctx = _response_context("chatcmpl", state, engine, [Prompt(ids)], params.n)
+    generation = start_generation(
+        state, engine, ctx, params, clamp_max_tokens=not req.max_tokens_given, what="messages"
+    )
+    record.start(ctx, ["\n".join(str(m["content"]) for m in messages)])
+    want_logprobs = bool(req.logprobs)
+    chunks: ChatChunks | None = None
+    if req.stream:
+        chunks = ChatChunks(ctx, _stream_options(req), want_logprobs=want_logprobs)
+
+    def body(finals: list[RequestOutput]) -> Mapping[str, Any]:
+        return chat_response(ctx, finals[0], want_logprobs=want_logprobs)
+
+    return await answer(request, state, generation, record, chunks, body)
+
+
+def _response_context(
+    prefix: str, state: ServerState, engine: AsyncEngine, prompts: list[Prompt], n: int
+) -> ResponseContext:
+    """A fresh response id (`prefix`-<hex>, as OpenAI's) and what all its responses share."""
+    return ResponseContext(
+        f"{prefix}-{uuid.uuid4().hex}",
+        engine.model_name,
+        prompts,
+        n,
+        state.token_text(engine.tokenizer),
+    )
+
+
+def _stream_options(req: CompletionRequest | ChatCompletionRequest) -> StreamOptionsView:
+    return StreamOptionsView(req.include_usage, req.continuous_usage)
+
+
+async def answer(
+    request: web.Request,
+    state: ServerState,
+    generation: Generation,
+    record: RequestRecord,
+    chunks: CompletionChunks | ChatChunks | None,
+    body: BodyBuilder,
+) -> web.StreamResponse:
+    """SSE chunks when the request asked for a stream (`chunks` is given), else the JSON body
+    that `body` builds from the final outputs."""
+    if chunks is not None:
+        return await stream_response(request, state, generation, chunks, record)
+    finals = await collect(request, state, generation, record)
+    if finals is None:
+        return _client_closed()
+    return json_response(body(finals))
+
+
+def _client_closed() -> web.Response:
+    return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
+
+
+async def collect(
+    request: web.Request, state: ServerState, generation: Generation, record: RequestRecord
+) -> list[RequestOutput] | None:
+    """The final outputs, or None when the client left first."""
+    reason = "cancelled"
+    try:
+        finals = await state.watcher.guard(request, generation.finals())
+    except ClientDisconnected as exc:
+        reason = exc.reason
+        logger.info("client left; aborted %s", generation.streams[0].request_id)
+        return None
+    except (EngineDeadError, QueueTimeoutError) as exc:
+        raise generation_error(exc) from None
+    finally:
+        generation.abort_unfinished(reason)
+    for prompt_index, final in enumerate(finals):
+        for seq in final.outputs:
+            record.add(prompt_index, seq)
+    return finals
+
+
+async def stream_response(
+    request: web.Request,
+    state: ServerState,
+    generation: Generation,
+    chunks: CompletionChunks | ChatChunks,
+    record: RequestRecord,
+) -> web.StreamResponse:
+    """Stream the chunks as SSE, with keep-alive comments while nothing moves. A failure
+    before the first write is a plain HTTP error; after it, an error event and [DONE]."""
+    config = state.config
+    events = EventStream(request, config.stream_write_timeout)
+
+    async def pump() -> None:
+        opened = False
+        deltas = generation.deltas(idle=config.sse_keep_alive_interval)
+        async with contextlib.aclosing(deltas) as items:
+            async for item in items:
+                if item is None:
+                    await events.send_keep_alive()
+                    continue
+                index, output = item
+                payloads = [] if opened else chunks.opening()
+                opened = True
+                payloads.extend(chunks.delta(index, output))
+                for seq in output.outputs:
+                    record.add(index, seq)
+                await events.send(payloads)
+        await events.send(chunks.closing())
+        await events.send_done()
+
+    reason = "cancelled"
+    try:
+        await state.watcher.guard(request, pump())
+    except ClientDisconnected as exc:
+        reason = exc.reason
+        logger.info("client left (%s); aborted %s", reason, generation.streams[0].request_id)
+        if not events.started:
+            return _client_closed()
+        return events.response
+    except Exception as exc:
+        reason = "error"
+        error = generation_error(exc)
+        if error is None:
+            logger.exception("streaming %s failed", generation.streams[0].request_id)
+            error = InternalServerError("Internal server error")
+        if not events.started:
+            raise error from None
+        record.status = error.status
+        with contextlib.suppress(ClientDisconnected):
+            await events.send([error_body(error.status, error.message)])
+            await events.send_done()
+    finally:
+        generation.abort_unfinished(reason)
+    await events.finish()
+    return events.response

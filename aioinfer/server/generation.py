@@ -1,0 +1,207 @@
+"""The engine side of one HTTP generation request: admission control, one engine request per
+prompt (admitted all or none), their merged output deltas, the one abort path, and the HTTP
+errors for what the engine fails a request with."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
+
+from aioinfer.core.outputs import OutputAccumulator, RequestOutput
+from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.engine.stream import (
+    EngineDeadError,
+    EngineOverloadedError,
+    QueueTimeoutError,
+    RequestStream,
+)
+from aioinfer.server.errors import (
+    APIError,
+    BadRequestError,
+    InternalServerError,
+    ServiceUnavailableError,
+)
+from aioinfer.server.metrics import RequestTimer
+from aioinfer.server.render import ResponseContext
+from aioinfer.server.state import ServerState
+
+if TYPE_CHECKING:
+    from aioinfer.engine.async_engine import AsyncEngine
+
+# Bounds the engine requests one HTTP request can create (prompts x n), checked before any
+# tokenization; n alone is also bounded by --max-num-seqs.
+MAX_SEQUENCES_PER_REQUEST = 4096
+RETRY_AFTER = "1"  # seconds, on 503s of a full or slow queue
+
+
+def admit(engine: AsyncEngine, num_prompts: int, n: int) -> None:
+    """Admission control, run after parsing and before any tokenization work: 400 for a
+    request that can never be admitted, a fast 503 with Retry-After while the queue is full."""
+    total = num_prompts * n
+    if total > MAX_SEQUENCES_PER_REQUEST:
+        raise BadRequestError(
+            f"A request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts x n), "
+            f"got {num_prompts} x {n}",
+            param="n" if num_prompts == 1 else "prompt",
+        )
+    try:
+        engine.check_admission(total)
+    except EngineOverloadedError as exc:
+        raise _retry_later(exc) from None
+    except EngineDeadError as exc:
+        raise _engine_failed(exc) from None
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="n") from None
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt) and their merged outputs.
+
+    Whoever iterates it must call `abort_unfinished(reason)` when done (a finally block): that
+    is the HTTP side of the one abort path, and a no-op once every request finished."""
+
+    def __init__(
+        self, engine: AsyncEngine, streams: list[RequestStream], timers: list[RequestTimer]
+    ) -> None:
+        self.engine = engine
+        self.streams = streams
+        self.timers = timers
+
+    def deltas(self, idle: float = 0.0) -> AsyncGenerator[tuple[int, RequestOutput] | None, None]:
+        """(prompt index, delta) as they arrive, and None whenever `idle` seconds pass without
+        one (0: never). Raises what the engine failed a request with (EngineDeadError,
+        QueueTimeoutError)."""
+        timeout = idle if idle > 0 else None
+        return self._single(timeout) if len(self.streams) == 1 else self._merged(timeout)
+
+    async def _single(
+        self, timeout: float | None
+    ) -> AsyncGenerator[tuple[int, RequestOutput] | None, None]:
+        stream, timer = self.streams[0], self.timers[0]
+        while True:
+            output = await stream.get_within(timeout)
+            if output is None:
+                yield None
+                continue
+            timer.observe(output)
+            yield 0, output
+            if output.finished:
+                return
+
+    async def _merged(
+        self, timeout: float | None
+    ) -> AsyncGenerator[tuple[int, RequestOutput] | None, None]:
+        pending = {asyncio.ensure_future(s.get()): i for i, s in enumerate(self.streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(
+                    pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    yield None
+                    continue
+                for future in sorted(done, key=pending.__getitem__):
+                    index = pending.pop(future)
+                    output = future.result()
+                    self.timers[index].observe(output)
+                    yield index, output
+                    if not output.finished:
+                        pending[asyncio.ensure_future(self.streams[index].get())] = index
+        finally:
+            for future in pending:
+                if future.done():
+                    if not future.cancelled():
+                        future.exception()  # retrieved: no "never retrieved" warning
+                else:
+                    future.cancel()
+
+    async def finals(self) -> list[RequestOutput]:
+        accumulators = [OutputAccumulator(s.n) for s in self.streams]
+        async with contextlib.aclosing(self.deltas()) as deltas:
+            async for item in deltas:
+                if item is not None:
+                    accumulators[item[0]].add(item[1])
+        return [a.result() for a in accumulators]
+
+    def abort_unfinished(self, reason: str) -> None:
+        for stream in self.streams:
+            if not stream.taken_final:
+                self.engine.abort(stream.request_id, reason)
+
+
+def start_generation(
+    state: ServerState,
+    engine: AsyncEngine,
+    ctx: ResponseContext,
+    params: SamplingParams,
+    *,
+    clamp_max_tokens: bool,
+    what: str = "prompt",
+) -> Generation:
+    """Admit one engine request per prompt, all or none. A default max_tokens (not the
+    client's) shrinks to what the context leaves."""
+    streams: list[RequestStream] = []
+    try:
+        for index, prompt in enumerate(ctx.prompts):
+            prompt_params = params
+            room = engine.max_model_len - len(prompt.token_ids)
+            if clamp_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
+                prompt_params = params.clone(max_tokens=room)
+            request_id = ctx.response_id if len(ctx.prompts) == 1 else f"{ctx.response_id}-{index}"
+            streams.append(
+                engine.add_request(prompt.token_ids, prompt_params, request_id, prompt.text)
+            )
+    except BaseException as exc:
+        for stream in streams:
+            engine.abort(stream.request_id, "rejected")
+        if isinstance(exc, EngineDeadError):
+            raise _engine_failed(exc) from None
+        if isinstance(exc, ValueError):
+            raise BadRequestError(str(exc), param=_engine_param(str(exc), what)) from None
+        raise
+    timers = [state.metrics.timer(engine.model_name) for _ in streams]
+    return Generation(engine, streams, timers)
+
+
+def generation_error(exc: BaseException) -> APIError | None:
+    """The HTTP error for what the engine failed a request with; None for anything else."""
+    if isinstance(exc, EngineDeadError):
+        return InternalServerError(f"The engine failed while generating: {exc}")
+    if isinstance(exc, QueueTimeoutError):
+        return _retry_later(exc)
+    return None
+
+
+def _retry_later(exc: Exception) -> ServiceUnavailableError:
+    """503 for a full or slow queue: the request may succeed a moment later."""
+    return ServiceUnavailableError(str(exc), headers={"Retry-After": RETRY_AFTER})
+
+
+def _engine_failed(exc: EngineDeadError) -> ServiceUnavailableError:
+    """503 for a request refused because the engine died before admitting it."""
+    return ServiceUnavailableError(f"The engine failed: {exc}")
+
+
+_ENGINE_PARAMS = (
+    "max_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "logit_bias",
+    "stop_token_ids",
+    "min_tokens",
+    "n",
+)
+
+
+def _engine_param(message: str, default: str) -> str:
+    """The field an engine ValueError is about (its messages name the field)."""
+    first = message.split(" ", 1)[0]
+    if first == "logprobs" and default == "messages":
+        return "top_logprobs"  # chat asks for alternatives with top_logprobs
+    if first in _ENGINE_PARAMS:
+        return first
+    if "max_tokens" in message or "you requested" in message:
+        return "max_tokens"
+    return default

@@ -1,0 +1,149 @@
+"""The OpenAPI 3.1 document of the server (/openapi.json), built from the request models and
+the response shapes.
+
+PURE (no torch, no asyncio).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import TypeAdapter
+
+from aioinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from aioinfer.server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
+
+_JSON = "application/json"
+_ERROR_CODES = {
+    "400": "Invalid request",
+    "401": "Missing or wrong API key",
+    "404": "Unknown model",
+    "503": "Engine not ready, shutting down, or queue full (with Retry-After)",
+}
+_OPEN: dict[str, Any] = {"security": []}  # routes that need no API key
+# Only where a body is read, or the engine generates.
+_BODY_ERROR_CODES = {"413": "Body over the size limit"}
+_GENERATION_ERROR_CODES = {"500": "The engine failed while generating"}
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the server, built from the request models and the response
+    shapes."""
+    components: dict[str, Any] = {}
+
+    def ref(kind: Any, mode: Literal["validation", "serialization"]) -> dict[str, Any]:
+        schema = TypeAdapter(kind).json_schema(
+            mode=mode, ref_template="#/components/schemas/{model}"
+        )
+        components.update(schema.pop("$defs", {}))
+        name = getattr(kind, "__name__", str(kind))
+        components[name] = schema
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    def body(kind: Any) -> dict[str, Any]:
+        return {"required": True, "content": {_JSON: {"schema": ref(kind, "validation")}}}
+
+    def events(chunk: Any) -> dict[str, Any]:
+        """Each SSE event (OpenAPI 3.1: the schema describes one event): its data is a chunk,
+        an in-band error, or the final [DONE]."""
+        json_data = {
+            "contentMediaType": _JSON,
+            "contentSchema": {
+                "anyOf": [ref(chunk, "serialization"), ref(ErrorResponse, "serialization")]
+            },
+        }
+        data = {"type": "string", "if": {"const": "[DONE]"}, "else": json_data}
+        return {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}
+
+    def ok(kind: Any | None, media: str = _JSON, stream: Any = None) -> dict[str, Any]:
+        """Responses of an operation; `stream` is the chunk type when it can stream."""
+        responses: dict[str, Any] = {"200": {"description": "OK"}}
+        if kind is not None:
+            content = {media: {"schema": ref(kind, "serialization")}}
+            if stream is not None:
+                content["text/event-stream"] = events(stream)
+            responses["200"]["content"] = content
+        codes = dict(_ERROR_CODES)
+        if stream is not None:
+            codes.update(_GENERATION_ERROR_CODES)
+        error = {_JSON: {"schema": ref(ErrorResponse, "serialization")}}
+        for code, text in codes.items():
+            responses[code] = {"description": text, "content": error}
+        return responses
+
+    def op(
+        summary: str,
+        responses: dict[str, Any],
+        request: Any = None,
+        parameters: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        operation: dict[str, Any] = {"summary": summary, "responses": responses}
+        if request is not None:
+            operation["requestBody"] = body(request)
+            error = {_JSON: {"schema": ref(ErrorResponse, "serialization")}}
+            for code, text in _BODY_ERROR_CODES.items():
+                responses[code] = {"description": text, "content": error}
+        if parameters:
+            operation["parameters"] = parameters
+        return operation
+
+    text_plain = {"200": {"description": "OK", "content": {"text/plain": {"schema": {}}}}}
+    model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    paths = {
+        "/v1/models": {"get": op("List the served model", ok(ModelList))},
+        "/v1/models/{model}": {
+            "get": op("The served model, by its name", ok(ModelCard), parameters=[model_param])
+        },
+        "/v1/completions": {
+            "post": op(
+                "Text completion",
+                ok(CompletionResponse, stream=CompletionChunk),
+                CompletionRequest,
+            )
+        },
+        "/v1/chat/completions": {
+            "post": op(
+                "Chat completion",
+                ok(ChatCompletionResponse, stream=ChatCompletionChunk),
+                ChatCompletionRequest,
+            )
+        },
+        "/tokenize": {"post": op("Tokenize", ok(TokenizeResponse), TokenizeRequest)},
+        "/detokenize": {"post": op("Detokenize", ok(DetokenizeResponse), DetokenizeRequest)},
+        # Open to load balancers and scrapers: no API key needed.
+        "/health": {"get": op("200 once the engine serves, 503 otherwise", ok(None)) | _OPEN},
+        "/version": {"get": op("Server version", ok(VersionResponse)) | _OPEN},
+        "/metrics": {"get": op("Prometheus metrics", text_plain) | _OPEN},
+        "/openapi.json": {
+            "get": op(
+                "This document",
+                {"200": {"description": "OK", "content": {_JSON: {"schema": {"type": "object"}}}}},
+            )
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "aioinfer", "version": version},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }

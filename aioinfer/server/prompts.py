@@ -1,0 +1,49 @@
+"""Prompts to token ids: the completions prompt shapes and chat messages (through the model's
+chat template), refusing what cannot be rendered with a 400."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from aioinfer.server.errors import BadRequestError
+from aioinfer.server.render import Prompt
+
+
+def count_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """How many prompts a (validated) completions prompt holds, without tokenizing it."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def encode_prompts(
+    tokenizer: Any, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[Prompt]:
+    """One Prompt per text or token-id list (the shapes were checked by the protocol)."""
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif isinstance(prompt[0], str):
+        texts = prompt
+    elif isinstance(prompt[0], int):
+        return [Prompt(list(prompt))]
+    else:
+        return [Prompt(list(ids)) for ids in prompt]
+    encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    return [Prompt(list(ids), text) for ids, text in zip(encoded, texts, strict=True)]
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool
+) -> list[int]:
+    """Prompt token ids of chat messages, through the model's chat template."""
+    import jinja2
+
+    from aioinfer.engine.tokenizer import apply_chat_template
+
+    try:
+        return apply_chat_template(
+            tokenizer, list(messages), add_generation_prompt=add_generation_prompt
+        )
+    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+        raise BadRequestError(f"The chat template failed: {exc}", param="messages") from None

@@ -1,0 +1,377 @@
+"""Engine outputs to OpenAI response bodies and SSE chunks.
+
+PURE (no torch, no asyncio): plain functions and classes over the core outputs, returning the
+dicts of `responses` that orjson serializes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aioinfer.core.outputs import CompletionOutput, RequestOutput
+from aioinfer.core.step import TokenLogprobs
+from aioinfer.server.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    ModelCard,
+    TopLogprob,
+    UsageInfo,
+)
+
+TokenText = Callable[[int], str]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass
+class Prompt:
+    """One prompt as the engine sees it: token ids, and the text when there was one."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+def model_card(name: str, max_model_len: int, created: int) -> ModelCard:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "aioinfer",
+        "root": name,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [
+            {"id": f"modelperm-{name}", "object": "model_permission", "allow_sampling": True}
+        ],
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprobs | None],
+    token_ids: Sequence[int],
+    token_text: TokenText,
+    offset: int,
+) -> CompletionLogprobs:
+    """The legacy completions logprobs block; `offset` is where the first token's text starts.
+    An entry of None (the first prompt token) has no logprob."""
+    out: CompletionLogprobs = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = token_text(token_id)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        top = {token_text(t): lp for t, lp in entry.top}
+        top.setdefault(text, entry.logprob)
+        out["token_logprobs"].append(entry.logprob)
+        out["top_logprobs"].append(top)
+    return out
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], token_text: TokenText) -> ChatLogprobs:
+    content: list[ChatLogprob] = []
+    for entry in entries:
+        text = token_text(entry.token_id)
+        top: list[TopLogprob] = []
+        for token_id, logprob in entry.top:
+            top_text = token_text(token_id)
+            top.append({"token": top_text, "logprob": logprob, "bytes": _utf8(top_text)})
+        content.append(
+            {"token": text, "logprob": entry.logprob, "bytes": _utf8(text), "top_logprobs": top}
+        )
+    return {"content": content}
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def _offset_of(logprobs: CompletionLogprobs, start: int) -> int:
+    if not logprobs["tokens"]:
+        return start
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+
+@dataclass
+class ResponseContext:
+    """What every response of one request shares."""
+
+    response_id: str
+    model: str
+    prompts: list[Prompt]
+    n: int
+    token_text: TokenText
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    def choice_index(self, prompt_index: int, seq_index: int) -> int:
+        return prompt_index * self.n + seq_index
+
+    def prompt_text(self, prompt_index: int, decode: Callable[[list[int]], str]) -> str:
+        prompt = self.prompts[prompt_index]
+        return prompt.text if prompt.text is not None else decode(prompt.token_ids)
+
+
+def completion_response(
+    ctx: ResponseContext,
+    finals: Sequence[RequestOutput],
+    *,
+    echo_texts: Sequence[str] | None,
+    want_logprobs: bool,
+) -> CompletionResponse:
+    """The non-streaming /v1/completions body; `echo_texts` holds each prompt's text when the
+    request asked for echo."""
+    choices: list[CompletionChoice] = []
+    completion_tokens = 0
+    for p, final in enumerate(finals):
+        for seq in final.outputs:
+            completion_tokens += len(seq.token_ids)
+            echo = echo_texts[p] if echo_texts is not None else ""
+            logprobs = None
+            if want_logprobs:
+                prompt_entries = final.prompt_logprobs if echo_texts is not None else None
+                logprobs = _echoed_prompt_logprobs(ctx, p, prompt_entries)
+                _extend_logprobs(logprobs, seq, ctx.token_text, _offset_of(logprobs, 0))
+            choices.append(
+                {
+                    "index": ctx.choice_index(p, seq.index),
+                    "text": echo + seq.text,
+                    "logprobs": logprobs,
+                    "finish_reason": seq.finish_reason,
+                    "stop_reason": seq.stop_reason,
+                }
+            )
+    return {
+        "id": ctx.response_id,
+        "object": "text_completion",
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": choices,
+        "usage": usage(ctx.prompt_tokens, completion_tokens),
+    }
+
+
+def _echoed_prompt_logprobs(
+    ctx: ResponseContext, prompt_index: int, entries: Sequence[TokenLogprobs | None] | None
+) -> CompletionLogprobs:
+    """The prompt part of an echoed completion's logprobs (empty without echo, i.e. None)."""
+    if entries is None:
+        return completion_logprobs([], [], ctx.token_text, 0)
+    ids = ctx.prompts[prompt_index].token_ids
+    return completion_logprobs(entries, ids, ctx.token_text, 0)
+
+
+def _extend_logprobs(
+    logprobs: CompletionLogprobs, seq: CompletionOutput, token_text: TokenText, start: int
+) -> None:
+    """Append the logprobs of `seq`'s tokens, whose text starts at offset `start`."""
+    more = completion_logprobs(seq.logprobs or [], seq.token_ids, token_text, start)
+    for key in logprobs:
+        logprobs[key].extend(more[key])  # type: ignore[literal-required]
+
+
+def chat_response(
+    ctx: ResponseContext, final: RequestOutput, *, want_logprobs: bool
+) -> ChatCompletionResponse:
+    choices: list[ChatChoice] = []
+    completion_tokens = 0
+    for seq in final.outputs:
+        completion_tokens += len(seq.token_ids)
+        logprobs = chat_logprobs(seq.logprobs or [], ctx.token_text) if want_logprobs else None
+        choices.append(
+            {
+                "index": seq.index,
+                "message": {"role": "assistant", "content": seq.text},
+                "logprobs": logprobs,
+                "finish_reason": seq.finish_reason,
+                "stop_reason": seq.stop_reason,
+            }
+        )
+    return {
+        "id": ctx.response_id,
+        "object": "chat.completion",
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": choices,
+        "usage": usage(ctx.prompt_tokens, completion_tokens),
+    }
+
+
+@dataclass
+class StreamOptionsView:
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+class _ChunkStream:
+    """Shared bookkeeping of the streaming renderers: token counts and usage."""
+
+    object_name = ""
+
+    def __init__(self, ctx: ResponseContext, options: StreamOptionsView) -> None:
+        self.ctx = ctx
+        self.options = options
+        self.completion_tokens = 0
+
+    def _usage_now(self) -> UsageInfo:
+        return usage(self.ctx.prompt_tokens, self.completion_tokens)
+
+    def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        if self.options.continuous_usage:
+            chunk["usage"] = self._usage_now()
+        return chunk
+
+    def closing(self) -> list[dict[str, Any]]:
+        """The final usage chunk (empty choices) when include_usage was asked for."""
+        if not self.options.include_usage:
+            return []
+        return [self._envelope([], usage=self._usage_now())]
+
+    def _envelope(self, choices: list[Any], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.ctx.response_id,
+            "object": self.object_name,
+            "created": self.ctx.created,
+            "model": self.ctx.model,
+            "choices": choices,
+            **extra,
+        }
+
+
+class CompletionChunks(_ChunkStream):
+    """The SSE chunks of a streamed /v1/completions response."""
+
+    object_name = "text_completion"
+
+    def __init__(
+        self,
+        ctx: ResponseContext,
+        options: StreamOptionsView,
+        *,
+        echo_texts: Sequence[str] | None,
+        want_logprobs: bool,
+    ) -> None:
+        super().__init__(ctx, options)
+        self.echo_texts = echo_texts
+        self.want_logprobs = want_logprobs
+        self._started: set[int] = set()
+        self._offsets: dict[int, int] = {}
+        self._prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs[prompt_index] = output.prompt_logprobs
+        chunks = []
+        for seq in output.outputs:
+            index = self.ctx.choice_index(prompt_index, seq.index)
+            self.completion_tokens += len(seq.token_ids)
+            text, logprobs = self._content(prompt_index, index, seq)
+            if text or logprobs is not None:
+                chunks.append(self._chunk(index, text, logprobs, None, None))
+            if seq.finish_reason is not None:
+                chunks.append(self._chunk(index, "", None, seq.finish_reason, seq.stop_reason))
+        return chunks
+
+    def _content(
+        self, prompt_index: int, index: int, seq: CompletionOutput
+    ) -> tuple[str, CompletionLogprobs | None]:
+        first = index not in self._started
+        self._started.add(index)
+        echo = self.echo_texts[prompt_index] if first and self.echo_texts is not None else ""
+        if not self.want_logprobs or (not seq.token_ids and not echo):
+            return echo + seq.text, None
+        prompt_entries = self._prompt_logprobs.get(prompt_index) if echo else None
+        logprobs = _echoed_prompt_logprobs(self.ctx, prompt_index, prompt_entries)
+        start = _offset_of(logprobs, self._offsets.get(index, 0))
+        _extend_logprobs(logprobs, seq, self.ctx.token_text, start)
+        self._offsets[index] = _offset_of(logprobs, start)
+        return echo + seq.text, logprobs
+
+    def _chunk(
+        self,
+        index: int,
+        text: str,
+        logprobs: CompletionLogprobs | None,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+    ) -> dict[str, Any]:
+        choice: CompletionChoice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+        return self._with_usage(self._envelope([choice]))
+
+
+class ChatChunks(_ChunkStream):
+    """The SSE chunks of a streamed /v1/chat/completions response: a role chunk per choice,
+    content chunks, then a chunk with an empty delta and the finish_reason."""
+
+    object_name = "chat.completion.chunk"
+
+    def __init__(
+        self, ctx: ResponseContext, options: StreamOptionsView, *, want_logprobs: bool
+    ) -> None:
+        super().__init__(ctx, options)
+        self.want_logprobs = want_logprobs
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [
+            self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None})
+            for i in range(self.ctx.n)
+        ]  # fmt: skip
+
+    def delta(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        for seq in output.outputs:
+            self.completion_tokens += len(seq.token_ids)
+            logprobs = None
+            if self.want_logprobs and seq.token_ids:
+                logprobs = chat_logprobs(seq.logprobs or [], self.ctx.token_text)
+            if seq.text or logprobs is not None:
+                chunks.append(
+                    self._chunk({"index": seq.index, "delta": {"content": seq.text},
+                                 "logprobs": logprobs, "finish_reason": None})
+                )  # fmt: skip
+            if seq.finish_reason is not None:
+                chunks.append(
+                    self._chunk({"index": seq.index, "delta": {}, "logprobs": None,
+                                 "finish_reason": seq.finish_reason,
+                                 "stop_reason": seq.stop_reason})
+                )  # fmt: skip
+        return chunks
+
+    def _chunk(self, choice: ChatChunkChoice) -> dict[str, Any]:
+        return self._with_usage(self._envelope([choice]))

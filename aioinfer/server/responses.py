@@ -1,0 +1,160 @@
+"""OpenAI response shapes, as TypedDicts.
+
+PURE (no torch, no asyncio). The handlers build plain dicts that orjson serializes; the same
+types give the response schemas of /openapi.json.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from typing_extensions import NotRequired, TypedDict
+
+
+class UsageInfo(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(TypedDict):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(TypedDict):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class CompletionResponse(TypedDict):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: NotRequired[UsageInfo | None]
+
+
+class CompletionChunk(TypedDict):
+    """One SSE chunk of a streamed completion: usage only with stream_options."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: NotRequired[UsageInfo | None]
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+
+
+class ChatLogprob(TypedDict):
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatLogprob]
+
+
+class ChatResponseMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(TypedDict):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(TypedDict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(TypedDict):
+    role: NotRequired[Literal["assistant"]]
+    content: NotRequired[str]
+
+
+class ChatChunkChoice(TypedDict):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: NotRequired[int | str | None]
+
+
+class ChatCompletionChunk(TypedDict):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: NotRequired[UsageInfo | None]
+
+
+class ModelPermission(TypedDict):
+    id: str
+    object: Literal["model_permission"]
+    allow_sampling: bool
+
+
+class ModelCard(TypedDict):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+    permission: list[ModelPermission]
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorInfo(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(TypedDict):
+    error: ErrorInfo
+
+
+class TokenizeResponse(TypedDict):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(TypedDict):
+    prompt: str
+
+
+class VersionResponse(TypedDict):
+    version: str

@@ -1,0 +1,92 @@
+"""The state the handlers of one app share: the engine once it serves, the config, the disconnect
+watcher, the metrics and the shutdown flags."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from aioinfer import __version__
+from aioinfer.config import ServerConfig
+from aioinfer.server.errors import ServiceUnavailableError
+from aioinfer.server.metrics import ServerMetrics
+from aioinfer.server.openapi import openapi_document
+from aioinfer.server.sse import DisconnectWatcher
+
+if TYPE_CHECKING:
+    from aioinfer.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerState:
+    """What the handlers share; lives in `app[STATE]`."""
+
+    config: ServerConfig
+    watcher: DisconnectWatcher = field(default_factory=DisconnectWatcher)
+    engine: AsyncEngine | None = None
+    startup_error: BaseException | None = None
+    draining: bool = False
+    in_flight: int = 0  # generation requests being answered; shutdown waits for them
+    created: int = field(default_factory=lambda: int(time.time()))
+    # Set once the engine serves, or failed to start.
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    metrics: ServerMetrics = field(init=False)
+    _token_texts: dict[int, str] = field(default_factory=dict)
+    _openapi: bytes | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(lambda: self.engine)
+
+    def set_engine(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._token_texts.clear()
+        self.ready.set()
+
+    def set_startup_error(self, error: BaseException) -> None:
+        self.startup_error = error
+        self.ready.set()
+
+    def unavailable_reason(self) -> str | None:
+        """Why the server cannot take requests now, or None when it can."""
+        if self.draining:
+            return "The server is shutting down"
+        if self.startup_error is not None:
+            return f"The engine failed to start: {self.startup_error!r}"
+        if self.engine is None or not self.engine.ready:
+            return "The engine is loading; retry when /health answers 200"
+        if self.engine.dead_error is not None:
+            return f"The engine failed: {self.engine.dead_error!r}"
+        return None
+
+    def serving_engine(self) -> AsyncEngine:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise ServiceUnavailableError(reason, headers={"Retry-After": "5"})
+        assert self.engine is not None
+        return self.engine
+
+    def token_text(self, tokenizer: Any) -> Callable[[int], str]:
+        """Decoded text of one token id, cached (logprobs ask for the same ids again and again)."""
+        cache = self._token_texts
+
+        def text(token_id: int) -> str:
+            value = cache.get(token_id)
+            if value is None:
+                value = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+            return value
+
+        return text
+
+    def openapi(self) -> bytes:
+        if self._openapi is None:
+            self._openapi = orjson.dumps(openapi_document(__version__))
+        return self._openapi
+
+
+STATE = web.AppKey("aioinfer_state", ServerState)
