@@ -12,12 +12,22 @@ import pytest
 os.environ.setdefault("AIOINFER_CACHE", tempfile.mkdtemp(prefix="aioinfer-test-cache-"))
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without CUDA the Triton kernels run in Triton's interpreter. It must be chosen before the first
+# kernel module is imported, by whichever test module comes first.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not any(item.get_closest_marker("gpu") for item in items):
         return
-    import torch
-
-    if torch.cuda.is_available():
+    if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
