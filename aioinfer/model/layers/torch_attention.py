@@ -38,14 +38,17 @@ def write_kv_cache(
 def _gather(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of blocks [..., nb] as [..., nb * block_size, KV, D] each, in dtype."""
-    # index_select on the flat block ids: far faster on the CPU than advanced indexing.
+    """Keys and values of blocks [..., nb] as [..., nb * block_size, KV, D] each, in dtype.
+
+    K and V are gathered apart, each from its strided view of the cache, with index_select (far
+    faster on the CPU than advanced indexing): each result is contiguous block after block, so
+    merging the block and slot dims is a free view rather than another copy.
+    """
     lead, nb = block_ids.shape[:-1], block_ids.shape[-1]
-    blocks = kv_cache.index_select(0, block_ids.reshape(-1).to(torch.long))
-    blocks = blocks.view(*lead, nb, *kv_cache.shape[1:])  # [..., nb, 2, block_size, KV, D]
-    flat = (*lead, nb * kv_cache.shape[2], *kv_cache.shape[-2:])
-    keys = blocks[..., 0, :, :, :].reshape(flat).to(dtype)
-    values = blocks[..., 1, :, :, :].reshape(flat).to(dtype)
+    flat_ids = block_ids.reshape(-1).to(torch.long)
+    shape = (*lead, nb * kv_cache.shape[2], *kv_cache.shape[-2:])
+    keys = kv_cache[:, 0].index_select(0, flat_ids).view(shape).to(dtype)
+    values = kv_cache[:, 1].index_select(0, flat_ids).view(shape).to(dtype)
     return keys, values
 
 
@@ -56,16 +59,21 @@ def decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    min_seq_len: int = 0,
 ) -> torch.Tensor:
-    """One query token per request: query [B, H, D] over seq_lens[b] cached tokens -> [B, H, D]."""
+    """One query token per request: query [B, H, D] over seq_lens[b] cached tokens -> [B, H, D].
+
+    `min_seq_len` (any lower bound of seq_lens) lets the padding clean-up skip the slots that
+    every request uses."""
     num_blocks = _cdiv(max_seq_len, kv_cache.shape[2])
     keys, values = _gather(kv_cache, block_tables[:, :num_blocks], query.dtype)  # [B, L, KV, D]
     valid = torch.arange(keys.shape[1], device=keys.device) < seq_lens[:, None]  # [B, L]
     # Slots past a request's length may hold anything, NaN included, and SDPA's mask does not
-    # shield it (NaN scores, 0 * NaN values). The gathered tensors are fresh copies: zero in place.
-    invalid = ~valid[:, :, None, None]
-    keys.masked_fill_(invalid, 0.0)
-    values.masked_fill_(invalid, 0.0)
+    # shield it (NaN scores, 0 * NaN values). The gathered tensors are fresh copies: zero in place,
+    # past the shortest request only.
+    invalid = ~valid[:, min_seq_len:, None, None]
+    keys[:, min_seq_len:].masked_fill_(invalid, 0.0)
+    values[:, min_seq_len:].masked_fill_(invalid, 0.0)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # [B, H, 1, D]
         keys.transpose(1, 2),  # [B, KV, L, D]
@@ -138,6 +146,7 @@ class TorchAttentionBackend:
                 metadata.seq_lens[:nd],
                 max(metadata.seq_lens_host[:nd]),
                 scale,
+                min_seq_len=min(metadata.seq_lens_host[:nd]),
             ).to(out.dtype)
         qsl = metadata.query_start_loc_host
         for i in range(nd, metadata.num_reqs):
