@@ -2,69 +2,29 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
-
-READY_TIMEOUT = 120
+from tests.serve_process import ServeProcess, free_port, make_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-serve")
-    make_variant("llama").save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return path
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-serve"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_server(args: list[str]) -> tuple[ServeProcess, list[str]]:
+    """`aioinfer serve ARGS`, once its log says it is ready, and the log lines so far."""
+    proc = ServeProcess(args)
+    proc.wait_ready()
+    return proc, list(proc.lines)
 
 
-def start_server(args: list[str]) -> tuple[subprocess.Popen, list[str]]:
-    """Start `aioinfer serve ARGS`; return once the log says it is ready (lines so far)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aioinfer", "serve", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    lines: list[str] = []
-    deadline = time.monotonic() + READY_TIMEOUT
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.rstrip())
-        if "Ready in" in line:
-            return proc, lines
-    proc.kill()
-    raise AssertionError("server did not become ready:\n" + "\n".join(lines))
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+def stop_server(proc: ServeProcess) -> int:
+    return proc.stop()
 
 
 def grab(lines: list[str], pattern: str) -> re.Match[str]:

@@ -5,11 +5,7 @@ server thread of their own (for synchronous clients such as schemathesis), and h
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,9 +15,9 @@ import pytest
 from aioinfer.config import ServerConfig
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
+from tests.serve_process import make_tiny_model_dir
 from tests.server.conftest import LiveServer, build_engine
 
-READY_TIMEOUT = 120.0
 _T = TypeVar("_T")
 
 
@@ -76,63 +72,7 @@ def threaded_server() -> Iterator[ThreadedServer]:
 # --------------------------------------------------------------------------- subprocesses
 
 
-def make_tiny_model_dir(path: Path, max_position_embeddings: int = 256) -> Path:
-    from tests.model.tiny_models import make_hf_model
-    from tests.tokenizer_fixtures import make_tokenizer
-
-    make_hf_model("llama", max_position_embeddings=max_position_embeddings).save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama whose context is long enough to keep requests running for seconds."""
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-reliability"), 2048)
-
-
-class ServeProcess:
-    """`aioinfer serve` in a subprocess; its output is collected by a reader thread."""
-
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aioinfer", "serve", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if "Ready in" in line:
-                self._ready.set()
-        self._ready.set()  # the process ended: whoever waits must look
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
-        self._ready.wait(timeout)
-        if not any("Ready in" in line for line in self.lines):
-            self.kill()
-            raise AssertionError("server did not become ready:\n" + self.output)
-
-    def wait_exit(self, timeout: float) -> tuple[int, float]:
-        """(exit code, seconds it took)."""
-        start = time.monotonic()
-        code = self.proc.wait(timeout)
-        self._reader.join(5)
-        return code, time.monotonic() - start
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)

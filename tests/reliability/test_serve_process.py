@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -16,16 +15,10 @@ import aiohttp
 import orjson
 
 from aioinfer.gpu.thread import FAULT_ENV
-from tests.reliability.conftest import ServeProcess
+from tests.serve_process import ServeProcess, free_port
 
 KEY = "sk-process-key-7730"
 EXIT_AFTER_FAULT = 5.0  # seconds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_args(model_dir: Path, port: int, *extra: str) -> list[str]:

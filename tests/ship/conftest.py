@@ -6,21 +6,13 @@ tests can compare them with what `aioinfer plan` predicts.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.serve_process import ServeProcess, free_port, make_tiny_model_dir
 
 READY_TIMEOUT = 120
 API_KEY = "ship-test-key"
@@ -41,12 +33,6 @@ class LiveServer:
     flags: dict[str, object]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cli_flags(flags: dict[str, object]) -> list[str]:
     out: list[str] = []
     for name, value in flags.items():
@@ -54,55 +40,18 @@ def cli_flags(flags: dict[str, object]) -> list[str]:
     return out
 
 
-def start_server(
-    args: list[str], env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen[str], list[str]]:
-    """Start `python -m aioinfer serve ARGS`; return once its log says it is ready."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aioinfer", "serve", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
-    lines: list[str] = []
-    deadline = time.monotonic() + READY_TIMEOUT
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.rstrip())
-        if "Ready in" in line:
-            return proc, lines
-    proc.kill()
-    raise AssertionError("server did not become ready:\n" + "\n".join(lines))
-
-
-def stop_server(proc: subprocess.Popen[str]) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-ship")
-    make_variant("llama").save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return path
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-ship"))
 
 
 @pytest.fixture(scope="session")
 def live_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     port = free_port()
     args = [str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port)]
-    proc, lines = start_server([*args, *cli_flags(SERVE_FLAGS)], env={"AIOINFER_API_KEY": API_KEY})
-    # Drain the log in the background so that the server never blocks on a full pipe.
-    assert proc.stdout is not None
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
-    yield LiveServer(f"http://127.0.0.1:{port}", tiny_model_dir, lines, dict(SERVE_FLAGS))
-    assert stop_server(proc) == 0
+    proc = ServeProcess([*args, *cli_flags(SERVE_FLAGS)], env={"AIOINFER_API_KEY": API_KEY})
+    proc.wait_ready()
+    yield LiveServer(
+        f"http://127.0.0.1:{port}", tiny_model_dir, list(proc.lines), dict(SERVE_FLAGS)
+    )
+    assert proc.stop() == 0

@@ -28,7 +28,8 @@ from aioinfer.client import (
     iter_sse_events,
     normalize_url,
 )
-from tests.ship.conftest import API_KEY, LiveServer, free_port
+from tests.serve_process import free_port
+from tests.ship.conftest import API_KEY, LiveServer
 
 MAX_TOKENS = 8
 FIRST = "Hello, world!"

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from tests.ship.conftest import LiveServer, free_port
+from tests.serve_process import free_port
+from tests.ship.conftest import LiveServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

@@ -34,7 +34,8 @@ from aioinfer.plan import (
     plan_main,
 )
 from tests.model.tiny_models import ARCH_CONFIG, ARCHS, BASE_CONFIG, VARIANTS
-from tests.ship.conftest import LiveServer, cli_flags, free_port, start_server, stop_server
+from tests.serve_process import ServeProcess, free_port
+from tests.ship.conftest import LiveServer, cli_flags
 
 TOLERANCE = 0.02
 
@@ -291,10 +292,11 @@ def test_plan_matches_serve_on_cuda():
     plan = SimpleNamespace(**json.loads(planned.stdout))
     port = free_port()
     args = [model, "--load-format", "dummy", "--port", str(port), "--host", "127.0.0.1"]
-    proc, log = start_server([*args, *cli_flags(flags)])
+    proc = ServeProcess([*args, *cli_flags(flags)])
     try:
-        served = served_numbers(log)
+        proc.wait_ready()
+        served = served_numbers(list(proc.lines))
     finally:
-        assert stop_server(proc) == 0
+        assert proc.stop() == 0
     assert plan.device == "cuda"
     assert_plan_matches(plan, served)
