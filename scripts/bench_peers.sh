@@ -162,8 +162,10 @@ metadata.version = _version
 
 from vllm.entrypoints.cli.main import main  # noqa: E402
 
-sys.argv[0] = "vllm"
-sys.exit(main())
+# vLLM starts its engine core with multiprocessing's spawn, which re-imports this file.
+if __name__ == "__main__":
+    sys.argv[0] = "vllm"
+    sys.exit(main())
 PYEOF
 }
 
