@@ -18,7 +18,8 @@ from aioinfer.engine.tokenizer import apply_chat_template, load_tokenizer, plain
 from aioinfer.model.loader import ResolvedModel, load_model, resolve_model
 from aioinfer.model.loader import gguf_cache as cache_module
 from aioinfer.model.loader.gguf_cache import GGUFFingerprint, check_entry, entry_dir
-from tests.model.test_loader import CONVERSATIONS, PROBE_TEXTS, write_gguf
+from tests.model.test_loader import write_gguf
+from tests.model.test_tokenizer_loading import CONVERSATIONS, PROBE_TEXTS
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import smollm2_gguf_path
 
