@@ -27,18 +27,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.sizing import GiB, default_token_budget, kv_bytes_per_block, max_model_len
 
 if TYPE_CHECKING:
     from aioinfer.model.llama import DecoderConfig
 
-GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # CUDA context, cuBLAS and kernel modules outside torch's allocator: about 0.5 GiB on recent
 # data-centre GPUs. Used when the plan is for a GPU that is not the local one.
 DEFAULT_NON_TORCH_GIB = 0.5
-# Token budgets of one step, as `aioinfer.gpu.memory.default_token_budget` picks them.
-BIG_GPU_GIB = 70
-CPU_TOKEN_BUDGET = 512
 # The sampler's widest moment in the profiling pass (top-k and top-p rows): five float32 [R, V]
 # buffers (the logits, their working copy, the sorted copy, its softmax and the mass before each
 # token), the bool mask of the kept tokens and its int64 sum.
@@ -169,32 +166,6 @@ def estimate_activation_bytes(
     return max(mlp, attention, sampling) + workspace
 
 
-def default_token_budget(device: str, total_bytes: int | None, offline: bool = False) -> int:
-    """max_num_batched_tokens when the flag is unset: the rule of `gpu/memory.py`."""
-    if device == "cuda" and total_bytes is not None:
-        if total_bytes / GiB >= BIG_GPU_GIB:
-            return 16384 if offline else 8192
-        return 8192 if offline else 2048
-    return 4096 if offline else CPU_TOKEN_BUDGET
-
-
-def max_model_len_of(hf_config: Any, requested: int | None) -> int:
-    """The context length `serve` uses: the flag, else the config's max_position_embeddings."""
-    derived = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
-    if requested is None:
-        return derived
-    if requested > derived:
-        raise ValueError(
-            f"max_model_len ({requested}) is larger than the model's maximum length "
-            f"(max_position_embeddings={derived})"
-        )
-    return requested
-
-
-def kv_bytes_per_block(cfg: DecoderConfig, block_size: int, dtype_bytes: int) -> int:
-    return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * dtype_bytes
-
-
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -228,11 +199,13 @@ def make_plan(
     dtype_bytes = DTYPE_BYTES[dtype]
     num_params = count_parameters(cfg)
     weights = num_params * dtype_bytes
-    max_len = max_model_len_of(resolved.hf_config, model_config.max_model_len)
+    max_len = max_model_len(resolved.hf_config, model_config.max_model_len)
     budget = scheduler_config.max_num_batched_tokens or default_token_budget(
-        device, gpu.total_bytes if gpu else None
+        device, gpu.total_bytes if gpu else None, offline=False
     )
-    per_block = kv_bytes_per_block(cfg, cache_config.block_size, dtype_bytes)
+    per_block = kv_bytes_per_block(
+        cache_config.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, dtype_bytes
+    )
     activations = None
     if cache_config.num_gpu_blocks_override is not None:
         num_blocks = cache_config.num_gpu_blocks_override

@@ -78,6 +78,7 @@ class CudaGraphRunner:
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
+            positions=self.positions[:bs],
             slot_mapping=self.slot_mapping[:bs],
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from aioinfer import sizing
+
 if TYPE_CHECKING:
     from aioinfer.gpu.runner import ModelRunner
 
@@ -22,19 +24,11 @@ logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
-# Token budgets of one step (max_num_batched_tokens) by device and use.
-_BIG_GPU_GIB = 70
-
 
 def default_token_budget(device: torch.device, offline: bool) -> int:
-    """Big GPUs take 8192 tokens a step (16384 offline); small GPUs and the CPU less, since a
-    long prefill chunk delays every decode that shares its step."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory / GiB
-        if total >= _BIG_GPU_GIB:
-            return 16384 if offline else 8192
-        return 8192 if offline else 2048
-    return 4096 if offline else 512
+    """The step budget (aioinfer.sizing's rule) for this device and its memory."""
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return sizing.default_token_budget(device.type, total, offline)
 
 
 def device_memory_used(device: torch.device) -> int:

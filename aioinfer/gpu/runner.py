@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from aioinfer import sizing
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import memory
@@ -101,7 +102,7 @@ class ModelRunner:
         logger.debug("memory used before weights: %.2f GiB", mem_before / GiB)
 
         self.vocab_size = int(hf_config.vocab_size)
-        self.max_model_len = _max_model_len(hf_config, model_config.max_model_len)
+        self.max_model_len = sizing.max_model_len(hf_config, model_config.max_model_len)
         budget = scheduler_config.max_num_batched_tokens or memory.default_token_budget(
             self.device, offline
         )
@@ -121,10 +122,9 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None  # captured after the KV cache exists
         self.attn_backend = select_attention_backend(model_config.attention_backend, self.device)
 
-        bytes_per_block = (
-            2 * self.block_size * self.num_kv_heads * self.head_dim
-            * self.num_layers * self.dtype.itemsize
-        )  # fmt: skip
+        bytes_per_block = sizing.kv_bytes_per_block(
+            self.block_size, self.num_kv_heads, self.head_dim, self.num_layers, self.dtype.itemsize
+        )
         if cache_config.num_gpu_blocks_override is not None:
             num_blocks = cache_config.num_gpu_blocks_override
             available_kv = num_blocks * bytes_per_block
@@ -214,21 +214,11 @@ class ModelRunner:
         starts = [c.start_pos for c in chunks]
         token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
         input_ids = torch.tensor(token_ids, dtype=torch.long)
-        # Token t of chunk r sits at position starts[r] + t - first_token[r].
-        lens = torch.tensor(query_lens)
-        chunk_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens)
-        first_token = torch.cumsum(lens, 0) - lens
-        offsets = torch.tensor(starts) - first_token
-        positions = torch.arange(len(token_ids)) + offsets[chunk_of_token]
         metadata = AttentionMetadata.build(
             query_lens, starts, [c.block_table for c in chunks], self.block_size, self.device
         )
         non_blocking = self.device.type == "cuda"
-        return (
-            input_ids.to(self.device, non_blocking=non_blocking),
-            positions.to(self.device, non_blocking=non_blocking),
-            metadata,
-        )
+        return input_ids.to(self.device, non_blocking=non_blocking), metadata.positions, metadata
 
     def _sample(
         self,
@@ -315,18 +305,6 @@ def _resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is available")
     return torch.device(name)
-
-
-def _max_model_len(hf_config: Any, requested: int | None) -> int:
-    derived = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if requested is None:
-        return int(derived)
-    if requested > derived:
-        raise ValueError(
-            f"max_model_len ({requested}) is larger than the model's maximum length "
-            f"(max_position_embeddings={derived})"
-        )
-    return requested
 
 
 def _eos_ids(hf_config: Any, generation_config: dict[str, Any]) -> tuple[int, ...]:

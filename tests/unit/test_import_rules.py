@@ -22,6 +22,7 @@ FORBIDDEN = {
         "aioinfer.server",
     },
     "config.py": {"torch", "asyncio", "aiohttp", "triton"},
+    "sizing.py": {"torch", "asyncio", "aiohttp", "triton"},
     "server/protocol.py": {"torch", "asyncio", "triton"},
     "server/responses.py": {"torch", "asyncio", "triton"},
     "server/render.py": {"torch", "asyncio", "triton"},

@@ -34,6 +34,8 @@ def kv_cache_shape(
 class AttentionMetadata:
     """Where a step's tokens sit in the flat batch and in the paged KV cache."""
 
+    # [T] int64: each token's position in its sequence (rotary embeddings read it too).
+    positions: torch.Tensor
     # [T] int64: flat cache slot (block * block_size + offset) receiving each new token's K/V.
     slot_mapping: torch.Tensor
     # [B + 1] int32: cumulative query lengths; request i owns tokens [qsl[i], qsl[i+1]).
@@ -90,6 +92,7 @@ class AttentionMetadata:
             num_decodes += 1
         seq_lens_host = tuple(int(s) for s in seq_lens.tolist())
         return AttentionMetadata(
+            positions=positions.to(device),
             slot_mapping=slot_mapping.to(device),
             query_start_loc=qsl.to(device=device, dtype=torch.int32),
             seq_lens=seq_lens.to(device=device, dtype=torch.int32),
