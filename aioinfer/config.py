@@ -37,7 +37,16 @@ class ModelConfig:
         "auto", "auto: take sampling defaults from generation_config.json; vllm: ignore it."
     )
     max_logprobs: int = _opt(20, "Most logprobs (and top_logprobs) a request may ask for.")
-    attention_backend: str = _opt("auto", "auto (triton on CUDA, torch on CPU), triton or torch.")
+    attention_backend: str = _opt(
+        "auto",
+        "auto (triton on CUDA; native kernels on the CPU when they build, else torch), triton, "
+        "native or torch.",
+    )
+    linear_backend: str = _opt(
+        "auto",
+        "auto (native AVX-512 kernels for float32 on the CPU when they build, else torch), "
+        "native or torch.",
+    )
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit).")
 
@@ -47,7 +56,8 @@ class ModelConfig:
             "load_format": ("auto", "safetensors", "gguf", "dummy"),
             "device": ("auto", "cuda", "cpu"),
             "generation_config": ("auto", "vllm"),
-            "attention_backend": ("auto", "triton", "torch"),
+            "attention_backend": ("auto", "triton", "native", "torch"),
+            "linear_backend": ("auto", "native", "torch"),
         }
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:

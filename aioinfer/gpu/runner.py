@@ -55,6 +55,7 @@ class RunnerInfo:
     graph_capture_seconds: float | None = None
     graph_memory_gib: float | None = None
     graphs_off_reason: str | None = None
+    linear_backend: str = "torch"
     init_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -97,6 +98,9 @@ class ModelRunner:
         start = time.perf_counter()
         mem_before = memory.device_memory_used(self.device)
         self.model = load_model(resolved, self.dtype, self.device, model_config.seed)
+        linear_backend = select_linear_backend(
+            self.model, model_config.linear_backend, self.device, self.dtype
+        )
         load_seconds = time.perf_counter() - start
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.debug("memory used before weights: %.2f GiB", mem_before / GiB)
@@ -120,7 +124,14 @@ class ModelRunner:
             max_logprobs=model_config.max_logprobs,
         )
         self.graph_runner: CudaGraphRunner | None = None  # captured after the KV cache exists
-        self.attn_backend = select_attention_backend(model_config.attention_backend, self.device)
+        self.attn_backend = select_attention_backend(
+            model_config.attention_backend,
+            self.device,
+            self.dtype,
+            int(hf_config.num_attention_heads),
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
         bytes_per_block = sizing.kv_bytes_per_block(
             self.block_size, self.num_kv_heads, self.head_dim, self.num_layers, self.dtype.itemsize
@@ -164,6 +175,7 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=getattr(self.attn_backend, "name", "torch"),
+            linear_backend=linear_backend,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
@@ -265,11 +277,29 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
-def select_attention_backend(name: str, device: torch.device) -> Any:
-    """None selects the torch reference backend. `auto`: triton on CUDA (when installed), torch
-    elsewhere. Imported lazily: a kernel module imported without TRITON_INTERPRET=1 stays
-    compiled-only for the whole process."""
+def select_attention_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    num_heads: int = 1,
+    num_kv_heads: int = 1,
+    head_dim: int = 64,
+) -> Any:
+    """None selects the torch reference backend. `auto`: triton on CUDA (when installed), the
+    native kernels on a CPU that builds them and for shapes they support, torch elsewhere.
+    Imported lazily: a kernel module imported without TRITON_INTERPRET=1 stays compiled-only for
+    the whole process."""
     has_triton = importlib.util.find_spec("triton") is not None
+    if name in ("auto", "native") and device.type == "cpu":
+        backend = _native_attention(num_heads, num_kv_heads, head_dim, dtype)
+        if isinstance(backend, str):
+            if name == "native":
+                raise ValueError(f"attention_backend 'native' is unavailable: {backend}")
+            logger.info("Native CPU attention unavailable (%s); using torch.", backend)
+            return None
+        return backend
+    if name == "native":
+        raise ValueError("attention_backend 'native' runs on the CPU only")
     if name == "auto":
         name = "triton" if device.type == "cuda" and has_triton else "torch"
     if name == "torch":
@@ -284,6 +314,44 @@ def select_attention_backend(name: str, device: torch.device) -> Any:
     from aioinfer.model.layers.triton_attention import TritonAttentionBackend
 
     return TritonAttentionBackend()
+
+
+def _native_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Any:
+    """The native CPU backend, or why it cannot serve this model."""
+    from aioinfer.model.kernels import cpu_native
+    from aioinfer.model.layers import native_attention
+
+    if not native_attention.supports(num_heads, num_kv_heads, head_dim, dtype):
+        return f"needs float32 and a head_dim that is a multiple of 16, got {dtype}, {head_dim}"
+    kernels = cpu_native.load()
+    if kernels is None:
+        return cpu_native.unavailable_reason()
+    return native_attention.NativeAttentionBackend(kernels)
+
+
+def select_linear_backend(
+    model: torch.nn.Module, name: str, device: torch.device, dtype: torch.dtype
+) -> str:
+    """Pack the model's linears for the native CPU kernels when `name` allows it; returns the
+    backend in use. `auto`: native for float32 on the CPU when the kernels build, else torch."""
+    if name == "torch":
+        return "torch"
+    if device.type != "cpu" or dtype != torch.float32:
+        if name == "native":
+            raise ValueError("linear_backend 'native' needs float32 on the CPU")
+        return "torch"
+    from aioinfer.model.kernels import cpu_native
+    from aioinfer.model.layers.packed_linear import pack_linears
+
+    kernels = cpu_native.load()
+    if kernels is None:
+        reason = cpu_native.unavailable_reason()
+        if name == "native":
+            raise ValueError(f"linear_backend 'native' is unavailable: {reason}")
+        logger.info("Native CPU kernels unavailable (%s); using torch linears.", reason)
+        return "torch"
+    pack_linears(model, kernels)
+    return "native"
 
 
 def _graphs_off_reason(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from aioinfer import LLM, SamplingParams
+from aioinfer.model.kernels import cpu_native
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
 
@@ -56,10 +57,20 @@ def run_llm(path, prompts, **options) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_batch_equals_transformers(model_dir):
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_batch_equals_transformers(model_dir, backend):
+    """Both CPU paths: the torch reference ops and the native kernels (linears and decode
+    attention); the other tests run the default, native where it builds."""
+    if backend == "native" and cpu_native.load() is None:
+        pytest.skip(cpu_native.unavailable_reason())
     path, hf = model_dir
     prompts = make_prompts(0, hf.config.vocab_size)
-    assert run_llm(path, prompts) == [hf_greedy(hf, p) for p in prompts]
+    with LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=128,
+             attention_backend=backend, linear_backend=backend) as llm:  # fmt: skip
+        info = llm.engine.info
+        assert (info.attention_backend, info.linear_backend) == (backend, backend)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
 
 
 def test_chunked_prefill_with_a_small_budget(model_dir):

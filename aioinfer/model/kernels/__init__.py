@@ -1,5 +1,7 @@
-"""Triton kernels for paged attention: store_kv, paged_decode (split-K), paged_prefill.
+"""Triton kernels for paged attention: store_kv, paged_decode (split-K), paged_prefill; and the
+native CPU kernels (cpu_kernels.c, loaded by cpu_native).
 
-Each module imports triton, so import them only when the triton backend is chosen; on a machine
-without CUDA they run under TRITON_INTERPRET=1, which must be set before they are imported.
+Each Triton module imports triton, so import them only when the triton backend is chosen; on a
+machine without CUDA they run under TRITON_INTERPRET=1, which must be set before they are
+imported.
 """

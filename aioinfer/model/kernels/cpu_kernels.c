@@ -1,0 +1,159 @@
+/* Native float32 kernels for the CPU path (x86-64 with AVX-512F), loaded with ctypes.
+ *
+ * Built on first use by aioinfer/model/kernels/cpu_native.py with
+ *   cc -O3 -march=native -fopenmp -shared -fPIC
+ * The OpenMP runtime resolves to the libgomp that torch has already loaded, so these kernels
+ * and torch's own ops share one thread team per calling thread.
+ *
+ * Two kernels, each documented above its code: packed_linear and paged_decode_attention.
+ *
+ * packed_linear: y[M, N] = x[M, K] @ W^T + bias for the small M of decode steps, where a
+ * general GEMM packs W on every call and reaches half the memory bandwidth. W is packed once,
+ * at load time, into strips of 16 output columns, [N / 16][K][16], so each strip is one
+ * contiguous stream that a 16-lane register multiplies by broadcast elements of x. A micro-tile
+ * is up to 8 rows x 2 strips: 16 accumulators, 2 weight loads and 8 broadcasts per k. The
+ * strip pair's panel (K x 32 floats) stays in L2 while every row tile of x passes over it, so
+ * each weight is read from memory once per call whatever M is.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#define STRIP 16 /* output columns per strip: one 512-bit register of float32 */
+#define ROWS 8   /* rows of x per micro-tile */
+
+typedef struct {
+    const float *x;    /* rows of this tile, row stride K */
+    const float *w0;   /* first strip of the pair, [K][16] */
+    const float *bias; /* bias of the first strip, or NULL */
+    float *y;          /* output of the tile, row stride N */
+    long K, N;
+} Tile;
+
+/* rows x (strips * 16) outputs; rows and strips are compile-time constants after inlining. */
+static inline __attribute__((always_inline)) void micro_tile(const Tile t, const long rows,
+                                                             const long strips) {
+    __m512 acc[ROWS][2];
+    for (long s = 0; s < strips; s++) {
+        __m512 init = t.bias ? _mm512_loadu_ps(t.bias + s * STRIP) : _mm512_setzero_ps();
+        for (long i = 0; i < rows; i++) acc[i][s] = init;
+    }
+    const float *w1 = t.w0 + t.K * STRIP;
+    for (long k = 0; k < t.K; k++) {
+        __m512 b0 = _mm512_loadu_ps(t.w0 + k * STRIP);
+        __m512 b1 = strips == 2 ? _mm512_loadu_ps(w1 + k * STRIP) : b0;
+        for (long i = 0; i < rows; i++) {
+            __m512 xv = _mm512_set1_ps(t.x[i * t.K + k]);
+            acc[i][0] = _mm512_fmadd_ps(xv, b0, acc[i][0]);
+            if (strips == 2) acc[i][1] = _mm512_fmadd_ps(xv, b1, acc[i][1]);
+        }
+    }
+    for (long i = 0; i < rows; i++)
+        for (long s = 0; s < strips; s++) _mm512_storeu_ps(t.y + i * t.N + s * STRIP, acc[i][s]);
+}
+
+/* One switch so that every (rows, strips) pair gets its own fully unrolled body. */
+static void run_tile(const Tile t, long rows, long strips) {
+#define CASE(R)                                          \
+    case R:                                              \
+        if (strips == 2) micro_tile(t, R, 2);            \
+        else micro_tile(t, R, 1);                        \
+        break;
+    switch (rows) {
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    }
+#undef CASE
+}
+
+/* x [M, K] and y [M, N] row-major and contiguous; wp [N / 16][K][16]; N % 16 == 0. */
+void packed_linear(const float *x, long M, long K, const float *wp, long N, const float *bias,
+                   float *y, int num_threads) {
+    long num_strips = N / STRIP;
+    long num_pairs = (num_strips + 1) / 2; /* the last "pair" is a single strip when odd */
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (long p = 0; p < num_pairs; p++) {
+        long s = 2 * p;
+        long strips = s + 1 < num_strips ? 2 : 1;
+        for (long m = 0; m < M; m += ROWS) {
+            Tile t = {x + m * K, wp + s * K * STRIP, bias ? bias + s * STRIP : 0,
+                      y + m * N + s * STRIP, K, N};
+            run_tile(t, M - m < ROWS ? M - m : ROWS, strips);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ paged decode attention
+ *
+ * One query token per request over its paged context, read in place from the KV cache: no
+ * gathered copy of K and V, no padding. One work item is one (request, KV head): its G = H / KV
+ * query heads share every key and value row they load (GQA). Per block of the cache, scores
+ * for all G heads come first, then an online softmax (running max and sum) folds the block's
+ * values into the accumulators. D % 16 == 0.
+ */
+
+static inline float dot16(const float *a, const float *b, long D) {
+    __m512 s = _mm512_setzero_ps();
+    for (long d = 0; d < D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s);
+    return _mm512_reduce_add_ps(s);
+}
+
+/* acc[0:D] = acc * keep + p * v */
+static inline void rescale_axpy16(float *acc, float keep, float p, const float *v, long D) {
+    __m512 k = _mm512_set1_ps(keep), pv = _mm512_set1_ps(p);
+    for (long d = 0; d < D; d += 16)
+        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + d),
+                                                  _mm512_mul_ps(k, _mm512_loadu_ps(acc + d))));
+}
+
+typedef struct {
+    const float *cache;  /* [num_blocks, 2, block_size, KV, D] */
+    const int *table;    /* this request's blocks */
+    long seq_len, block_size, KV, D, G;
+    float scale;
+} DecodeTask;
+
+static void decode_one(const DecodeTask t, long kv_head, const float *q, float *out) {
+    const long G = t.G, D = t.D, bs = t.block_size, row = t.KV * t.D;
+    float scores[G * bs], run_max[G], run_sum[G];
+    for (long g = 0; g < G; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+        for (long d = 0; d < D; d++) out[g * D + d] = 0.0f;
+    }
+    for (long start = 0; start < t.seq_len; start += bs) {
+        long n = t.seq_len - start < bs ? t.seq_len - start : bs;
+        const float *keys = t.cache + (long)t.table[start / bs] * 2 * bs * row + kv_head * D;
+        const float *values = keys + bs * row;
+        for (long i = 0; i < n; i++)
+            for (long g = 0; g < G; g++) scores[g * bs + i] = dot16(q + g * D, keys + i * row, D) * t.scale;
+        for (long g = 0; g < G; g++) {
+            float *s = scores + g * bs, new_max = run_max[g];
+            for (long i = 0; i < n; i++) new_max = s[i] > new_max ? s[i] : new_max;
+            float keep = expf(run_max[g] - new_max); /* 0 on the first block: exp(-inf) */
+            run_sum[g] *= keep;
+            for (long i = 0; i < n; i++) {
+                float p = expf(s[i] - new_max);
+                run_sum[g] += p;
+                rescale_axpy16(out + g * D, i == 0 ? keep : 1.0f, p, values + i * row, D);
+            }
+            run_max[g] = new_max;
+        }
+    }
+    for (long g = 0; g < G; g++) {
+        float inv = t.seq_len > 0 ? 1.0f / run_sum[g] : 0.0f;
+        for (long d = 0; d < D; d++) out[g * D + d] *= inv;
+    }
+}
+
+/* q, out [B, H, D]; tables [B, table_width] int32; seq_lens [B] int32; H % KV == 0. */
+void paged_decode_attention(const float *q, const float *cache, const int *tables,
+                            long table_width, const int *seq_lens, long B, long H, long KV,
+                            long D, long block_size, float scale, float *out, int num_threads) {
+    const long G = H / KV;
+#pragma omp parallel for schedule(dynamic) collapse(2) num_threads(num_threads)
+    for (long b = 0; b < B; b++) {
+        for (long h = 0; h < KV; h++) {
+            DecodeTask t = {cache, tables + b * table_width, seq_lens[b], block_size, KV, D, G, scale};
+            decode_one(t, h, q + (b * H + h * G) * D, out + (b * H + h * G) * D);
+        }
+    }
+}

@@ -1,0 +1,185 @@
+"""Build and load the native CPU kernels (cpu_kernels.c) with the system C compiler and ctypes.
+
+The shared library is compiled once per source, compiler and CPU into the aioinfer cache
+(`$AIOINFER_CACHE/kernels/`), written atomically, and reused by later starts. `load()` returns
+None, with the reason in `unavailable_reason()`, on CPUs without AVX-512F, without a C
+compiler, or when the build fails: callers then keep torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from aioinfer.model.loader.gguf_cache import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# Output columns per packed strip; must match STRIP in cpu_kernels.c.
+STRIP = 16
+
+_c_float_p = ctypes.c_void_p
+
+
+class NativeKernels:
+    """The loaded library, with one typed Python wrapper per kernel."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        self._packed_linear = lib.packed_linear
+        self._packed_linear.restype = None
+        self._packed_linear.argtypes = [
+            _c_float_p, ctypes.c_long, ctypes.c_long, _c_float_p, ctypes.c_long,
+            _c_float_p, _c_float_p, ctypes.c_int,
+        ]  # fmt: skip
+        self._paged_decode = lib.paged_decode_attention
+        self._paged_decode.restype = None
+        self._paged_decode.argtypes = [
+            _c_float_p, _c_float_p, _c_float_p, ctypes.c_long, _c_float_p, ctypes.c_long,
+            ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_float,
+            _c_float_p, ctypes.c_int,
+        ]  # fmt: skip
+
+    def packed_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] contiguous float32 @ W^T + bias, W packed by `pack_weight` -> [M, N]."""
+        m, k = x.shape
+        n = packed.shape[0] * STRIP
+        out = torch.empty(m, n, dtype=torch.float32)
+        if m > 0:
+            self._packed_linear(
+                x.data_ptr(),
+                m,
+                k,
+                packed.data_ptr(),
+                n,
+                None if bias is None else bias.data_ptr(),
+                out.data_ptr(),
+                torch.get_num_threads(),
+            )
+        return out
+
+
+    def paged_decode_attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """query [B, H, D] over seq_lens[b] tokens of kv_cache [N, 2, block_size, KV, D] through
+        block_tables [B, W] (int32) -> [B, H, D]. All float32; D a multiple of 16."""
+        b, h, d = query.shape
+        query = query.contiguous()
+        block_tables = block_tables.to(torch.int32).contiguous()
+        seq_lens = seq_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(query)
+        self._paged_decode(
+            query.data_ptr(),
+            kv_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            seq_lens.data_ptr(),
+            b,
+            h,
+            kv_cache.shape[3],
+            d,
+            kv_cache.shape[2],
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight [N, K] (N a multiple of 16) as strips [N / 16, K, 16], contiguous."""
+    n, k = weight.shape
+    if n % STRIP:
+        raise ValueError(f"out_features must be a multiple of {STRIP}, got {n}")
+    return weight.detach().reshape(n // STRIP, STRIP, k).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_weight`: strips [N / 16, K, 16] -> [N, K]."""
+    strips, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(strips * STRIP, k)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+@functools.cache
+def _load() -> tuple[NativeKernels | None, str]:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"no native kernels for {platform.machine()}"
+    flags = _cpu_flags()
+    if "avx512f" not in flags.split():
+        return None, "the CPU lacks AVX-512F"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc) on PATH"
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(CFLAGS).encode(), flags.encode()]))
+    target = cache_root() / "kernels" / f"cpu-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        try:
+            _build(cc, target)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            return None, f"building {SOURCE.name} failed: {detail.strip()[:500]}"
+    try:
+        return NativeKernels(target), ""
+    except OSError as exc:
+        return None, f"loading {target} failed: {exc}"
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True
+        )
+        os.replace(tmp, target)  # atomic: concurrent starts never load a half-written file
+        logger.debug("built %s", target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> NativeKernels | None:
+    """The native kernels, or None when this machine cannot build or run them."""
+    return _load()[0]
+
+
+def unavailable_reason() -> str:
+    """Why `load()` returned None ("" when it did not)."""
+    return _load()[1]

@@ -1,0 +1,130 @@
+"""The native CPU kernels (cpu_kernels.c) against torch on fresh random inputs, float32.
+
+Skipped, with the reason, where they cannot build (no AVX-512F, no C compiler)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aioinfer.model.kernels import cpu_native
+from aioinfer.model.layers.native_attention import NativeAttentionBackend
+from aioinfer.model.layers.packed_linear import PackedLinear, pack_linears
+from aioinfer.model.layers.torch_attention import decode_attention
+
+kernels = cpu_native.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason=cpu_native.unavailable_reason())
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    # Rows around the 8-row micro-tile, odd and even strip counts, K from 1 up.
+    [(1, 16, 1), (1, 48, 7), (3, 32, 64), (8, 80, 576), (9, 1536, 576), (17, 576, 1536),
+     (64, 192, 100), (130, 48, 33)],
+)  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_torch(m: int, n: int, k: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    linear = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=gen))
+        if bias:
+            linear.bias.copy_(torch.randn(n, generator=gen))
+    x = torch.randn(m, k, generator=gen)
+    packed = PackedLinear(linear, kernels)
+    expected = linear(x)
+    torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5 * math.sqrt(k))
+    # Leading dims and non-contiguous inputs behave as nn.Linear.
+    x3 = torch.randn(k, 2, m, generator=gen).permute(1, 2, 0)
+    torch.testing.assert_close(packed(x3), linear(x3), rtol=1e-5, atol=1e-5 * math.sqrt(k))
+
+
+def test_pack_round_trip_and_state_dict_keeps_hf_names() -> None:
+    model = nn.Sequential(nn.Linear(24, 32), nn.Linear(32, 20))  # 20 is not a multiple of 16
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert pack_linears(model, kernels) == 1
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1], nn.Linear)
+    after = model.state_dict()
+    assert sorted(after) == sorted(before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def random_paged_case(
+    seed: int, block_size: int, head_dim: int, gqa: int, seq_lens: list[int], num_kv_heads: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query [B, H, D], a cache whose unused slots hold NaN, shuffled block tables, seq_lens."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    widths = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(widths) + 5
+    cache = torch.full((num_blocks, 2, block_size, num_kv_heads, head_dim), float("nan"))
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)  # non-contiguous, out-of-order blocks
+    tables = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
+    for b, (n, width) in enumerate(zip(seq_lens, widths, strict=True)):
+        blocks = [free.pop() for _ in range(width)]
+        tables[b, :width] = torch.tensor(blocks)
+        for pos in range(n):  # only the slots a request owns hold numbers
+            cache[blocks[pos // block_size], :, pos % block_size] = torch.randn(
+                2, num_kv_heads, head_dim, generator=gen
+            )
+    query = torch.randn(len(seq_lens), num_kv_heads * gqa, head_dim, generator=gen)
+    return query, cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_paged_decode_matches_torch_reference(block_size: int, head_dim: int, gqa: int) -> None:
+    seed = block_size * 100 + head_dim + gqa
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77]
+    query, cache, tables, lens = random_paged_case(seed, block_size, head_dim, gqa, seq_lens)
+    scale = head_dim**-0.5
+    got = kernels.paged_decode_attention(query, cache, tables, lens, scale)
+    expected = decode_attention(query, cache, tables, lens, max(seq_lens), scale)
+    assert torch.isfinite(got).all()  # never reads the NaN slots past a request's length
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_decodes_natively_and_prefills_as_torch() -> None:
+    from aioinfer.model.layers.attention import AttentionMetadata
+    from aioinfer.model.layers.torch_attention import TorchAttentionBackend
+
+    gen = torch.Generator().manual_seed(7)
+    block_size, kv_heads, head_dim, heads = 16, 2, 64, 8
+    # Two decodes after 20 and 33 cached tokens, then a 9-token prefill after 16.
+    query_lens, before = [1, 1, 9], [20, 33, 16]
+    tables = [[1, 2], [3, 4, 5], [6, 7]]
+    metadata = AttentionMetadata.build(query_lens, before, tables, block_size)
+    cache = torch.randn(8, 2, block_size, kv_heads, head_dim, generator=gen)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, head_dim, generator=gen)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    ref_cache = cache.clone()
+    got = NativeAttentionBackend(kernels).forward(q, k, v, cache, metadata, 0.125)
+    expected = TorchAttentionBackend().forward(q, k, v, ref_cache, metadata, 0.125)
+    assert torch.equal(cache, ref_cache)  # the same K/V writes
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_f_linear_on_model_shapes_many_threads() -> None:
+    # The kernels take torch's thread count: a single thread gives the same numbers.
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(576, 1536, generator=gen)
+    x = torch.randn(16, 1536, generator=gen)
+    packed = cpu_native.pack_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.packed_linear(x, packed, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, kernels.packed_linear(x, packed, None))
+    torch.testing.assert_close(one, F.linear(x, w), rtol=1e-5, atol=1e-3)
