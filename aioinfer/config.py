@@ -42,10 +42,10 @@ class ModelConfig:
         "auto (triton on CUDA; native kernels on the CPU when they build, else torch), triton, "
         "native or torch.",
     )
-    linear_backend: str = _opt(
+    cpu_kernels: str = _opt(
         "auto",
-        "auto (native AVX-512 kernels for float32 on the CPU when they build, else torch), "
-        "native or torch.",
+        "auto (native AVX-512 kernels for float32 linears, norms, activations and rotary on the "
+        "CPU when they build, else torch ops), native or torch.",
     )
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit).")
@@ -57,7 +57,7 @@ class ModelConfig:
             "device": ("auto", "cuda", "cpu"),
             "generation_config": ("auto", "vllm"),
             "attention_backend": ("auto", "triton", "native", "torch"),
-            "linear_backend": ("auto", "native", "torch"),
+            "cpu_kernels": ("auto", "native", "torch"),
         }
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:

@@ -42,10 +42,10 @@ def log_engine_started(engine: Any) -> None:
     logger.info(
         "Initializing engine with config: model=%r, served_model_name=%r, dtype=%s, device=%s, "
         "max_model_len=%d, block_size=%d, enable_prefix_caching=%s, enforce_eager=%s, "
-        "attention_backend=%s, linear_backend=%s",
+        "attention_backend=%s, cpu_kernels=%s",
         mc.model or "(bundled SmolLM2-135M-Instruct)", engine.model_name, info.dtype,
         info.device, info.max_model_len, cc.block_size, cc.enable_prefix_caching,
-        mc.enforce_eager, info.attention_backend, info.linear_backend,
+        mc.enforce_eager, info.attention_backend, info.cpu_kernels,
     )  # fmt: skip
     logger.info(
         "Chunked prefill is enabled with max_num_batched_tokens=%d.", info.max_num_batched_tokens

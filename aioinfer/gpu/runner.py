@@ -55,7 +55,8 @@ class RunnerInfo:
     graph_capture_seconds: float | None = None
     graph_memory_gib: float | None = None
     graphs_off_reason: str | None = None
-    linear_backend: str = "torch"
+    # "native" when the CPU kernels replaced the model's linears, norms and activations.
+    cpu_kernels: str = "torch"
     init_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -98,8 +99,8 @@ class ModelRunner:
         start = time.perf_counter()
         mem_before = memory.device_memory_used(self.device)
         self.model = load_model(resolved, self.dtype, self.device, model_config.seed)
-        linear_backend = select_linear_backend(
-            self.model, model_config.linear_backend, self.device, self.dtype
+        cpu_kernels = select_cpu_kernels(
+            self.model, model_config.cpu_kernels, self.device, self.dtype
         )
         load_seconds = time.perf_counter() - start
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -175,7 +176,7 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=getattr(self.attn_backend, "name", "torch"),
-            linear_backend=linear_backend,
+            cpu_kernels=cpu_kernels,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
@@ -329,28 +330,29 @@ def _native_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
     return native_attention.NativeAttentionBackend(kernels)
 
 
-def select_linear_backend(
+def select_cpu_kernels(
     model: torch.nn.Module, name: str, device: torch.device, dtype: torch.dtype
 ) -> str:
-    """Pack the model's linears for the native CPU kernels when `name` allows it; returns the
-    backend in use. `auto`: native for float32 on the CPU when the kernels build, else torch."""
+    """Swap the model's linears, norms and activations for the native CPU kernels when `name`
+    allows it; returns what runs them. `auto`: native for float32 on the CPU when the kernels
+    build, else torch."""
     if name == "torch":
         return "torch"
     if device.type != "cpu" or dtype != torch.float32:
         if name == "native":
-            raise ValueError("linear_backend 'native' needs float32 on the CPU")
+            raise ValueError("cpu_kernels 'native' needs float32 on the CPU")
         return "torch"
     from aioinfer.model.kernels import cpu_native
-    from aioinfer.model.layers.packed_linear import pack_linears
+    from aioinfer.model.layers.native_cpu import use_native_kernels
 
     kernels = cpu_native.load()
     if kernels is None:
         reason = cpu_native.unavailable_reason()
         if name == "native":
-            raise ValueError(f"linear_backend 'native' is unavailable: {reason}")
-        logger.info("Native CPU kernels unavailable (%s); using torch linears.", reason)
+            raise ValueError(f"cpu_kernels 'native' is unavailable: {reason}")
+        logger.info("Native CPU kernels unavailable (%s); using torch ops.", reason)
         return "torch"
-    pack_linears(model, kernels)
+    use_native_kernels(model, kernels)
     return "native"
 
 

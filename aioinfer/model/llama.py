@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.attention import Attention, kv_cache_shape
 from aioinfer.model.layers.norm import RMSNorm
 from aioinfer.model.layers.rotary import (
+    ApplyRotary,
     RopeConfig,
     RotaryEmbedding,
-    apply_rotary,
     rope_config_from_hf,
 )
 
@@ -55,11 +55,10 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In place: at prefill sizes these intermediates are the largest activations.
-        gate = F.silu(self.gate_proj(x), inplace=True)
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -79,6 +78,7 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary = ApplyRotary()
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        out = self.attn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        out = self.attn(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -13,8 +13,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioinfer.model.kernels import cpu_native
+from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.native_attention import NativeAttentionBackend
-from aioinfer.model.layers.packed_linear import PackedLinear, pack_linears
+from aioinfer.model.layers.native_cpu import (
+    NativeApplyRotary,
+    NativeRMSNorm,
+    NativeSiluAndMul,
+    PackedLinear,
+    use_native_kernels,
+)
+from aioinfer.model.layers.norm import RMSNorm
+from aioinfer.model.layers.rotary import ApplyRotary
 from aioinfer.model.layers.torch_attention import decode_attention
 
 kernels = cpu_native.load()
@@ -44,15 +53,56 @@ def test_packed_linear_matches_torch(m: int, n: int, k: int, bias: bool) -> None
     torch.testing.assert_close(packed(x3), linear(x3), rtol=1e-5, atol=1e-5 * math.sqrt(k))
 
 
-def test_pack_round_trip_and_state_dict_keeps_hf_names() -> None:
-    model = nn.Sequential(nn.Linear(24, 32), nn.Linear(32, 20))  # 20 is not a multiple of 16
+def test_swap_keeps_state_dict_names_and_skips_what_does_not_fit() -> None:
+    model = nn.Sequential(
+        nn.Linear(24, 32),
+        nn.Linear(32, 20),  # 20 is not a multiple of 16
+        RMSNorm(32),
+        RMSNorm(20),
+        SiluAndMul(),
+        ApplyRotary(),
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert pack_linears(model, kernels) == 1
-    assert isinstance(model[0], PackedLinear) and isinstance(model[1], nn.Linear)
+    assert use_native_kernels(model, kernels) == 4
+    kinds = [type(m) for m in model]
+    assert kinds == [PackedLinear, nn.Linear, NativeRMSNorm, RMSNorm, NativeSiluAndMul,
+                     NativeApplyRotary]  # fmt: skip
     after = model.state_dict()
     assert sorted(after) == sorted(before)
     for key, value in before.items():
         assert torch.equal(after[key], value), key
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 5, 128)])
+def test_rms_norm_matches_torch(shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen))
+    x = torch.randn(*shape, generator=gen) * 3
+    expected = norm(x)
+    torch.testing.assert_close(NativeRMSNorm(norm, kernels)(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 1536, 16 * 1536 + 3])
+def test_silu_mul_matches_torch(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    gate = torch.randn(n, generator=gen) * 6
+    gate[:2] = torch.tensor([-100.0, 100.0])[: min(2, n)]  # the exp clamps
+    up = torch.randn(n, generator=gen)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(kernels.silu_mul(gate, up), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 9, 64), (13, 2, 128), (3, 4, 48)])
+def test_rotary_matches_torch(tokens: int, heads: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(tokens * heads + dim)
+    x = torch.randn(tokens, heads, dim, generator=gen)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    expected = ApplyRotary()(x, cos, sin)
+    # dim 48 has 24-wide halves: the twin falls back to torch for it.
+    torch.testing.assert_close(NativeApplyRotary(kernels)(x, cos, sin), expected)
 
 
 def random_paged_case(

@@ -66,9 +66,9 @@ def test_batch_equals_transformers(model_dir, backend):
     path, hf = model_dir
     prompts = make_prompts(0, hf.config.vocab_size)
     with LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=128,
-             attention_backend=backend, linear_backend=backend) as llm:  # fmt: skip
+             attention_backend=backend, cpu_kernels=backend) as llm:  # fmt: skip
         info = llm.engine.info
-        assert (info.attention_backend, info.linear_backend) == (backend, backend)
+        assert (info.attention_backend, info.cpu_kernels) == (backend, backend)
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
 

@@ -199,3 +199,59 @@ void paged_decode_attention(const float *q, const float *cache, const int *table
         }
     }
 }
+
+/* ------------------------------------------------------------------ small fused ops
+ *
+ * Each replaces several torch ops (and their dispatch, which at decode sizes costs more than
+ * the arithmetic). Rows are independent and split across threads. dim % 16 == 0.
+ */
+
+/* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), the order of Hugging Face's RMSNorm. */
+void rms_norm(const float *x, long rows, long dim, const float *weight, float eps, float *out,
+              int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        __m512 ss = _mm512_setzero_ps();
+        for (long d = 0; d < dim; d += 16) {
+            __m512 v = _mm512_loadu_ps(xr + d);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / dim + eps));
+        for (long d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(out + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(weight + d),
+                                                              _mm512_mul_ps(_mm512_loadu_ps(xr + d), inv)));
+    }
+}
+
+/* out = silu(gate) * up, all [n] contiguous. */
+void silu_mul(const float *gate, const float *up, long n, float *out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n > 65536)
+    for (long i = 0; i < n; i += 16) {
+        __mmask16 lanes = first_lanes(n - i);
+        __m512 x = _mm512_maskz_loadu_ps(lanes, gate + i);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_mask_storeu_ps(out + i, lanes, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, up + i)));
+    }
+}
+
+/* Rotate-half rotary embedding of x [tokens, heads, dim] by cos/sin [tokens, dim / 2] into out:
+ * out = (x1 cos - x2 sin, x2 cos + x1 sin) for the halves x1, x2. dim % 32 == 0. */
+void rotary(const float *x, long tokens, long heads, long dim, const float *cos,
+            const float *sin, float *out, int num_threads) {
+    const long half = dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens > 8)
+    for (long t = 0; t < tokens; t++) {
+        for (long h = 0; h < heads; h++) {
+            const float *x1 = x + (t * heads + h) * dim, *x2 = x1 + half;
+            float *o1 = out + (t * heads + h) * dim, *o2 = o1 + half;
+            for (long d = 0; d < half; d += 16) {
+                __m512 c = _mm512_loadu_ps(cos + t * half + d), s = _mm512_loadu_ps(sin + t * half + d);
+                __m512 a = _mm512_loadu_ps(x1 + d), b = _mm512_loadu_ps(x2 + d);
+                _mm512_storeu_ps(o1 + d, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)));
+                _mm512_storeu_ps(o2 + d, _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s)));
+            }
+        }
+    }
+}

@@ -52,6 +52,21 @@ class NativeKernels:
             ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_float,
             _c_float_p, ctypes.c_int,
         ]  # fmt: skip
+        self._rms_norm = lib.rms_norm
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [
+            _c_float_p, ctypes.c_long, ctypes.c_long, _c_float_p, ctypes.c_float, _c_float_p,
+            ctypes.c_int,
+        ]  # fmt: skip
+        self._silu_mul = lib.silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_c_float_p, _c_float_p, ctypes.c_long, _c_float_p, ctypes.c_int]
+        self._rotary = lib.rotary
+        self._rotary.restype = None
+        self._rotary.argtypes = [
+            _c_float_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, _c_float_p, _c_float_p,
+            _c_float_p, ctypes.c_int,
+        ]  # fmt: skip
 
     def packed_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
@@ -104,6 +119,38 @@ class NativeKernels:
             out.data_ptr(),
             torch.get_num_threads(),
         )
+        return out
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim (a multiple of 16) of float32 x; weight [dim]."""
+        x = x.contiguous()
+        dim = x.shape[-1]
+        out = torch.empty_like(x)
+        rows = x.numel() // dim
+        self._rms_norm(
+            x.data_ptr(), rows, dim, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads()
+        )
+        return out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for float32 tensors of one shape."""
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        self._silu_mul(
+            gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr(), torch.get_num_threads()
+        )
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rotary` for float32 x [T, heads, D] (D a multiple of 32), cos/sin [T, D / 2]."""
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        tokens, heads, dim = x.shape
+        out = torch.empty_like(x)
+        self._rotary(
+            x.data_ptr(), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out
 
 
