@@ -148,55 +148,66 @@ static inline float block_max(const float *s, long n) {
     return _mm512_reduce_max_ps(m);
 }
 
-static void decode_one(const DecodeTask t, long kv_head, const float *q, float *out) {
+/* Query heads of KV heads [h0, h1) of one request; q and out point at the request's [H, D]. */
+static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, float *out) {
     const long G = t.G, D = t.D, bs = t.block_size, row = t.KV * t.D;
-    float scores[G * bs], run_max[G], run_sum[G];
-    for (long g = 0; g < G; g++) {
-        run_max[g] = -INFINITY;
-        run_sum[g] = 0.0f;
-        for (long d = 0; d < D; d++) out[g * D + d] = 0.0f;
+    const long first = h0 * G, count = (h1 - h0) * G; /* query heads handled here */
+    float scores[count * bs], run_max[count], run_sum[count];
+    for (long j = 0; j < count; j++) {
+        run_max[j] = -INFINITY;
+        run_sum[j] = 0.0f;
+        for (long d = 0; d < D; d++) out[(first + j) * D + d] = 0.0f;
     }
     for (long start = 0; start < t.seq_len; start += bs) {
         long n = t.seq_len - start < bs ? t.seq_len - start : bs;
-        const float *keys = t.cache + (long)t.table[start / bs] * 2 * bs * row + kv_head * D;
+        const float *keys = t.cache + (long)t.table[start / bs] * 2 * bs * row;
         const float *values = keys + bs * row;
+        /* Row by row, every KV head in turn: the block's K rows are read as whole lines. */
         for (long i = 0; i < n; i++)
-            for (long g = 0; g < G; g++) scores[g * bs + i] = dot16(q + g * D, keys + i * row, D) * t.scale;
-        for (long g = 0; g < G; g++) {
-            float *s = scores + g * bs, *acc = out + g * D;
+            for (long j = 0; j < count; j++) {
+                long head = first + j;
+                scores[j * bs + i] = dot16(q + head * D, keys + i * row + head / G * D, D) * t.scale;
+            }
+        for (long j = 0; j < count; j++) {
+            long head = first + j;
+            float *s = scores + j * bs, *acc = out + head * D;
+            const float *v = values + head / G * D;
             float bmax = block_max(s, n);
-            float new_max = bmax > run_max[g] ? bmax : run_max[g];
+            float new_max = bmax > run_max[j] ? bmax : run_max[j];
             /* Earlier blocks' sums and accumulators, rescaled to the new max. */
-            float keep = run_max[g] == -INFINITY ? 0.0f : expf(run_max[g] - new_max);
-            run_sum[g] = run_sum[g] * keep + block_weights(s, n, new_max);
-            run_max[g] = new_max;
+            float keep = run_max[j] == -INFINITY ? 0.0f : expf(run_max[j] - new_max);
+            run_sum[j] = run_sum[j] * keep + block_weights(s, n, new_max);
+            run_max[j] = new_max;
             for (long d = 0; d < D; d += 16)
                 _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_set1_ps(keep), _mm512_loadu_ps(acc + d)));
             for (long i = 0; i < n; i++) {
                 __m512 p = _mm512_set1_ps(s[i]);
                 for (long d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(p, _mm512_loadu_ps(values + i * row + d),
+                    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(p, _mm512_loadu_ps(v + i * row + d),
                                                               _mm512_loadu_ps(acc + d)));
             }
         }
     }
-    for (long g = 0; g < G; g++) {
-        float inv = t.seq_len > 0 ? 1.0f / run_sum[g] : 0.0f;
-        for (long d = 0; d < D; d++) out[g * D + d] *= inv;
+    for (long j = 0; j < count; j++) {
+        float inv = t.seq_len > 0 ? 1.0f / run_sum[j] : 0.0f;
+        for (long d = 0; d < D; d++) out[(first + j) * D + d] *= inv;
     }
 }
 
-/* q, out [B, H, D]; tables [B, table_width] int32; seq_lens [B] int32; H % KV == 0. */
+/* q, out [B, H, D]; tables [B, table_width] int32; seq_lens [B] int32; H % KV == 0. A work
+ * item is a whole request when there are enough to keep every thread busy (its block rows are
+ * then read whole, once), else one (request, KV head). */
 void paged_decode_attention(const float *q, const float *cache, const int *tables,
                             long table_width, const int *seq_lens, long B, long H, long KV,
                             long D, long block_size, float scale, float *out, int num_threads) {
     const long G = H / KV;
-#pragma omp parallel for schedule(dynamic) collapse(2) num_threads(num_threads)
-    for (long b = 0; b < B; b++) {
-        for (long h = 0; h < KV; h++) {
-            DecodeTask t = {cache, tables + b * table_width, seq_lens[b], block_size, KV, D, G, scale};
-            decode_one(t, h, q + (b * H + h * G) * D, out + (b * H + h * G) * D);
-        }
+    const long splits = B >= 2 * num_threads ? 1 : KV; /* KV heads split this many ways */
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (long item = 0; item < B * splits; item++) {
+        long b = item / splits, part = item % splits;
+        long h0 = part * KV / splits, h1 = (part + 1) * KV / splits;
+        DecodeTask t = {cache, tables + b * table_width, seq_lens[b], block_size, KV, D, G, scale};
+        decode_heads(t, h0, h1, q + b * H * D, out + b * H * D);
     }
 }
 
