@@ -44,8 +44,8 @@ class ModelConfig:
     )
     cpu_kernels: str = _opt(
         "auto",
-        "auto (native AVX-512 kernels for float32 linears, norms, activations and rotary on the "
-        "CPU when they build, else torch ops), native or torch.",
+        "auto (native AVX2/AVX-512 kernels for float32 linears, norms, activations and rotary "
+        "on the CPU when they build, else torch ops), native or torch.",
     )
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit).")

@@ -1,6 +1,6 @@
 """The native CPU kernels (cpu_kernels.c) against torch on fresh random inputs, float32.
 
-Skipped, with the reason, where they cannot build (no AVX-512F, no C compiler)."""
+Skipped, with the reason, where they cannot build (no AVX2 + FMA, no C compiler)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,15 @@ from aioinfer.model.layers.norm import RMSNorm
 from aioinfer.model.layers.rotary import ApplyRotary
 from aioinfer.model.layers.torch_attention import decode_attention
 
-kernels = cpu_native.load()
-pytestmark = pytest.mark.skipif(kernels is None, reason=cpu_native.unavailable_reason())
+
+@pytest.fixture(scope="module", params=["native", "haswell"])
+def kernels(request: pytest.FixtureRequest) -> cpu_native.NativeKernels:
+    """The build for this machine, and the AVX2 + FMA build (8 lanes) wherever it runs, so an
+    AVX-512 machine tests both code paths."""
+    built = cpu_native.load(request.param)
+    if built is None:
+        pytest.skip(cpu_native.unavailable_reason(request.param))
+    return built
 
 
 @pytest.mark.parametrize(
@@ -37,7 +44,9 @@ pytestmark = pytest.mark.skipif(kernels is None, reason=cpu_native.unavailable_r
      (64, 192, 100), (130, 48, 33)],
 )  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_torch(m: int, n: int, k: int, bias: bool) -> None:
+def test_packed_linear_matches_torch(
+    kernels: cpu_native.NativeKernels, m: int, n: int, k: int, bias: bool
+) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     linear = nn.Linear(k, n, bias=bias)
     with torch.no_grad():
@@ -53,7 +62,9 @@ def test_packed_linear_matches_torch(m: int, n: int, k: int, bias: bool) -> None
     torch.testing.assert_close(packed(x3), linear(x3), rtol=1e-5, atol=1e-5 * math.sqrt(k))
 
 
-def test_swap_keeps_state_dict_names_and_skips_what_does_not_fit() -> None:
+def test_swap_keeps_state_dict_names_and_skips_what_does_not_fit(
+    kernels: cpu_native.NativeKernels,
+) -> None:
     model = nn.Sequential(
         nn.Linear(24, 32),
         nn.Linear(32, 20),  # 20 is not a multiple of 16
@@ -74,7 +85,7 @@ def test_swap_keeps_state_dict_names_and_skips_what_does_not_fit() -> None:
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 5, 128)])
-def test_rms_norm_matches_torch(shape: tuple[int, ...]) -> None:
+def test_rms_norm_matches_torch(kernels: cpu_native.NativeKernels, shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(sum(shape))
     norm = RMSNorm(shape[-1], eps=1e-5)
     with torch.no_grad():
@@ -85,7 +96,7 @@ def test_rms_norm_matches_torch(shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 1536, 16 * 1536 + 3])
-def test_silu_mul_matches_torch(n: int) -> None:
+def test_silu_mul_matches_torch(kernels: cpu_native.NativeKernels, n: int) -> None:
     gen = torch.Generator().manual_seed(n)
     gate = torch.randn(n, generator=gen) * 6
     gate[:2] = torch.tensor([-100.0, 100.0])[: min(2, n)]  # the exp clamps
@@ -95,7 +106,9 @@ def test_silu_mul_matches_torch(n: int) -> None:
 
 
 @pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 9, 64), (13, 2, 128), (3, 4, 48)])
-def test_rotary_matches_torch(tokens: int, heads: int, dim: int) -> None:
+def test_rotary_matches_torch(
+    kernels: cpu_native.NativeKernels, tokens: int, heads: int, dim: int
+) -> None:
     gen = torch.Generator().manual_seed(tokens * heads + dim)
     x = torch.randn(tokens, heads, dim, generator=gen)
     angles = torch.rand(tokens, dim // 2, generator=gen) * 100
@@ -131,7 +144,9 @@ def random_paged_case(
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
-def test_paged_decode_matches_torch_reference(block_size: int, head_dim: int, gqa: int) -> None:
+def test_paged_decode_matches_torch_reference(
+    kernels: cpu_native.NativeKernels, block_size: int, head_dim: int, gqa: int
+) -> None:
     seed = block_size * 100 + head_dim + gqa
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77]
     query, cache, tables, lens = random_paged_case(seed, block_size, head_dim, gqa, seq_lens)
@@ -142,7 +157,7 @@ def test_paged_decode_matches_torch_reference(block_size: int, head_dim: int, gq
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_backend_decodes_natively_and_prefills_as_torch() -> None:
+def test_backend_decodes_natively_and_prefills_as_torch(kernels: cpu_native.NativeKernels) -> None:
     from aioinfer.model.layers.attention import AttentionMetadata
     from aioinfer.model.layers.torch_attention import TorchAttentionBackend
 
@@ -164,7 +179,7 @@ def test_backend_decodes_natively_and_prefills_as_torch() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_matches_f_linear_on_model_shapes_many_threads() -> None:
+def test_matches_f_linear_on_model_shapes_many_threads(kernels: cpu_native.NativeKernels) -> None:
     # The kernels take torch's thread count: a single thread gives the same numbers.
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(576, 1536, generator=gen)

@@ -1,70 +1,147 @@
-/* Native float32 kernels for the CPU path (x86-64 with AVX-512F), loaded with ctypes.
+/* Native float32 kernels for the CPU path, loaded with ctypes by cpu_native.py.
  *
  * Built on first use by aioinfer/model/kernels/cpu_native.py with
  *   cc -O3 -march=native -fopenmp -shared -fPIC
- * The OpenMP runtime resolves to the libgomp that torch has already loaded, so these kernels
- * and torch's own ops share one thread team per calling thread.
+ * Written with GCC vector extensions, so one source compiles to AVX-512 (16 lanes) or to
+ * AVX2 + FMA (8 lanes); `a += x * b` on vectors becomes a fused multiply-add. The OpenMP
+ * runtime resolves to the libgomp that torch has already loaded, so these kernels and torch's
+ * own ops share one thread team per calling thread.
  *
- * Two kernels, each documented above its code: packed_linear and paged_decode_attention.
- *
- * packed_linear: y[M, N] = x[M, K] @ W^T + bias for the small M of decode steps, where a
- * general GEMM packs W on every call and reaches half the memory bandwidth. W is packed once,
- * at load time, into strips of 16 output columns, [N / 16][K][16], so each strip is one
- * contiguous stream that a 16-lane register multiplies by broadcast elements of x. A micro-tile
- * is up to 8 rows x 2 strips: 16 accumulators, 2 weight loads and 8 broadcasts per k. The
- * strip pair's panel (K x 32 floats) stays in L2 while every row tile of x passes over it, so
- * each weight is read from memory once per call whatever M is.
+ * Kernels: packed_linear, paged_decode_attention, rms_norm, silu_mul, rotary; each documented
+ * above its code.
  */
-#include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
-#define STRIP 16 /* output columns per strip: one 512-bit register of float32 */
-#define ROWS 8   /* rows of x per micro-tile */
-#define PREFETCH_ROWS 64 /* k rows of a strip (64 B each) to prefetch ahead */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+#else
+#error "the native CPU kernels need AVX2 and FMA, or AVX-512F"
+#endif
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int vi __attribute__((vector_size(LANES * 4)));
+/* The same vector at any float address, allowed to alias float data. */
+typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
+
+static inline vf load(const float *p) { return *(const vf_u *)p; }
+static inline void store(float *p, vf v) { *(vf_u *)p = v; }
+#if LANES == 16
+static inline vf splat(float s) { return (vf){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+#else
+static inline vf splat(float s) { return (vf){s, s, s, s, s, s, s, s}; }
+#endif
+static inline vf select_v(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+static inline vf max_v(vf a, vf b) { return select_v(a > b, a, b); }
+static inline vf min_v(vf a, vf b) { return select_v(a < b, a, b); }
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+/* Pairwise: halves added until four lanes are left (a chain of single adds is 3x slower). */
+static inline float sum_lanes(vf v) {
+#if LANES == 16
+    v8f lo, hi;
+    memcpy(&lo, &v, 32);
+    memcpy(&hi, (char *)&v + 32, 32);
+    v8f eight = lo + hi;
+#else
+    v8f eight = v;
+#endif
+    v4f a, b;
+    memcpy(&a, &eight, 16);
+    memcpy(&b, (char *)&eight + 16, 16);
+    v4f four = a + b;
+    return (four[0] + four[2]) + (four[1] + four[3]);
+}
+
+/* exp, within about 2 ulp of expf for x in [-87, 88] (clamped outside): x = n ln2 + r with
+ * |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, times 2^n built in the exponent
+ * bits. A scalar expf per score was most of the decode attention's time. */
+static inline vf exp_v(vf x) {
+    x = max_v(min_v(x, splat(88.0f)), splat(-87.0f));
+    vf t = x * 1.44269504f + 0.5f;
+    vi n = __builtin_convertvector(t, vi); /* truncates toward zero: floor below */
+    n -= (vi)(__builtin_convertvector(n, vf) > t) & 1;
+    vf nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * 0.693359375f;  /* ln2, high bits */
+    r = r - nf * -2.12194440e-4f;  /* ln2, low bits */
+    vf p = splat(1.0f / 720);
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (vf)((n + 127) << 23);
+}
+
+/* ------------------------------------------------------------------ packed_linear
+ *
+ * y[M, N] = x[M, K] @ W^T + bias for the small M of decode steps, where a general GEMM packs
+ * W on every call and reaches half the memory bandwidth. W is packed once, at load time, into
+ * strips of 16 output columns, [N / 16][K][16], so each strip is one contiguous stream that
+ * vector registers multiply by broadcast elements of x. A micro-tile is ROWS rows x 2 vectors
+ * of columns (2 strips with 16 lanes, the two halves of one strip with 8): 2 ROWS
+ * accumulators, 2 weight loads and ROWS broadcasts per k. A tile's weight panel stays in L2
+ * while every row tile of x passes over it, so each weight is read from memory once per call
+ * whatever M is; it is prefetched 4 KiB ahead, past the panel's end into the next one, which
+ * this thread takes next (about 15 % faster at decode sizes than the hardware alone).
+ */
+#define STRIP 16 /* output columns per packed strip, whatever LANES is */
+#define TILE_COLS (2 * LANES)
+#define ROWS (LANES == 16 ? 8 : 6) /* 2 ROWS accumulators fit the register file */
+#define PREFETCH_ROWS 64
 
 typedef struct {
     const float *x;    /* rows of this tile, row stride K */
-    const float *w0;   /* first strip of the pair, [K][16] */
-    const float *bias; /* bias of the first strip, or NULL */
+    const float *w;    /* the tile's first strip, [K][16] */
+    const float *bias; /* bias of the tile's first column, or NULL */
     float *y;          /* output of the tile, row stride N */
     long K, N;
 } Tile;
 
-/* rows x (strips * 16) outputs; rows and strips are compile-time constants after inlining. */
+/* Where vector j of the tile's columns sits in row k of the packed weight. */
+static inline const float *weight_at(const Tile *t, long j, long k) {
+    long col = j * LANES;
+    return t->w + (col / STRIP) * t->K * STRIP + k * STRIP + col % STRIP;
+}
+
+/* rows x (vecs * LANES) outputs; rows and vecs are constants after inlining. */
 static inline __attribute__((always_inline)) void micro_tile(const Tile t, const long rows,
-                                                             const long strips) {
-    __m512 acc[ROWS][2];
-    for (long s = 0; s < strips; s++) {
-        __m512 init = t.bias ? _mm512_loadu_ps(t.bias + s * STRIP) : _mm512_setzero_ps();
-        for (long i = 0; i < rows; i++) acc[i][s] = init;
+                                                             const long vecs) {
+    vf acc[ROWS][2];
+    for (long j = 0; j < vecs; j++) {
+        vf init = t.bias ? load(t.bias + j * LANES) : splat(0.0f);
+        for (long i = 0; i < rows; i++) acc[i][j] = init;
     }
-    const float *w1 = t.w0 + t.K * STRIP;
     for (long k = 0; k < t.K; k++) {
-        /* 4 KiB ahead in each strip stream (past a panel's end: the next panel, which this
-         * thread takes next); about 15% faster at decode sizes than the hardware prefetcher. */
-        _mm_prefetch((const char *)(t.w0 + (k + PREFETCH_ROWS) * STRIP), _MM_HINT_T0);
-        if (strips == 2) _mm_prefetch((const char *)(w1 + (k + PREFETCH_ROWS) * STRIP), _MM_HINT_T0);
-        __m512 b0 = _mm512_loadu_ps(t.w0 + k * STRIP);
-        __m512 b1 = strips == 2 ? _mm512_loadu_ps(w1 + k * STRIP) : b0;
+        vf b[2];
+        for (long j = 0; j < vecs; j++) {
+            __builtin_prefetch(weight_at(&t, j, k + PREFETCH_ROWS), 0, 3);
+            b[j] = load(weight_at(&t, j, k));
+        }
         for (long i = 0; i < rows; i++) {
-            __m512 xv = _mm512_set1_ps(t.x[i * t.K + k]);
-            acc[i][0] = _mm512_fmadd_ps(xv, b0, acc[i][0]);
-            if (strips == 2) acc[i][1] = _mm512_fmadd_ps(xv, b1, acc[i][1]);
+            vf xv = splat(t.x[i * t.K + k]);
+            for (long j = 0; j < vecs; j++) acc[i][j] += xv * b[j];
         }
     }
     for (long i = 0; i < rows; i++)
-        for (long s = 0; s < strips; s++) _mm512_storeu_ps(t.y + i * t.N + s * STRIP, acc[i][s]);
+        for (long j = 0; j < vecs; j++) store(t.y + i * t.N + j * LANES, acc[i][j]);
 }
 
-/* One switch so that every (rows, strips) pair gets its own fully unrolled body. */
-static void run_tile(const Tile t, long rows, long strips) {
-#define CASE(R)                                          \
-    case R:                                              \
-        if (strips == 2) micro_tile(t, R, 2);            \
-        else micro_tile(t, R, 1);                        \
+/* One switch so that every (rows, vecs) pair gets its own fully unrolled body. */
+static void run_tile(const Tile t, long rows, long vecs) {
+#define CASE(R)                                 \
+    case R:                                     \
+        if (vecs == 2) micro_tile(t, R, 2);     \
+        else micro_tile(t, R, 1);               \
         break;
     switch (rows) {
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#if ROWS > 6
+        CASE(7) CASE(8)
+#endif
     }
 #undef CASE
 }
@@ -72,16 +149,14 @@ static void run_tile(const Tile t, long rows, long strips) {
 /* x [M, K] and y [M, N] row-major and contiguous; wp [N / 16][K][16]; N % 16 == 0. */
 void packed_linear(const float *x, long M, long K, const float *wp, long N, const float *bias,
                    float *y, int num_threads) {
-    long num_strips = N / STRIP;
-    long num_pairs = (num_strips + 1) / 2; /* the last "pair" is a single strip when odd */
+    long num_tiles = (N + TILE_COLS - 1) / TILE_COLS; /* the last may be half wide */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (long p = 0; p < num_pairs; p++) {
-        long s = 2 * p;
-        long strips = s + 1 < num_strips ? 2 : 1;
+    for (long p = 0; p < num_tiles; p++) {
+        long col = p * TILE_COLS;
+        long vecs = N - col >= TILE_COLS ? 2 : 1;
         for (long m = 0; m < M; m += ROWS) {
-            Tile t = {x + m * K, wp + s * K * STRIP, bias ? bias + s * STRIP : 0,
-                      y + m * N + s * STRIP, K, N};
-            run_tile(t, M - m < ROWS ? M - m : ROWS, strips);
+            Tile t = {x + m * K, wp + col * K, bias ? bias + col : 0, y + m * N + col, K, N};
+            run_tile(t, M - m < ROWS ? M - m : ROWS, vecs);
         }
     }
 }
@@ -89,64 +164,43 @@ void packed_linear(const float *x, long M, long K, const float *wp, long N, cons
 /* ------------------------------------------------------------------ paged decode attention
  *
  * One query token per request over its paged context, read in place from the KV cache: no
- * gathered copy of K and V, no padding. One work item is one (request, KV head): its G = H / KV
- * query heads share every key and value row they load (GQA). Per block of the cache, scores
- * for all G heads come first, then an online softmax (running max and sum) folds the block's
- * values into the accumulators. D % 16 == 0.
+ * gathered copy of K and V, no padding. Per block of the cache, scores for all query heads
+ * come first, then an online softmax (running max and sum) folds the block's values into the
+ * accumulators. A query head reads the K/V of its KV head (GQA). D % 16 == 0.
  */
 
-static inline float dot16(const float *a, const float *b, long D) {
-    __m512 s = _mm512_setzero_ps();
-    for (long d = 0; d < D; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), s);
-    return _mm512_reduce_add_ps(s);
+static inline float dot(const float *a, const float *b, long D) {
+    vf s = splat(0.0f);
+    for (long d = 0; d < D; d += LANES) s += load(a + d) * load(b + d);
+    return sum_lanes(s);
 }
 
-/* exp of 16 lanes, within about 2 ulp of expf for x in [-87, 88]: x = n ln2 + r with
- * |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, times 2^n. The scalar expf was
- * most of this kernel's time. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2, high bits */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);     /* ln2, low bits */
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+/* s[0:n] -> exp(s - max) in place; returns their sum. */
+static inline float softmax_weights(float *s, long n, float max) {
+    vf sum = splat(0.0f);
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vf p = exp_v(load(s + i) - max);
+        store(s + i, p);
+        sum += p;
+    }
+    float total = sum_lanes(sum);
+    for (; i < n; i++) total += (s[i] = expf(s[i] - max));
+    return total;
 }
 
-static inline __mmask16 first_lanes(long n) { return n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1); }
+static inline float max_of(const float *s, long n) {
+    float m = -INFINITY;
+    for (long i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+    return m;
+}
 
 typedef struct {
-    const float *cache;  /* [num_blocks, 2, block_size, KV, D] */
-    const int *table;    /* this request's blocks */
+    const float *cache; /* [num_blocks, 2, block_size, KV, D] */
+    const int *table;   /* this request's blocks */
     long seq_len, block_size, KV, D, G;
     float scale;
 } DecodeTask;
-
-/* Softmax weights of one block's n scores, in place, given the running max; returns their sum. */
-static inline float block_weights(float *s, long n, float max) {
-    __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(max);
-    for (long c = 0; c < n; c += 16) {
-        __mmask16 lanes = first_lanes(n - c);
-        __m512 p = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + c), m)));
-        _mm512_mask_storeu_ps(s + c, lanes, p);
-        sum = _mm512_add_ps(sum, p);
-    }
-    return _mm512_reduce_add_ps(sum);
-}
-
-static inline float block_max(const float *s, long n) {
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    for (long c = 0; c < n; c += 16)
-        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), first_lanes(n - c), s + c));
-    return _mm512_reduce_max_ps(m);
-}
 
 /* Query heads of KV heads [h0, h1) of one request; q and out point at the request's [H, D]. */
 static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, float *out) {
@@ -156,7 +210,7 @@ static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, f
     for (long j = 0; j < count; j++) {
         run_max[j] = -INFINITY;
         run_sum[j] = 0.0f;
-        for (long d = 0; d < D; d++) out[(first + j) * D + d] = 0.0f;
+        memset(out + (first + j) * D, 0, D * sizeof(float));
     }
     for (long start = 0; start < t.seq_len; start += bs) {
         long n = t.seq_len - start < bs ? t.seq_len - start : bs;
@@ -166,26 +220,22 @@ static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, f
         for (long i = 0; i < n; i++)
             for (long j = 0; j < count; j++) {
                 long head = first + j;
-                scores[j * bs + i] = dot16(q + head * D, keys + i * row + head / G * D, D) * t.scale;
+                scores[j * bs + i] = dot(q + head * D, keys + i * row + head / G * D, D) * t.scale;
             }
         for (long j = 0; j < count; j++) {
             long head = first + j;
             float *s = scores + j * bs, *acc = out + head * D;
             const float *v = values + head / G * D;
-            float bmax = block_max(s, n);
-            float new_max = bmax > run_max[j] ? bmax : run_max[j];
+            float block_max = max_of(s, n);
+            float new_max = block_max > run_max[j] ? block_max : run_max[j];
             /* Earlier blocks' sums and accumulators, rescaled to the new max. */
             float keep = run_max[j] == -INFINITY ? 0.0f : expf(run_max[j] - new_max);
-            run_sum[j] = run_sum[j] * keep + block_weights(s, n, new_max);
+            run_sum[j] = run_sum[j] * keep + softmax_weights(s, n, new_max);
             run_max[j] = new_max;
-            for (long d = 0; d < D; d += 16)
-                _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_set1_ps(keep), _mm512_loadu_ps(acc + d)));
-            for (long i = 0; i < n; i++) {
-                __m512 p = _mm512_set1_ps(s[i]);
-                for (long d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(p, _mm512_loadu_ps(v + i * row + d),
-                                                              _mm512_loadu_ps(acc + d)));
-            }
+            for (long d = 0; d < D; d += LANES) store(acc + d, load(acc + d) * keep);
+            for (long i = 0; i < n; i++)
+                for (long d = 0; d < D; d += LANES)
+                    store(acc + d, load(acc + d) + s[i] * load(v + i * row + d));
         }
     }
     for (long j = 0; j < count; j++) {
@@ -214,37 +264,33 @@ void paged_decode_attention(const float *q, const float *cache, const int *table
 /* ------------------------------------------------------------------ small fused ops
  *
  * Each replaces several torch ops (and their dispatch, which at decode sizes costs more than
- * the arithmetic). Rows are independent and split across threads. dim % 16 == 0.
+ * the arithmetic). Rows are independent and split across threads.
  */
 
-/* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), the order of Hugging Face's RMSNorm. */
+/* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), the order of Hugging Face's RMSNorm.
+ * dim % 16 == 0. */
 void rms_norm(const float *x, long rows, long dim, const float *weight, float eps, float *out,
               int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
-        __m512 ss = _mm512_setzero_ps();
-        for (long d = 0; d < dim; d += 16) {
-            __m512 v = _mm512_loadu_ps(xr + d);
-            ss = _mm512_fmadd_ps(v, v, ss);
-        }
-        __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / dim + eps));
-        for (long d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(out + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(weight + d),
-                                                              _mm512_mul_ps(_mm512_loadu_ps(xr + d), inv)));
+        vf squares = splat(0.0f);
+        for (long d = 0; d < dim; d += LANES) squares += load(xr + d) * load(xr + d);
+        float inv = 1.0f / sqrtf(sum_lanes(squares) / dim + eps);
+        for (long d = 0; d < dim; d += LANES)
+            store(out + r * dim + d, load(weight + d) * (load(xr + d) * inv));
     }
 }
 
-/* out = silu(gate) * up, all [n] contiguous. */
+/* out = silu(gate) * up = gate / (1 + exp(-gate)) * up, all [n] contiguous. */
 void silu_mul(const float *gate, const float *up, long n, float *out, int num_threads) {
+    long full = n / LANES * LANES;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (n > 65536)
-    for (long i = 0; i < n; i += 16) {
-        __mmask16 lanes = first_lanes(n - i);
-        __m512 x = _mm512_maskz_loadu_ps(lanes, gate + i);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-        _mm512_mask_storeu_ps(out + i, lanes, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, up + i)));
+    for (long i = 0; i < full; i += LANES) {
+        vf g = load(gate + i);
+        store(out + i, g / (1.0f + exp_v(-g)) * load(up + i));
     }
+    for (long i = full; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
 /* Rotate-half rotary embedding of x [tokens, heads, dim] by cos/sin [tokens, dim / 2] into out:
@@ -257,11 +303,11 @@ void rotary(const float *x, long tokens, long heads, long dim, const float *cos,
         for (long h = 0; h < heads; h++) {
             const float *x1 = x + (t * heads + h) * dim, *x2 = x1 + half;
             float *o1 = out + (t * heads + h) * dim, *o2 = o1 + half;
-            for (long d = 0; d < half; d += 16) {
-                __m512 c = _mm512_loadu_ps(cos + t * half + d), s = _mm512_loadu_ps(sin + t * half + d);
-                __m512 a = _mm512_loadu_ps(x1 + d), b = _mm512_loadu_ps(x2 + d);
-                _mm512_storeu_ps(o1 + d, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)));
-                _mm512_storeu_ps(o2 + d, _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s)));
+            for (long d = 0; d < half; d += LANES) {
+                vf c = load(cos + t * half + d), s = load(sin + t * half + d);
+                vf a = load(x1 + d), b = load(x2 + d);
+                store(o1 + d, a * c - b * s);
+                store(o2 + d, b * c + a * s);
             }
         }
     }

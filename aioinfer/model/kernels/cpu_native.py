@@ -1,9 +1,9 @@
 """Build and load the native CPU kernels (cpu_kernels.c) with the system C compiler and ctypes.
 
-The shared library is compiled once per source, compiler and CPU into the aioinfer cache
+The shared library is compiled once per source, compiler, flags and CPU into the aioinfer cache
 (`$AIOINFER_CACHE/kernels/`), written atomically, and reused by later starts. `load()` returns
-None, with the reason in `unavailable_reason()`, on CPUs without AVX-512F, without a C
-compiler, or when the build fails: callers then keep torch's ops.
+None, with the reason in `unavailable_reason()`, on CPUs with neither AVX-512F nor AVX2 + FMA,
+without a C compiler, or when the build fails: callers then keep torch's ops.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from aioinfer.model.loader.gguf_cache import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# The instruction set to compile for: the build machine's own by default. Setting
+# AIOINFER_CPU_MARCH=haswell builds the AVX2 + FMA variant (tests run both where they can).
+MARCH_ENV = "AIOINFER_CPU_MARCH"
 # Output columns per packed strip; must match STRIP in cpu_kernels.c.
 STRIP = 16
 
@@ -88,7 +90,6 @@ class NativeKernels:
             )
         return out
 
-
     def paged_decode_attention(
         self,
         query: torch.Tensor,
@@ -120,7 +121,6 @@ class NativeKernels:
             torch.get_num_threads(),
         )
         return out
-
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim (a multiple of 16) of float32 x; weight [dim]."""
@@ -168,6 +168,13 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(strips * STRIP, k)
 
 
+def compiler_flags(march: str) -> list[str]:
+    flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-mprefer-vector-width=512")  # GCC defaults to 256-bit even with AVX-512
+    return flags
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -183,21 +190,22 @@ def _compiler() -> str | None:
 
 
 @functools.cache
-def _load() -> tuple[NativeKernels | None, str]:
+def _load(march: str) -> tuple[NativeKernels | None, str]:
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"no native kernels for {platform.machine()}"
-    flags = _cpu_flags()
-    if "avx512f" not in flags.split():
-        return None, "the CPU lacks AVX-512F"
+    flags = _cpu_flags().split()
+    if "avx512f" not in flags and not {"avx2", "fma"} <= set(flags):
+        return None, "the CPU has neither AVX-512F nor AVX2 with FMA"
     cc = _compiler()
     if cc is None:
         return None, "no C compiler (cc) on PATH"
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(CFLAGS).encode(), flags.encode()]))
+    cflags = compiler_flags(march)
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cc.encode(), " ".join(cflags).encode(),
+                                      " ".join(flags).encode()]))  # fmt: skip
     target = cache_root() / "kernels" / f"cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
-            _build(cc, target)
+            _build(cc, cflags, target)
         except (OSError, subprocess.CalledProcessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             return None, f"building {SOURCE.name} failed: {detail.strip()[:500]}"
@@ -207,13 +215,13 @@ def _load() -> tuple[NativeKernels | None, str]:
         return None, f"loading {target} failed: {exc}"
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, cflags: list[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True
+            [cc, *cflags, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True
         )
         os.replace(tmp, target)  # atomic: concurrent starts never load a half-written file
         logger.debug("built %s", target)
@@ -222,11 +230,12 @@ def _build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def load() -> NativeKernels | None:
-    """The native kernels, or None when this machine cannot build or run them."""
-    return _load()[0]
+def load(march: str | None = None) -> NativeKernels | None:
+    """The native kernels, or None when this machine cannot build or run them. `march`
+    overrides $AIOINFER_CPU_MARCH (default "native")."""
+    return _load(march or os.environ.get(MARCH_ENV) or "native")[0]
 
 
-def unavailable_reason() -> str:
+def unavailable_reason(march: str | None = None) -> str:
     """Why `load()` returned None ("" when it did not)."""
-    return _load()[1]
+    return _load(march or os.environ.get(MARCH_ENV) or "native")[1]

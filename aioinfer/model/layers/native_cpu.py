@@ -22,7 +22,7 @@ from aioinfer.model.layers.rotary import ApplyRotary
 
 
 class PackedLinear(nn.Module):
-    """`y = x @ W^T + b` by the native kernel; same inputs and outputs as the nn.Linear it replaces."""
+    """`y = x @ W^T + b` by the native kernel, with the inputs and outputs of nn.Linear."""
 
     def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
         super().__init__()
