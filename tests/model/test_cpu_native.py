@@ -102,7 +102,9 @@ def test_silu_mul_matches_torch(kernels: cpu_native.NativeKernels, n: int) -> No
     gate[:2] = torch.tensor([-100.0, 100.0])[: min(2, n)]  # the exp clamps
     up = torch.randn(n, generator=gen)
     expected = F.silu(gate) * up
-    torch.testing.assert_close(kernels.silu_mul(gate, up), expected, rtol=1e-5, atol=1e-6)
+    got = kernels.silu_mul(gate, up)
+    assert got.data_ptr() == gate.data_ptr()  # in place, as the torch module
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 9, 64), (13, 2, 128), (3, 4, 48)])

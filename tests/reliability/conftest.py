@@ -75,4 +75,4 @@ def threaded_server() -> Iterator[ThreadedServer]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama whose context is long enough to keep requests running for seconds."""
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-reliability"), 2048)
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-reliability"), 8192)

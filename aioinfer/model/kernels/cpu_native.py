@@ -134,11 +134,13 @@ class NativeKernels:
         return out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for float32 tensors of one shape."""
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
+        """silu(gate) * up for float32 tensors of one shape, in place in gate's buffer when
+        gate is contiguous (as torch's SiluAndMul: at prefill sizes it is the largest
+        activation)."""
+        up = up.contiguous()
+        out = gate if gate.is_contiguous() else gate.contiguous()
         self._silu_mul(
-            gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr(), torch.get_num_threads()
+            out.data_ptr(), up.data_ptr(), out.numel(), out.data_ptr(), torch.get_num_threads()
         )
         return out
 
