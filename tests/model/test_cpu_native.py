@@ -165,11 +165,11 @@ def test_backend_decodes_natively_and_prefills_as_torch(kernels: cpu_native.Nati
 
     gen = torch.Generator().manual_seed(7)
     block_size, kv_heads, head_dim, heads = 16, 2, 64, 8
-    # Two decodes after 20 and 33 cached tokens, then a 9-token prefill after 16.
-    query_lens, before = [1, 1, 9], [20, 33, 16]
-    tables = [[1, 2], [3, 4, 5], [6, 7]]
+    # Two decodes after 20 and 33 cached tokens, a 9-token chunk after 16, a whole 5-token prompt.
+    query_lens, before = [1, 1, 9, 5], [20, 33, 16, 0]
+    tables = [[1, 2], [3, 4, 5], [6, 7], [8]]
     metadata = AttentionMetadata.build(query_lens, before, tables, block_size)
-    cache = torch.randn(8, 2, block_size, kv_heads, head_dim, generator=gen)
+    cache = torch.randn(9, 2, block_size, kv_heads, head_dim, generator=gen)
     tokens = sum(query_lens)
     q = torch.randn(tokens, heads, head_dim, generator=gen)
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen)

@@ -2,8 +2,8 @@
 
 Decode steps dominate serving on the CPU, and the torch reference spends most of their attention
 time gathering every request's K/V into a padded copy; the native kernel reads the cache in place
-through the block table (cpu_kernels.c). Prefill chunks keep the torch path, whose time goes to
-SDPA's GEMMs rather than the gather.
+through the block table (cpu_kernels.c). A whole prompt attends over its own new keys and values
+without reading them back; a chunk after a cached prefix keeps the torch path.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from aioinfer.model.kernels.cpu_native import NativeKernels
 from aioinfer.model.layers.torch_attention import TorchAttentionBackend
@@ -41,3 +42,22 @@ class NativeAttentionBackend(TorchAttentionBackend):
         return self.kernels.paged_decode_attention(
             query, kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale
         )
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        i: int,
+        scale: float,
+    ) -> torch.Tensor:
+        if metadata.seq_lens_host[i] > query.shape[0]:  # a cached prefix: read it from the cache
+            return super().prefill(query, key, value, kv_cache, metadata, i, scale)
+        # A whole prompt: its keys and values are these tensors, no gather from the cache.
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+            is_causal=True, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        return out.transpose(0, 1)

@@ -147,15 +147,26 @@ class TorchAttentionBackend:
             out[:nd] = self.decode(query[:nd], kv_cache, metadata, scale).to(out.dtype)
         qsl = metadata.query_start_loc_host
         for i in range(nd, metadata.num_reqs):
-            start, end = qsl[i], qsl[i + 1]
-            out[start:end] = prefill_attention(
-                query[start:end],
-                kv_cache,
-                metadata.block_tables[i],
-                metadata.seq_lens_host[i],
-                scale,
+            rows = slice(qsl[i], qsl[i + 1])
+            out[rows] = self.prefill(
+                query[rows], key[rows], value[rows], kv_cache, metadata, i, scale
             ).to(out.dtype)
         return out
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        i: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Request i of metadata, whose new tokens are query/key/value [L, ...]; the reference
+        reads every key, new ones included, back from the cache."""
+        seq_len = metadata.seq_lens_host[i]
+        return prefill_attention(query, kv_cache, metadata.block_tables[i], seq_len, scale)
 
     def decode(
         self,
