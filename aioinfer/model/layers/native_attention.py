@@ -56,8 +56,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
         if metadata.seq_lens_host[i] > query.shape[0]:  # a cached prefix: read it from the cache
             return super().prefill(query, key, value, kv_cache, metadata, i, scale)
         # A whole prompt: its keys and values are these tensors, no gather from the cache.
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=True,
-        )  # fmt: skip
-        return out.transpose(0, 1)
+        # [1, heads, L, D]: batched 4-D inputs take SDPA's flash kernel on the CPU.
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
