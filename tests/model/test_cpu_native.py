@@ -195,3 +195,27 @@ def test_matches_f_linear_on_model_shapes_many_threads(kernels: cpu_native.Nativ
         torch.set_num_threads(threads)
     assert torch.equal(one, kernels.packed_linear(x, packed, None))
     torch.testing.assert_close(one, F.linear(x, w), rtol=1e-5, atol=1e-3)
+
+
+def test_tied_embedding_reads_the_packed_head(kernels: cpu_native.NativeKernels) -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.head = nn.Linear(32, 64, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    ids = torch.tensor([0, 5, 17, 63, 5])
+    rows = model.embed(ids).detach()
+    logits = model.head(rows).detach()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert use_native_kernels(model, kernels) == 2
+    assert model.embed.packed is model.head.packed  # still one tensor
+    assert sum(p.numel() for p in model.parameters()) == 64 * 32
+    assert torch.equal(model.embed(ids), rows)
+    torch.testing.assert_close(model.head(rows), logits, rtol=1e-5, atol=1e-5)
+    after = model.state_dict()
+    assert sorted(after) == sorted(before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key

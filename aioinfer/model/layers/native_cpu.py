@@ -2,8 +2,7 @@
 
 `use_native_kernels(model, kernels)` replaces, in place:
 - every float32 `nn.Linear` whose out_features is a multiple of 16 by a `PackedLinear` that
-  holds only the packed weight (a tied LM head gets its own packed copy; the embedding keeps the
-  row layout that lookups need);
+  holds only the packed weight (an embedding tied to it then looks rows up in the packed weight);
 - `RMSNorm`, `SiluAndMul` and `ApplyRotary` by one native call each instead of several torch
   ops, where their sizes fit the kernels.
 Each replacement takes and returns what the module it replaces does, so the model code is the
@@ -45,9 +44,23 @@ class PackedLinear(nn.Module):
 
 
 def _unpacked_state(
-    module: PackedLinear, state: dict[str, torch.Tensor], prefix: str, _meta: object
+    module: nn.Module, state: dict[str, torch.Tensor], prefix: str, _meta: object
 ) -> None:
     state[prefix + "weight"] = unpack_weight(state.pop(prefix + "packed"))
+
+
+class PackedEmbedding(nn.Module):
+    """The lookup of a tied embedding that reads the LM head's packed weight, so the two still
+    share one tensor: row t of W is packed[t // 16, :, t % 16]."""
+
+    def __init__(self, embedding: nn.Embedding, packed: nn.Parameter) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.weight.shape
+        self.packed = packed
+        self._register_state_dict_hook(_unpacked_state)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.packed[ids // STRIP, :, ids % STRIP]
 
 
 class NativeRMSNorm(RMSNorm):
@@ -97,12 +110,24 @@ def _native_twin(module: nn.Module, kernels: NativeKernels) -> nn.Module | None:
 
 def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
     """Swap the model's modules for their native twins in place; returns how many were swapped.
-    The model must be float32 on the CPU."""
+    The model must be float32 on the CPU. An embedding tied to a linear that gets packed reads
+    the packed weight, so tied weights stay one tensor."""
+    packed_by_weight: dict[int, nn.Parameter] = {}
+    embeddings: list[tuple[nn.Module, str, nn.Embedding]] = []
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Embedding):
+                embeddings.append((parent, name, child))
             twin = _native_twin(child, kernels)
             if twin is not None:
+                if isinstance(twin, PackedLinear):
+                    packed_by_weight[id(child.weight)] = twin.packed
                 setattr(parent, name, twin)
                 swapped += 1
+    for parent, name, embedding in embeddings:
+        packed = packed_by_weight.get(id(embedding.weight))
+        if packed is not None:
+            setattr(parent, name, PackedEmbedding(embedding, packed))
+            swapped += 1
     return swapped
