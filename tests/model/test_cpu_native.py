@@ -219,3 +219,23 @@ def test_tied_embedding_reads_the_packed_head(kernels: cpu_native.NativeKernels)
     assert sorted(after) == sorted(before)
     for key, value in before.items():
         assert torch.equal(after[key], value), key
+
+
+def test_backend_selection_names_what_runs_and_refuses_what_cannot() -> None:
+    from aioinfer.gpu.runner import select_attention_backend, select_cpu_kernels
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    native = select_attention_backend("auto", cpu, torch.float32, 9, 3, 64)
+    assert (native is None) == (cpu_native.load() is None)  # native wherever the kernels build
+    assert select_attention_backend("auto", cpu, torch.bfloat16, 9, 3, 64) is None  # torch
+    assert select_attention_backend("torch", cpu, torch.float32, 9, 3, 64) is None
+    with pytest.raises(ValueError, match="CPU only"):
+        select_attention_backend("native", cuda, torch.bfloat16, 9, 3, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        select_attention_backend("native", cpu, torch.float32, 9, 3, 24)
+    model = nn.Sequential(nn.Linear(16, 16))
+    assert select_cpu_kernels(model, "auto", cpu, torch.bfloat16) == "torch"
+    assert select_cpu_kernels(model, "torch", cpu, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        select_cpu_kernels(model, "native", cuda, torch.float32)
+    assert isinstance(model[0], nn.Linear)  # nothing swapped by the refusals
