@@ -146,11 +146,17 @@ def random_paged_case(
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("many", [False, True])
 def test_paged_decode_matches_torch_reference(
-    kernels: cpu_native.NativeKernels, block_size: int, head_dim: int, gqa: int
+    kernels: cpu_native.NativeKernels, block_size: int, head_dim: int, gqa: int, many: bool
 ) -> None:
-    seed = block_size * 100 + head_dim + gqa
+    seed = block_size * 100 + head_dim + gqa + many
     seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 77]
+    if many:  # enough requests for one work item per request, whatever the thread count
+        seq_lens = (seq_lens * torch.get_num_threads())[: 2 * torch.get_num_threads() + 1]
+        seq_lens += [5] * max(0, 2 * torch.get_num_threads() + 1 - len(seq_lens))
+    else:  # one request: a work item per KV head
+        seq_lens = [3 * block_size + 2]
     query, cache, tables, lens = random_paged_case(seed, block_size, head_dim, gqa, seq_lens)
     scale = head_dim**-0.5
     got = kernels.paged_decode_attention(query, cache, tables, lens, scale)
@@ -239,3 +245,17 @@ def test_backend_selection_names_what_runs_and_refuses_what_cannot() -> None:
     with pytest.raises(ValueError, match="float32 on the CPU"):
         select_cpu_kernels(model, "native", cuda, torch.float32)
     assert isinstance(model[0], nn.Linear)  # nothing swapped by the refusals
+
+
+def test_kernels_refuse_tensors_they_would_misread(kernels: cpu_native.NativeKernels) -> None:
+    packed = cpu_native.pack_weight(torch.randn(16, 8))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.packed_linear(torch.randn(2, 8, dtype=torch.float64), packed, None)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.packed_linear(torch.randn(8, 2).t(), packed, None)
+
+
+def test_exp_keeps_nan(kernels: cpu_native.NativeKernels) -> None:
+    gate = torch.tensor([float("nan")] * 16 + [1.0] * 16)
+    out = kernels.silu_mul(gate, torch.ones(32))
+    assert out[:16].isnan().all() and torch.isfinite(out[16:]).all()

@@ -11,6 +11,7 @@
  * above its code.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__)
@@ -55,11 +56,11 @@ static inline float sum_lanes(vf v) {
     return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
-/* exp, within about 2 ulp of expf for x in [-87, 88] (clamped outside): x = n ln2 + r with
- * |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, times 2^n built in the exponent
- * bits. A scalar expf per score was most of the decode attention's time. */
-static inline vf exp_v(vf x) {
-    x = max_v(min_v(x, splat(88.0f)), splat(-87.0f));
+/* exp, within about 2 ulp of expf for x in [-87, 88] (clamped outside; NaN passes through):
+ * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial, times 2^n built
+ * in the exponent bits. A scalar expf per score was most of the decode attention's time. */
+static inline vf exp_v(vf in) {
+    vf x = max_v(min_v(in, splat(88.0f)), splat(-87.0f));
     vf t = x * 1.44269504f + 0.5f;
     vi n = __builtin_convertvector(t, vi); /* truncates toward zero: floor below */
     n -= (vi)(__builtin_convertvector(n, vf) > t) & 1;
@@ -73,7 +74,7 @@ static inline vf exp_v(vf x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    return p * (vf)((n + 127) << 23);
+    return select_v(in == in, p * (vf)((n + 127) << 23), in); /* NaN stays NaN */
 }
 
 /* ------------------------------------------------------------------ packed_linear
@@ -206,7 +207,8 @@ typedef struct {
 static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, float *out) {
     const long G = t.G, D = t.D, bs = t.block_size, row = t.KV * t.D;
     const long first = h0 * G, count = (h1 - h0) * G; /* query heads handled here */
-    float scores[count * bs], run_max[count], run_sum[count];
+    /* On the heap: H x block_size floats can outgrow a worker thread's stack. */
+    float *scores = malloc(count * bs * sizeof(float)), run_max[count], run_sum[count];
     for (long j = 0; j < count; j++) {
         run_max[j] = -INFINITY;
         run_sum[j] = 0.0f;
@@ -242,6 +244,7 @@ static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, f
         float inv = t.seq_len > 0 ? 1.0f / run_sum[j] : 0.0f;
         for (long d = 0; d < D; d++) out[(first + j) * D + d] *= inv;
     }
+    free(scores);
 }
 
 /* q, out [B, H, D]; tables [B, table_width] int32; seq_lens [B] int32; H % KV == 0. A work

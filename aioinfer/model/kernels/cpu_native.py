@@ -31,6 +31,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 MARCH_ENV = "AIOINFER_CPU_MARCH"
 # Output columns per packed strip; must match STRIP in cpu_kernels.c.
 STRIP = 16
+BUILD_TIMEOUT_S = 120
 
 _c_float_p = ctypes.c_void_p
 
@@ -74,6 +75,7 @@ class NativeKernels:
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [M, K] contiguous float32 @ W^T + bias, W packed by `pack_weight` -> [M, N]."""
+        _check(x, packed)
         m, k = x.shape
         n = packed.shape[0] * STRIP
         out = torch.empty(m, n, dtype=torch.float32)
@@ -102,6 +104,7 @@ class NativeKernels:
         block_tables [B, W] (int32) -> [B, H, D]. All float32; D a multiple of 16."""
         b, h, d = query.shape
         query = query.contiguous()
+        _check(query, kv_cache)
         block_tables = block_tables.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
         out = torch.empty_like(query)
@@ -125,6 +128,7 @@ class NativeKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim (a multiple of 16) of float32 x; weight [dim]."""
         x = x.contiguous()
+        _check(x, weight)
         dim = x.shape[-1]
         out = torch.empty_like(x)
         rows = x.numel() // dim
@@ -139,6 +143,7 @@ class NativeKernels:
         activation)."""
         up = up.contiguous()
         out = gate if gate.is_contiguous() else gate.contiguous()
+        _check(out, up)
         self._silu_mul(
             out.data_ptr(), up.data_ptr(), out.numel(), out.data_ptr(), torch.get_num_threads()
         )
@@ -147,6 +152,7 @@ class NativeKernels:
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`apply_rotary` for float32 x [T, heads, D] (D a multiple of 32), cos/sin [T, D / 2]."""
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        _check(x, cos, sin)
         tokens, heads, dim = x.shape
         out = torch.empty_like(x)
         self._rotary(
@@ -154,6 +160,16 @@ class NativeKernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    """The kernels read raw float32 memory: refuse anything else rather than misread it."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(
+                f"native CPU kernels take contiguous float32 CPU tensors, got {t.dtype} on "
+                f"{t.device}, contiguous={t.is_contiguous()}"
+            )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -171,7 +187,7 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
 
 
 def compiler_flags(march: str) -> list[str]:
-    flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-lm"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-mprefer-vector-width=512")  # GCC defaults to 256-bit even with AVX-512
     return flags
@@ -200,15 +216,19 @@ def _load(march: str) -> tuple[NativeKernels | None, str]:
         return None, "the CPU has neither AVX-512F nor AVX2 with FMA"
     cc = _compiler()
     if cc is None:
-        return None, "no C compiler (cc) on PATH"
+        return None, f"no C compiler ({os.environ.get('CC', 'cc')!r}) on PATH"
     cflags = compiler_flags(march)
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), cc.encode(), " ".join(cflags).encode(),
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as exc:
+        return None, f"cannot read {SOURCE}: {exc}"
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(cflags).encode(),
                                       " ".join(flags).encode()]))  # fmt: skip
     target = cache_root() / "kernels" / f"cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         try:
             _build(cc, cflags, target)
-        except (OSError, subprocess.CalledProcessError) as exc:
+        except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or str(exc)
             return None, f"building {SOURCE.name} failed: {detail.strip()[:500]}"
     try:
@@ -223,8 +243,13 @@ def _build(cc: str, cflags: list[str], target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [cc, *cflags, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True
+            [cc, *cflags, "-o", tmp, str(SOURCE)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
         )
+        os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache must stay readable
         os.replace(tmp, target)  # atomic: concurrent starts never load a half-written file
         logger.debug("built %s", target)
     finally:

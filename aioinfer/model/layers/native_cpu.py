@@ -95,7 +95,7 @@ class NativeApplyRotary(ApplyRotary):
 
 def _native_twin(module: nn.Module, kernels: NativeKernels) -> nn.Module | None:
     """The native replacement of one module, or None to keep it."""
-    if isinstance(module, nn.Linear):
+    if type(module) is nn.Linear:  # not subclasses, which may read .weight themselves
         fits = module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
         return PackedLinear(module, kernels) if fits and module.out_features % STRIP == 0 else None
     if type(module) is RMSNorm:
