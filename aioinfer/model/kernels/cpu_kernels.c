@@ -218,6 +218,10 @@ static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, f
         long n = t.seq_len - start < bs ? t.seq_len - start : bs;
         const float *keys = t.cache + (long)t.table[start / bs] * 2 * bs * row;
         const float *values = keys + bs * row;
+        if (start + bs < t.seq_len) { /* the next block's K and V, while this one computes */
+            const float *next = t.cache + (long)t.table[start / bs + 1] * 2 * bs * row;
+            for (long off = 0; off < 2 * bs * row; off += 16) __builtin_prefetch(next + off, 0, 3);
+        }
         /* Row by row, every KV head in turn: the block's K rows are read as whole lines. */
         for (long i = 0; i < n; i++)
             for (long j = 0; j < count; j++) {
