@@ -281,10 +281,10 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def select_attention_backend(
     name: str,
     device: torch.device,
-    dtype: torch.dtype = torch.float32,
-    num_heads: int = 1,
-    num_kv_heads: int = 1,
-    head_dim: int = 64,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
 ) -> Any:
     """None selects the torch reference backend. `auto`: triton on CUDA (when installed), the
     native kernels on a CPU that builds them and for shapes they support, torch elsewhere.
