@@ -1,7 +1,7 @@
 /* Native float32 kernels for the CPU path, loaded with ctypes by cpu_native.py.
  *
  * Built on first use by aioinfer/model/kernels/cpu_native.py with
- *   cc -O3 -march=native -fopenmp -shared -fPIC
+ *   cc -O3 -march=native -fopenmp -shared -fPIC -lm -mprefer-vector-width=512
  * Written with GCC vector extensions, so one source compiles to AVX-512 (16 lanes) or to
  * AVX2 + FMA (8 lanes); `a += x * b` on vectors becomes a fused multiply-add. The OpenMP
  * runtime resolves to the libgomp that torch has already loaded, so these kernels and torch's
