@@ -187,7 +187,7 @@ def test_backend_decodes_natively_and_prefills_as_torch(kernels: cpu_native.Nati
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_matches_f_linear_on_model_shapes_many_threads(kernels: cpu_native.NativeKernels) -> None:
+def test_one_thread_gives_the_numbers_of_many(kernels: cpu_native.NativeKernels) -> None:
     # The kernels take torch's thread count: a single thread gives the same numbers.
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(576, 1536, generator=gen)

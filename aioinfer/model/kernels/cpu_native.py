@@ -260,9 +260,13 @@ def _build(cc: str, cflags: list[str], target: Path) -> None:
 def load(march: str | None = None) -> NativeKernels | None:
     """The native kernels, or None when this machine cannot build or run them. `march`
     overrides $AIOINFER_CPU_MARCH (default "native")."""
-    return _load(march or os.environ.get(MARCH_ENV) or "native")[0]
+    return _load(_march(march))[0]
 
 
 def unavailable_reason(march: str | None = None) -> str:
     """Why `load()` returned None ("" when it did not)."""
-    return _load(march or os.environ.get(MARCH_ENV) or "native")[1]
+    return _load(_march(march))[1]
+
+
+def _march(march: str | None) -> str:
+    return march or os.environ.get(MARCH_ENV) or "native"
