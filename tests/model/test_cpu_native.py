@@ -259,3 +259,113 @@ def test_exp_keeps_nan(kernels: cpu_native.NativeKernels) -> None:
     gate = torch.tensor([float("nan")] * 16 + [1.0] * 16)
     out = kernels.silu_mul(gate, torch.ones(32))
     assert out[:16].isnan().all() and torch.isfinite(out[16:]).all()
+
+
+def _our_model_of(hf: nn.Module) -> nn.Module:
+    from aioinfer.model.registry import get_model_class
+
+    model = get_model_class(hf.config)(hf.config)
+    model.load_state_dict(hf.state_dict(), strict=False)
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        # head_dim 32 qualifies for the one-call layer; the default tiny head_dim 16 does not.
+        ("llama", {"hidden_size": 128, "attention_bias": True, "mlp_bias": True}),
+        ("llama", {"num_key_value_heads": 4}),
+        ("qwen2", {"hidden_size": 128}),  # q/k/v biases
+        ("qwen3", {}),  # query and key norms, head_dim 32
+    ],
+)
+@pytest.mark.parametrize("with_prompt", [False, True])
+def test_decoder_layers_match_the_torch_modules(
+    kernels: cpu_native.NativeKernels, arch: str, overrides: dict, with_prompt: bool
+) -> None:
+    """A decode-only step runs each qualifying layer as one native call; a step with a prompt
+    in it runs the layer's modules. Both give the hidden states and K/V writes of torch."""
+    from aioinfer.gpu.forward_context import forward_context
+    from aioinfer.model.layers.attention import AttentionMetadata
+    from aioinfer.model.layers.native_cpu import NativeDecoderLayer
+    from aioinfer.model.layers.torch_attention import TorchAttentionBackend
+    from tests.model.tiny_models import make_hf_model
+
+    hf = make_hf_model(arch, seed=5, **overrides)
+    reference, native = _our_model_of(hf), _our_model_of(hf)
+    use_native_kernels(native, kernels)
+    cfg = native.config
+    fused = sum(isinstance(m, NativeDecoderLayer) for m in native.modules())
+    assert fused == (cfg.num_layers if cfg.head_dim % 32 == 0 else 0)
+
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_blocks = 8, 24
+    query_lens, before = [1, 1, 1, 1], [0, 7, 8, 30]
+    if with_prompt:
+        query_lens, before = [*query_lens, 6], [*before, 3]
+    blocks = list(range(1, num_blocks))
+    random.Random(2).shuffle(blocks)
+    tables = []
+    for q, b in zip(query_lens, before, strict=True):
+        n = -(-(q + b) // block_size)
+        tables.append(blocks[:n])
+        blocks = blocks[n:]
+    metadata = AttentionMetadata.build(query_lens, before, tables, block_size)
+    shape = native.kv_cache_shape(num_blocks, block_size)
+    caches = []
+    for _ in range(cfg.num_layers):
+        cache = torch.full(shape, float("nan"))  # slots past every context: never read
+        for table, length in zip(tables, before, strict=True):
+            for pos in range(length):
+                cache[table[pos // block_size], :, pos % block_size] = torch.randn(
+                    shape[1:2] + shape[3:], generator=gen
+                )
+        caches.append(cache)
+    ref_caches = [c.clone() for c in caches]
+    ids = torch.randint(0, cfg.vocab_size, (metadata.num_tokens,), generator=gen)
+
+    with torch.no_grad():
+        with forward_context(metadata, caches, NativeAttentionBackend(kernels)):
+            got = native(ids, metadata.positions)
+        with forward_context(metadata, ref_caches, TorchAttentionBackend()):
+            expected = reference(ids, metadata.positions)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for cache, ref_cache in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert native.state_dict().keys() == reference.state_dict().keys()
+
+
+def test_decoder_layer_weights_refuse_what_the_kernel_would_misread() -> None:
+    hidden, heads, kv_heads, head_dim, inter = 64, 2, 1, 32, 128
+
+    def packed(n: int, k: int) -> torch.Tensor:
+        return cpu_native.pack_weight(torch.randn(n, k))
+
+    tensors: dict[str, torch.Tensor | None] = {
+        "input_norm": torch.ones(hidden), "post_norm": torch.ones(hidden),
+        "q_norm": None, "k_norm": None,
+        "q": packed(heads * head_dim, hidden), "k": packed(kv_heads * head_dim, hidden),
+        "v": packed(kv_heads * head_dim, hidden), "o": packed(hidden, heads * head_dim),
+        "gate": packed(inter, hidden), "up": packed(inter, hidden), "down": packed(hidden, inter),
+        **{f"{n}_bias": None for n in ("q", "k", "v", "o", "gate", "up", "down")},
+    }  # fmt: skip
+    sizes = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "eps": 1e-6}
+    layer = cpu_native.DecoderLayerWeights.build(**sizes, scale=0.1, tensors=tensors)
+    assert (layer.hidden, layer.intermediate) == (hidden, inter)
+    with pytest.raises(ValueError, match="down must have shape"):
+        cpu_native.DecoderLayerWeights.build(
+            **sizes, scale=0.1, tensors={**tensors, "down": packed(hidden, inter + 16)}
+        )
+    with pytest.raises(ValueError, match="q_norm and k_norm"):
+        cpu_native.DecoderLayerWeights.build(
+            **sizes, scale=0.1, tensors={**tensors, "q_norm": torch.ones(head_dim)}
+        )
+    with pytest.raises(ValueError, match="float32"):
+        cpu_native.DecoderLayerWeights.build(
+            **sizes, scale=0.1, tensors={**tensors, "up_bias": torch.ones(inter).double()}
+        )
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_native.DecoderLayerWeights.build(
+            **{**sizes, "head_dim": 16, "heads": 4, "kv_heads": 2}, scale=0.1, tensors=tensors
+        )

@@ -100,6 +100,7 @@ typedef struct {
     const float *bias; /* bias of the tile's first column, or NULL */
     float *y;          /* output of the tile, row stride N */
     long K, N;
+    int accumulate;    /* add to y (a residual) instead of overwriting it */
 } Tile;
 
 /* Where vector j of the tile's columns sits in row k of the packed weight. */
@@ -127,8 +128,13 @@ static inline __attribute__((always_inline)) void micro_tile(const Tile t, const
             for (long j = 0; j < vecs; j++) acc[i][j] += xv * b[j];
         }
     }
+    /* The residual is added last: summed into from the start, it would round every product
+     * to its (larger) magnitude. */
     for (long i = 0; i < rows; i++)
-        for (long j = 0; j < vecs; j++) store(t.y + i * t.N + j * LANES, acc[i][j]);
+        for (long j = 0; j < vecs; j++) {
+            float *out = t.y + i * t.N + j * LANES;
+            store(out, t.accumulate ? load(out) + acc[i][j] : acc[i][j]);
+        }
 }
 
 /* One switch so that every (rows, vecs) pair gets its own fully unrolled body. */
@@ -147,19 +153,29 @@ static void run_tile(const Tile t, long rows, long vecs) {
 #undef CASE
 }
 
-/* x [M, K] and y [M, N] row-major and contiguous; wp [N / 16][K][16]; N % 16 == 0. */
-void packed_linear(const float *x, long M, long K, const float *wp, long N, const float *bias,
-                   float *y, int num_threads) {
+/* The tiles of one linear, shared out among the threads of the enclosing parallel region
+ * without a barrier at the end, so several linears of one input run back to back.
+ * x [M, K] and y [M, N] row-major and contiguous; wp [N / 16][K][16]; N % 16 == 0. */
+static void linear_tiles(const float *x, long M, long K, const float *wp, long N,
+                         const float *bias, float *y, int accumulate) {
     long num_tiles = (N + TILE_COLS - 1) / TILE_COLS; /* the last may be half wide */
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp for schedule(static) nowait
     for (long p = 0; p < num_tiles; p++) {
         long col = p * TILE_COLS;
         long vecs = N - col >= TILE_COLS ? 2 : 1;
         for (long m = 0; m < M; m += ROWS) {
-            Tile t = {x + m * K, wp + col * K, bias ? bias + col : 0, y + m * N + col, K, N};
+            Tile t = {x + m * K, wp + col * K, bias ? bias + col : 0, y + m * N + col, K, N,
+                      accumulate};
             run_tile(t, M - m < ROWS ? M - m : ROWS, vecs);
         }
     }
+}
+
+/* y = x @ W^T + bias, or y += x @ W^T + bias when accumulate is set. */
+void packed_linear(const float *x, long M, long K, const float *wp, long N, const float *bias,
+                   float *y, int accumulate, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    linear_tiles(x, M, K, wp, N, bias, y, accumulate);
 }
 
 /* ------------------------------------------------------------------ paged decode attention
@@ -318,4 +334,72 @@ void rotary(const float *x, long tokens, long heads, long dim, const float *cos,
             }
         }
     }
+}
+
+/* ------------------------------------------------------------------ decoder layer, decode step
+ *
+ * One Llama decoder layer over B decode tokens (token b is request b's only query token), in
+ * the order of model/llama.py's modules, x [B, hidden] updated in place:
+ *   h = rms_norm(x); q, k, v = h Wq, h Wk, h Wv (+ biases); per-head rms_norm of q and k
+ *   (Qwen3); rotary(q, k); k, v into their cache slots; x += attention(q) Wo (+ bias);
+ *   h = rms_norm(x); x += (silu(h Wgate) * h Wup) Wdown (+ biases).
+ * One call instead of a dozen ops: at decode sizes the Python and dispatch between them cost
+ * about as much as the attention itself. The three projections of h (and the two of the MLP)
+ * share one parallel region, so no thread waits between them.
+ */
+typedef struct {
+    long hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim], or both NULL */
+    const float *q, *k, *v, *o, *gate, *up, *down;                             /* packed */
+    const float *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias; /* or NULL */
+} DecoderLayer;
+
+/* cache [num_blocks, 2, block_size, kv_heads, head_dim]; slots [B] int64 (block * block_size +
+ * offset of each new token); tables [B, table_width] and seq_lens [B] int32 as in
+ * paged_decode_attention; cos/sin [B, head_dim / 2]. Every width a multiple of 16, head_dim
+ * of 32. */
+void decoder_layer_decode(const DecoderLayer *l, float *x, long B, const float *cos,
+                          const float *sin, float *cache, const long *slots, const int *tables,
+                          long table_width, const int *seq_lens, long block_size,
+                          int num_threads) {
+    const long H = l->hidden, D = l->head_dim, I = l->intermediate;
+    const long qn = l->heads * D, kvn = l->kv_heads * D;
+    float *h = malloc(B * (H + 2 * qn + 2 * kvn + 2 * I) * sizeof(float));
+    float *q = h + B * H, *k = q + B * qn, *v = k + B * kvn, *attn = v + B * kvn;
+    float *gate = attn + B * qn, *up = gate + B * I;
+
+    rms_norm(x, B, H, l->input_norm, l->eps, h, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    {
+        linear_tiles(h, B, H, l->q, qn, l->q_bias, q, 0);
+        linear_tiles(h, B, H, l->k, kvn, l->k_bias, k, 0);
+        linear_tiles(h, B, H, l->v, kvn, l->v_bias, v, 0);
+    }
+    if (l->q_norm) {
+        rms_norm(q, B * l->heads, D, l->q_norm, l->eps, q, num_threads);
+        rms_norm(k, B * l->kv_heads, D, l->k_norm, l->eps, k, num_threads);
+    }
+    rotary(q, B, l->heads, D, cos, sin, q, num_threads);
+    rotary(k, B, l->kv_heads, D, cos, sin, k, num_threads);
+    for (long b = 0; b < B; b++) {
+        long block = slots[b] / block_size, offset = slots[b] % block_size;
+        float *key_row = cache + (block * 2 * block_size + offset) * kvn;
+        memcpy(key_row, k + b * kvn, kvn * sizeof(float));
+        memcpy(key_row + block_size * kvn, v + b * kvn, kvn * sizeof(float)); /* V half */
+    }
+    paged_decode_attention(q, cache, tables, table_width, seq_lens, B, l->heads, l->kv_heads, D,
+                           block_size, l->scale, attn, num_threads);
+    packed_linear(attn, B, qn, l->o, H, l->o_bias, x, 1, num_threads);
+
+    rms_norm(x, B, H, l->post_norm, l->eps, h, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    {
+        linear_tiles(h, B, H, l->gate, I, l->gate_bias, gate, 0);
+        linear_tiles(h, B, H, l->up, I, l->up_bias, up, 0);
+    }
+    silu_mul(gate, up, B * I, gate, num_threads);
+    packed_linear(gate, B, I, l->down, H, l->down_bias, x, 1, num_threads);
+    free(h);
 }

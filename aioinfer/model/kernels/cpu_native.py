@@ -46,7 +46,7 @@ class NativeKernels:
         self._packed_linear.restype = None
         self._packed_linear.argtypes = [
             _c_float_p, ctypes.c_long, ctypes.c_long, _c_float_p, ctypes.c_long,
-            _c_float_p, _c_float_p, ctypes.c_int,
+            _c_float_p, _c_float_p, ctypes.c_int, ctypes.c_int,
         ]  # fmt: skip
         self._paged_decode = lib.paged_decode_attention
         self._paged_decode.restype = None
@@ -64,6 +64,13 @@ class NativeKernels:
         self._silu_mul = lib.silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [_c_float_p, _c_float_p, ctypes.c_long, _c_float_p, ctypes.c_int]
+        self._decoder_layer = lib.decoder_layer_decode
+        self._decoder_layer.restype = None
+        self._decoder_layer.argtypes = [
+            ctypes.POINTER(DecoderLayerWeights), _c_float_p, ctypes.c_long, _c_float_p,
+            _c_float_p, _c_float_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+            ctypes.c_void_p, ctypes.c_long, ctypes.c_int,
+        ]  # fmt: skip
         self._rotary = lib.rotary
         self._rotary.restype = None
         self._rotary.argtypes = [
@@ -88,6 +95,7 @@ class NativeKernels:
                 n,
                 None if bias is None else bias.data_ptr(),
                 out.data_ptr(),
+                0,  # overwrite out, do not accumulate into it
                 torch.get_num_threads(),
             )
         return out
@@ -160,6 +168,107 @@ class NativeKernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def decoder_layer_decode(
+        self,
+        layer: DecoderLayerWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decoder layer over a step of decode tokens (token b is request b's one query):
+        x [B, hidden] -> [B, hidden]; writes the tokens' K/V at slot_mapping [B] (int64) of
+        kv_cache [N, 2, block_size, KV, D], then attends through block_tables [B, W] over
+        seq_lens [B] (int32) tokens; cos/sin [B, D / 2] as `rotary` takes them."""
+        out = x.clone(memory_format=torch.contiguous_format)  # updated in place by the kernel
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _check(out, cos, sin, kv_cache)
+        _check_indices(slot_mapping, torch.int64)
+        _check_indices(block_tables, torch.int32)
+        _check_indices(seq_lens, torch.int32)
+        self._decoder_layer(
+            ctypes.byref(layer), out.data_ptr(), out.shape[0], cos.data_ptr(), sin.data_ptr(),
+            kv_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[2],
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+# The C struct DecoderLayer's tensors, after its sizes; a None tensor is passed as NULL.
+_LAYER_TENSORS = (
+    "input_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o", "gate", "up", "down",
+    "q_bias", "k_bias", "v_bias", "o_bias", "gate_bias", "up_bias", "down_bias",
+)  # fmt: skip
+
+
+class DecoderLayerWeights(ctypes.Structure):
+    """The weights of one decoder layer as `decoder_layer_decode` reads them: norms [hidden]
+    (q_norm and k_norm [head_dim], or both None), linear weights packed by `pack_weight`,
+    biases [out_features] or None. Holds raw pointers, and the tensors to keep them alive: the
+    tensors must keep their storage (load into them in place, never replace them)."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
+        ("head_dim", ctypes.c_long), ("intermediate", ctypes.c_long), ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float), *((name, ctypes.c_void_p) for name in _LAYER_TENSORS),
+    ]  # fmt: skip
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        tensors: dict[str, torch.Tensor | None],
+    ) -> DecoderLayerWeights:
+        if set(tensors) != set(_LAYER_TENSORS):
+            raise ValueError(f"tensors must name exactly {_LAYER_TENSORS}, got {sorted(tensors)}")
+        hidden = tensors["input_norm"].shape[0]  # type: ignore[union-attr]
+        intermediate = tensors["gate"].shape[0] * STRIP  # type: ignore[union-attr]
+        widths = (hidden, heads * head_dim, kv_heads * head_dim, intermediate)
+        if head_dim % (2 * STRIP) or any(w % STRIP for w in widths):
+            raise ValueError(
+                f"head_dim must be a multiple of {2 * STRIP} and every width of {STRIP}, got "
+                f"head_dim {head_dim}, widths {widths}"
+            )
+        if (tensors["q_norm"] is None) != (tensors["k_norm"] is None):
+            raise ValueError("q_norm and k_norm must be given together")
+        # The kernel reads raw memory at these sizes: any other shape would be misread.
+        q_out, kv_out = heads * head_dim, kv_heads * head_dim
+        packed = {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden),
+                  "o": (hidden, q_out), "gate": (intermediate, hidden),
+                  "up": (intermediate, hidden), "down": (hidden, intermediate)}  # fmt: skip
+        shapes: dict[str, tuple[int, ...]] = {
+            "input_norm": (hidden,), "post_norm": (hidden,), "q_norm": (head_dim,),
+            "k_norm": (head_dim,),
+            **{name: (n // STRIP, k, STRIP) for name, (n, k) in packed.items()},
+            **{f"{name}_bias": (n,) for name, (n, _) in packed.items()},
+        }  # fmt: skip
+        for name, t in tensors.items():
+            if t is not None:
+                _check(t)
+                if tuple(t.shape) != shapes[name]:
+                    raise ValueError(f"{name} must have shape {shapes[name]}, got {tuple(t.shape)}")
+        pointers = (None if tensors[n] is None else tensors[n].data_ptr() for n in _LAYER_TENSORS)  # type: ignore[union-attr]
+        layer = cls(hidden, heads, kv_heads, head_dim, intermediate, eps, scale, *pointers)
+        layer.tensors = tensors  # keeps the pointed-to storage alive
+        return layer
+
+
+def _check_indices(t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"native CPU kernels take contiguous {dtype} CPU index tensors, got {t.dtype} on "
+            f"{t.device}, contiguous={t.is_contiguous()}"
+        )
 
 
 def _check(*tensors: torch.Tensor) -> None:

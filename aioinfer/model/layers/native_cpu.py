@@ -4,7 +4,9 @@
 - every float32 `nn.Linear` whose out_features is a multiple of 16 by a `PackedLinear` that
   holds only the packed weight (an embedding tied to it then looks rows up in the packed weight);
 - `RMSNorm`, `SiluAndMul` and `ApplyRotary` by one native call each instead of several torch
-  ops, where their sizes fit the kernels.
+  ops, where their sizes fit the kernels;
+- then every decoder layer whose parts all became native by a `NativeDecoderLayer`, which runs
+  a decode step as one native call and anything else through those parts.
 Each replacement takes and returns what the module it replaces does, so the model code is the
 same on every device.
 """
@@ -14,10 +16,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aioinfer.model.kernels.cpu_native import STRIP, NativeKernels, pack_weight, unpack_weight
+from aioinfer.gpu.forward_context import get_forward_context
+from aioinfer.model.kernels.cpu_native import (
+    STRIP,
+    DecoderLayerWeights,
+    NativeKernels,
+    pack_weight,
+    unpack_weight,
+)
 from aioinfer.model.layers.activation import SiluAndMul
+from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
 from aioinfer.model.layers.rotary import ApplyRotary
+from aioinfer.model.llama import LlamaDecoderLayer
 
 
 class PackedLinear(nn.Module):
@@ -93,6 +104,78 @@ class NativeApplyRotary(ApplyRotary):
         return self.kernels.rotary(x, cos, sin)
 
 
+class NativeDecoderLayer(LlamaDecoderLayer):
+    """A decoder layer whose decode-only steps run as one native call (`decoder_layer_decode`:
+    the Python and dispatch between a layer's dozen ops cost as much as its attention at decode
+    sizes); steps with prompt tokens run its modules one by one. Holds the layer's own modules,
+    so parameter names and state dicts are unchanged."""
+
+    def __init__(
+        self, layer: LlamaDecoderLayer, weights: DecoderLayerWeights, kernels: NativeKernels
+    ) -> None:
+        nn.Module.__init__(self)  # adopts the layer's modules instead of building new ones
+        self.input_layernorm = layer.input_layernorm
+        self.self_attn = layer.self_attn
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.mlp = layer.mlp
+        self.weights = weights
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        metadata = ctx.attn_metadata
+        if not (metadata.decode_only and isinstance(ctx.attn_backend, NativeAttentionBackend)):
+            return super().forward(x, cos, sin)
+        return self.kernels.decoder_layer_decode(
+            self.weights,
+            x,
+            cos,
+            sin,
+            ctx.kv_caches[self.self_attn.attn.layer_idx],
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.seq_lens,
+        )
+
+
+def _decoder_layer_weights(layer: nn.Module) -> DecoderLayerWeights | None:
+    """The native weights of a decoder layer whose parts are all native twins, else None."""
+    if type(layer) is not LlamaDecoderLayer:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = {name: getattr(attn, f"{name}_proj") for name in ("q", "k", "v", "o")}
+    linears |= {name: getattr(mlp, f"{name}_proj") for name in ("gate", "up", "down")}
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    qk_norms = [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+    native = (
+        all(isinstance(m, PackedLinear) for m in linears.values())
+        and all(isinstance(m, NativeRMSNorm) for m in norms + qk_norms)
+        and isinstance(attn.rotary, NativeApplyRotary)
+        and isinstance(mlp.act_fn, NativeSiluAndMul)
+        and len({m.eps for m in norms + qk_norms}) == 1
+        and attn.head_dim % (2 * STRIP) == 0
+    )
+    if not native:
+        return None
+    tensors: dict[str, torch.Tensor | None] = {
+        "input_norm": layer.input_layernorm.weight,
+        "post_norm": layer.post_attention_layernorm.weight,
+        "q_norm": qk_norms[0].weight if qk_norms else None,
+        "k_norm": qk_norms[1].weight if qk_norms else None,
+    }
+    for name, linear in linears.items():
+        tensors[name] = linear.packed
+        tensors[f"{name}_bias"] = linear.bias
+    return DecoderLayerWeights.build(
+        heads=attn.num_heads,
+        kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        eps=layer.input_layernorm.eps,
+        scale=attn.attn.scale,
+        tensors=tensors,
+    )
+
+
 def _native_twin(module: nn.Module, kernels: NativeKernels) -> nn.Module | None:
     """The native replacement of one module, or None to keep it."""
     if type(module) is nn.Linear:  # not subclasses, which may read .weight themselves
@@ -130,4 +213,10 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
         if packed is not None:
             setattr(parent, name, PackedEmbedding(embedding, packed))
             swapped += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            weights = _decoder_layer_weights(child)
+            if weights is not None:
+                setattr(parent, name, NativeDecoderLayer(child, weights, kernels))
+                swapped += 1
     return swapped
