@@ -39,8 +39,10 @@ def kernels(request: pytest.FixtureRequest) -> cpu_native.NativeKernels:
 
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    # Rows around the 8-row micro-tile, odd and even strip counts, K from 1 up.
-    [(1, 16, 1), (1, 48, 7), (3, 32, 64), (8, 80, 576), (9, 1536, 576), (17, 576, 1536),
+    # Rows around the micro-tile (14 rows with AVX-512, 6 with AVX2), odd and even strip
+    # counts, K from 1 up.
+    [(1, 16, 1), (1, 48, 7), (3, 32, 64), (6, 16, 9), (7, 64, 40), (8, 80, 576),
+     (9, 1536, 576), (14, 96, 576), (15, 32, 17), (17, 576, 1536), (29, 48, 100),
      (64, 192, 100), (130, 48, 33)],
 )  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
