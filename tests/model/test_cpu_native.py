@@ -40,10 +40,10 @@ def kernels(request: pytest.FixtureRequest) -> cpu_native.NativeKernels:
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     # Rows around the micro-tile (14 rows with AVX-512, 6 with AVX2), odd and even strip
-    # counts, K from 1 up.
+    # counts, K from 1 up; the last two span several row blocks (128 Ki floats of x each).
     [(1, 16, 1), (1, 48, 7), (3, 32, 64), (6, 16, 9), (7, 64, 40), (8, 80, 576),
      (9, 1536, 576), (14, 96, 576), (15, 32, 17), (17, 576, 1536), (29, 48, 100),
-     (64, 192, 100), (130, 48, 33)],
+     (64, 192, 100), (130, 48, 33), (100, 32, 1536), (31, 16, 12000)],
 )  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_torch(

@@ -159,20 +159,30 @@ static void run_tile(const Tile t, long rows, long vecs) {
 #undef CASE
 }
 
+/* Rows of x taken per pass over the weights, as floats: a block of x (512 KiB) stays in L2 while
+ * every tile of the weights passes over it. Without it a long prefill streams all of x from
+ * L3 once per 32 columns (about 10 % slower at 2048 rows); decode steps fit in one block. */
+#define ROW_BLOCK_FLOATS (128 * 1024)
+
 /* The tiles of one linear, shared out among the threads of the enclosing parallel region
  * without a barrier at the end, so several linears of one input run back to back.
  * x [M, K] and y [M, N] row-major and contiguous; wp [N / 16][K][16]; N % 16 == 0. */
 static void linear_tiles(const float *x, long M, long K, const float *wp, long N,
                          const float *bias, float *y, int accumulate) {
     long num_tiles = (N + TILE_COLS - 1) / TILE_COLS; /* the last may be half wide */
+    long block = ROW_BLOCK_FLOATS / K / ROWS * ROWS;
+    if (block < ROWS) block = ROWS;
+    for (long m0 = 0; m0 < M; m0 += block) {
+        long m1 = m0 + block < M ? m0 + block : M;
 #pragma omp for schedule(static) nowait
-    for (long p = 0; p < num_tiles; p++) {
-        long col = p * TILE_COLS;
-        long vecs = N - col >= TILE_COLS ? 2 : 1;
-        for (long m = 0; m < M; m += ROWS) {
-            Tile t = {x + m * K, wp + col * K, bias ? bias + col : 0, y + m * N + col, K, N,
-                      accumulate};
-            run_tile(t, M - m < ROWS ? M - m : ROWS, vecs);
+        for (long p = 0; p < num_tiles; p++) {
+            long col = p * TILE_COLS;
+            long vecs = N - col >= TILE_COLS ? 2 : 1;
+            for (long m = m0; m < m1; m += ROWS) {
+                Tile t = {x + m * K, wp + col * K, bias ? bias + col : 0, y + m * N + col, K,
+                          N, accumulate};
+                run_tile(t, m1 - m < ROWS ? m1 - m : ROWS, vecs);
+            }
         }
     }
 }
