@@ -7,8 +7,8 @@
  * runtime resolves to the libgomp that torch has already loaded, so these kernels and torch's
  * own ops share one thread team per calling thread.
  *
- * Kernels: packed_linear, paged_decode_attention, rms_norm, silu_mul, rotary; each documented
- * above its code.
+ * Kernels: packed_linear, paged_decode_attention, rms_norm, silu_mul, rotary, and
+ * decoder_layer_decode, which runs them as one decoder layer; each documented above its code.
  */
 #include <math.h>
 #include <stdlib.h>
