@@ -138,15 +138,15 @@ class NativeDecoderLayer(LlamaDecoderLayer):
         )
 
 
-def _decoder_layer_weights(layer: nn.Module) -> DecoderLayerWeights | None:
+def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
     """The native weights of a decoder layer whose parts are all native twins, else None."""
-    if type(layer) is not LlamaDecoderLayer:
-        return None
     attn, mlp = layer.self_attn, layer.mlp
     linears = {name: getattr(attn, f"{name}_proj") for name in ("q", "k", "v", "o")}
     linears |= {name: getattr(mlp, f"{name}_proj") for name in ("gate", "up", "down")}
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    qk_norms = [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
+    if (attn.q_norm is None) != (attn.k_norm is None):
+        return None
+    qk_norms = [attn.q_norm, attn.k_norm] if attn.q_norm is not None and attn.k_norm else []
     native = (
         all(isinstance(m, PackedLinear) for m in linears.values())
         and all(isinstance(m, NativeRMSNorm) for m in norms + qk_norms)
@@ -215,6 +215,8 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
             swapped += 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if not isinstance(child, LlamaDecoderLayer) or isinstance(child, NativeDecoderLayer):
+                continue
             weights = _decoder_layer_weights(child)
             if weights is not None:
                 setattr(parent, name, NativeDecoderLayer(child, weights, kernels))
