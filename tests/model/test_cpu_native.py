@@ -336,6 +336,15 @@ def test_decoder_layers_match_the_torch_modules(
     for cache, ref_cache in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert native.state_dict().keys() == reference.state_dict().keys()
+    if fused and not with_prompt:  # a cache of another model's shape is refused, not misread
+        layer = next(m for m in native.modules() if isinstance(m, NativeDecoderLayer))
+        x = torch.randn(metadata.num_tokens, cfg.hidden_size)
+        wrong = torch.zeros(num_blocks, 2, block_size, cfg.num_kv_heads + 1, cfg.head_dim)
+        with pytest.raises(ValueError, match="kv_cache must have shape"):
+            kernels.decoder_layer_decode(
+                layer.weights, x, x[:, :16], x[:, :16], wrong, metadata.slot_mapping,
+                metadata.block_tables, metadata.seq_lens,
+            )  # fmt: skip
 
 
 def test_decoder_layer_weights_refuse_what_the_kernel_would_misread() -> None:

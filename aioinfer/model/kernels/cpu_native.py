@@ -190,6 +190,18 @@ class NativeKernels:
         _check_indices(slot_mapping, torch.int64)
         _check_indices(block_tables, torch.int32)
         _check_indices(seq_lens, torch.int32)
+        b = out.shape[0]
+        expected = {
+            "x": (out.shape, (b, layer.hidden)),
+            "cos": (cos.shape, (b, layer.head_dim // 2)),
+            "kv_cache": (kv_cache.shape[3:], (layer.kv_heads, layer.head_dim)),
+            "slot_mapping": (slot_mapping.shape, (b,)),
+            "block_tables": (block_tables.shape[:1], (b,)),
+            "seq_lens": (seq_lens.shape, (b,)),
+        }
+        for name, (got, want) in expected.items():
+            if tuple(got) != want:  # the kernel would read past them
+                raise ValueError(f"{name} must have shape {want}, got {tuple(got)}")
         self._decoder_layer(
             ctypes.byref(layer), out.data_ptr(), out.shape[0], cos.data_ptr(), sin.data_ptr(),
             kv_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
