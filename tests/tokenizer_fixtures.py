@@ -89,3 +89,10 @@ def byte_token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[int, int]:
     vocab = tokenizer.get_vocab()
     chars = bytes_to_unicode()
     return {byte: vocab[char] for byte, char in chars.items() if char in vocab}
+
+
+# A chat with a system turn and non-ASCII text, for chat-template checks.
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello 👋, 你好?"},
+]

@@ -41,15 +41,9 @@ class CompletionResponse(TypedDict):
     usage: NotRequired[UsageInfo | None]
 
 
-class CompletionChunk(TypedDict):
-    """One SSE chunk of a streamed completion: usage only with stream_options."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: NotRequired[UsageInfo | None]
+class CompletionChunk(CompletionResponse):
+    """One SSE chunk of a streamed completion, shaped as the whole response: usage only with
+    stream_options."""
 
 
 class TopLogprob(TypedDict):

@@ -39,13 +39,9 @@ from aioinfer.model.loader.gguf_loader import unpermute_qk
 from aioinfer.model.loader.resolve import gguf_served_name
 from aioinfer.model.registry import get_model_class
 from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import smollm2_gguf_path
+from tests.tokenizer_fixtures import MESSAGES, smollm2_gguf_path
 
 CPU = torch.device("cpu")
-MESSAGES = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Hello 👋, 你好?"},
-]
 
 
 @pytest.fixture(autouse=True)

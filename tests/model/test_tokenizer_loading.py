@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import (
     AutoConfig,
     AutoTokenizer,
@@ -25,13 +24,7 @@ from aioinfer.model.loader import (
     resolve_model,
 )
 from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import CHAT_TEMPLATE, make_tokenizer
-
-CPU = torch.device("cpu")
-MESSAGES = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Hello 👋, 你好?"},
-]
+from tests.tokenizer_fixtures import CHAT_TEMPLATE, MESSAGES, make_tokenizer
 
 
 @pytest.fixture(autouse=True)
