@@ -150,6 +150,9 @@ def bench_throughput(
     max_num_seqs: int = typer.Option(256, help="Most requests in one step."),
     max_num_batched_tokens: int = typer.Option(None, help="Token budget of one step."),
     kv_cache_memory: float = typer.Option(4.0, help="KV cache GiB on the CPU."),
+    gpu_memory_utilization: float = typer.Option(
+        0.92, help="Share of the GPU for our engine (lower it to leave the peer room)."
+    ),
     load_format: str = typer.Option("auto", help="auto or dummy."),
 ) -> None:
     """Offline throughput through LLM, optionally against transformers' generate."""
@@ -162,6 +165,7 @@ def bench_throughput(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "kv_cache_memory": kv_cache_memory,
+        "gpu_memory_utilization": gpu_memory_utilization,
         "load_format": load_format,
     }
     run(model, num_prompts, input_len, output_len, vs, hf_batch_size, seed, result_file, options)

@@ -71,21 +71,26 @@ def run_ours(llm: Any, workload: list[tuple[list[int], int]]) -> ThroughputResul
     return ThroughputResult("aioinfer", len(prompts), sum(map(len, prompts)), generated, seconds)
 
 
+def copy_weights(llm: Any) -> tuple[Any, dict[str, Any]]:
+    """The HF config and a copy of the weights our runner loaded, for the transformers peer."""
+    runner_model = llm.engine.gpu.call(lambda: llm.engine.gpu.runner.model).result()
+    state = {k: v.detach().clone() for k, v in runner_model.state_dict().items()}
+    return runner_model.hf_config, state
+
+
 def run_transformers(
-    llm: Any, workload: list[tuple[list[int], int]], batch_size: int
+    hf_config: Any, state: dict[str, Any], workload: list[tuple[list[int], int]], batch_size: int
 ) -> ThroughputResult:
-    """transformers' `generate` on the very weights our runner loaded, left-padded batches."""
+    """transformers' `generate` on the same weights as ours, left-padded batches."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    runner_model = llm.engine.gpu.call(lambda: llm.engine.gpu.runner.model).result()
-    hf_config = runner_model.hf_config
-    state = {k: v.detach().clone() for k, v in runner_model.state_dict().items()}
+    device = next(iter(state.values())).device
     # Built for real, not on meta: its rotary buffers must be initialised.
-    hf = AutoModelForCausalLM.from_config(hf_config, dtype=next(iter(state.values())).dtype)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=next(iter(state.values())).dtype)
     hf.load_state_dict(state, strict=False)
     hf.eval()
-    device = next(iter(state.values())).device
     pad = 0
     generated, input_tokens = 0, 0
     start = time.perf_counter()
@@ -106,7 +111,10 @@ def run_transformers(
                 do_sample=False,
                 pad_token_id=pad,
             )
-        generated += (out.shape[1] - width) * len(batch)
+        assert out.shape[1] - width == max_new
+        # Requested tokens only, as vLLM counts its hf backend: a batch's padding to its
+        # longest output is the peer's waste, not its throughput.
+        generated += sum(n for _, n in batch)
         input_tokens += sum(len(p) for p, _ in batch)
     seconds = time.perf_counter() - start
     return ThroughputResult("transformers", len(workload), input_tokens, generated, seconds)
@@ -144,6 +152,8 @@ def main(
 ) -> list[ThroughputResult]:
     from aioinfer.engine.llm import LLM
 
+    if vs not in (None, "transformers"):
+        raise ValueError(f"--vs must be 'transformers', got {vs!r}")
     llm = LLM(model, **options)
     try:
         vocab = llm.engine.info.vocab_size
@@ -153,12 +163,11 @@ def main(
         # One short warm-up request, so one-time costs do not count.
         run_ours(llm, workload[:1])
         results = [run_ours(llm, workload)]
-        if vs == "transformers":
-            results.append(run_transformers(llm, workload, hf_batch_size))
-        elif vs is not None:
-            raise ValueError(f"--vs must be 'transformers', got {vs!r}")
+        peer = copy_weights(llm) if vs == "transformers" else None
     finally:
-        llm.shutdown()
+        llm.shutdown()  # frees our KV cache before the peer runs
+    if peer is not None:
+        results.append(run_transformers(*peer, workload, hf_batch_size))
     print_table(results)
     if result_file:
         with open(result_file, "w") as f:

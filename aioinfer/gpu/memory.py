@@ -3,7 +3,8 @@
 On CUDA: after the weights are loaded, one dummy forward pass at the full token budget shows the
 peak activation memory; what is left of `total * gpu_memory_utilization` becomes KV blocks:
 
-    available_kv = total * utilization - weights - peak activations - non-torch memory
+    available_kv = total * utilization - allocated before (the weights) - peak activations
+                   - non-torch memory
 
 On the CPU there is nothing to profile; the KV size is a flag (--kv-cache-memory, GiB).
 """
@@ -50,6 +51,8 @@ def profile_available_kv_bytes(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     _, total = torch.cuda.mem_get_info(device)
+    # The weights, and whatever else this process holds on the device.
+    allocated_before = torch.cuda.memory_allocated(device)
     block_size = runner.block_size
     num_blocks = -(-num_tokens // block_size) + 1
     saved_caches = getattr(runner, "kv_caches", None)
@@ -73,13 +76,14 @@ def profile_available_kv_bytes(
     del saved_caches
     torch.cuda.empty_cache()
     free_after, _ = torch.cuda.mem_get_info(device)
-    activations = max(0, peak - weights_bytes - cache_bytes)
+    activations = max(0, peak - allocated_before - cache_bytes)
     non_torch = max(0, (total - free_after) - torch.cuda.memory_reserved(device))
-    available = int(total * utilization - weights_bytes - activations - non_torch)
+    available = int(total * utilization - allocated_before - activations - non_torch)
     logger.info(
-        "Memory profiling: total %.2f GiB, weights %.2f GiB, peak activations %.2f GiB, "
-        "non-torch %.2f GiB",
-        total / GiB, weights_bytes / GiB, activations / GiB, non_torch / GiB,
+        "Memory profiling: total %.2f GiB, weights %.2f GiB (all allocated %.2f GiB), peak "
+        "activations %.2f GiB, non-torch %.2f GiB",
+        total / GiB, weights_bytes / GiB, allocated_before / GiB, activations / GiB,
+        non_torch / GiB,
     )  # fmt: skip
     if available <= 0:
         raise ValueError(

@@ -7,6 +7,7 @@ on the loop through `call_soon_threadsafe`. The thread never touches loop state.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -76,11 +77,23 @@ class GpuThread:
         # Grad mode is per thread: this is where inference mode must be entered.
         with torch.inference_mode():
             while (item := self._queue.get()) is not None:
-                fn, future = item
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # handed to the loop, which fails the requests
-                    logger.debug("GPU thread work failed", exc_info=True)
-                    future.set_exception(exc)
+                self._run(*item)
+        self._release_runner()
+
+    @staticmethod
+    def _run(fn: Callable[[], Any], future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to the loop, which fails the requests
+            logger.debug("GPU thread work failed", exc_info=True)
+            future.set_exception(exc)
+
+    def _release_runner(self) -> None:
+        """Drop the runner so its weights, KV cache and CUDA graphs are freed, and hand the
+        cached blocks back to the device: a second engine in this process needs the memory."""
+        self.runner = None
+        gc.collect()  # reference cycles among the model's modules would keep its tensors alive
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()

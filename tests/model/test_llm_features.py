@@ -4,6 +4,7 @@ across batches, logprobs and prompt logprobs against transformers, stop conditio
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -113,3 +114,17 @@ def test_chat_and_n(tiny):
     rendered = "<|im_start|>user\nHello, world!<|im_end|>\n<|im_start|>assistant\n"
     expected_prompt = tok.encode(rendered)
     assert out[0].prompt_token_ids == expected_prompt
+
+
+def test_shutdown_frees_the_weights_and_kv_cache(tmp_path):
+    """A second engine in the same process needs the memory the first one held (on CUDA,
+    memory profiling would count a live first engine's KV cache as its own activations)."""
+    make_variant("qwen2").save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    with LLM(str(tmp_path), dtype="float32", kv_cache_memory=0.01, max_model_len=64) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        runner = llm.engine.gpu.runner
+        held = [weakref.ref(runner.kv_caches[0]), weakref.ref(next(runner.model.parameters()))]
+        del runner
+        assert all(ref() is not None for ref in held)
+    assert [ref() for ref in held] == [None, None]
