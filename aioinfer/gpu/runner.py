@@ -323,7 +323,10 @@ def _native_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
     from aioinfer.model.layers import native_attention
 
     if not native_attention.supports(num_heads, num_kv_heads, head_dim, dtype):
-        return f"needs float32 and a head_dim that is a multiple of 16, got {dtype}, {head_dim}"
+        return (
+            f"needs float32 and a head_dim that is a multiple of 16 up to 256, got {dtype}, "
+            f"{head_dim}"
+        )
     kernels = cpu_native.load()
     if kernels is None:
         return cpu_native.unavailable_reason()

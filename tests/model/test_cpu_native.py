@@ -146,8 +146,8 @@ def random_paged_case(
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])  # 64, 128: specialised; 80, 256 not
+@pytest.mark.parametrize("gqa", [1, 3, 8])
 @pytest.mark.parametrize("many", [False, True])
 def test_paged_decode_matches_torch_reference(
     kernels: cpu_native.NativeKernels, block_size: int, head_dim: int, gqa: int, many: bool
@@ -241,6 +241,8 @@ def test_backend_selection_names_what_runs_and_refuses_what_cannot() -> None:
         select_attention_backend("native", cuda, torch.bfloat16, 9, 3, 64)
     with pytest.raises(ValueError, match="head_dim"):
         select_attention_backend("native", cpu, torch.float32, 9, 3, 24)
+    with pytest.raises(ValueError, match="head_dim"):
+        select_attention_backend("native", cpu, torch.float32, 9, 3, 512)
     model = nn.Sequential(nn.Linear(16, 16))
     assert select_cpu_kernels(model, "auto", cpu, torch.bfloat16) == "torch"
     assert select_cpu_kernels(model, "torch", cpu, torch.float32) == "torch"

@@ -197,34 +197,53 @@ void packed_linear(const float *x, long M, long K, const float *wp, long N, cons
 /* ------------------------------------------------------------------ paged decode attention
  *
  * One query token per request over its paged context, read in place from the KV cache: no
- * gathered copy of K and V, no padding. Per block of the cache, scores for all query heads
- * come first, then an online softmax (running max and sum) folds the block's values into the
- * accumulators. A query head reads the K/V of its KV head (GQA). D % 16 == 0.
+ * gathered copy of K and V, no padding. Block by block of the cache and head by head, the
+ * scores of LANES keys at a time come first, then an online softmax (running max and sum)
+ * folds the block's values into the head's accumulators. A query head reads the K/V of its KV
+ * head (GQA). D % 16 == 0 and D <= 256; specialised for D = 64 and 128, where the query and the
+ * accumulators stay in registers.
  */
 
-static inline float dot(const float *a, const float *b, long D) {
-    vf s = splat(0.0f);
-    for (long d = 0; d < D; d += LANES) s += load(a + d) * load(b + d);
-    return sum_lanes(s);
+#define MAX_HEAD_VECS (256 / LANES)
+
+/* p[0..LANES) -> one vector whose lane i is the sum of p[i]'s lanes: a tree of half-swaps and
+ * adds, about 3 operations a lane where a sum_lanes of each would take about 8. */
+static inline vf sum_each(const vf *p) {
+#define HALVES(a, b, ...)                                                                          \
+    (__builtin_shufflevector(a, b, __VA_ARGS__))
+#if LANES == 16
+    vf r[8], s[4], t[2];
+    for (int i = 0; i < 8; i++)
+        r[i] = HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               HALVES(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                      30, 31);
+    for (int i = 0; i < 4; i++)
+        s[i] = HALVES(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               HALVES(r[2 * i], r[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                      30, 31);
+    for (int i = 0; i < 2; i++)
+        t[i] = HALVES(s[2 * i], s[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               HALVES(s[2 * i], s[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27,
+                      30, 31);
+    return HALVES(t[0], t[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           HALVES(t[0], t[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vf r[4], s[2];
+    for (int i = 0; i < 4; i++)
+        r[i] = HALVES(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               HALVES(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        s[i] = HALVES(r[2 * i], r[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               HALVES(r[2 * i], r[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return HALVES(s[0], s[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           HALVES(s[0], s[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+#undef HALVES
 }
 
-/* s[0:n] -> exp(s - max) in place; returns their sum. */
-static inline float softmax_weights(float *s, long n, float max) {
-    vf sum = splat(0.0f);
-    long i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        vf p = exp_v(load(s + i) - max);
-        store(s + i, p);
-        sum += p;
-    }
-    float total = sum_lanes(sum);
-    for (; i < n; i++) total += (s[i] = expf(s[i] - max));
-    return total;
-}
-
-static inline float max_of(const float *s, long n) {
-    float m = -INFINITY;
-    for (long i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+static inline float max_lanes(vf v) {
+    float m = v[0];
+    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
     return m;
 }
 
@@ -235,45 +254,94 @@ typedef struct {
     float scale;
 } DecodeTask;
 
-/* Query heads of KV heads [h0, h1) of one request; q and out point at the request's [H, D]. */
-static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, float *out) {
-    const long G = t.G, D = t.D, bs = t.block_size, row = t.KV * t.D;
+/* scores[0:LANES) = scale * (q . k_i) for the n <= LANES keys k_i = keys + i * row, and -inf
+ * past n; q is in registers (nv vectors). Returns the vector of scores. */
+static inline __attribute__((always_inline)) vf key_scores(const vf *q, const float *keys,
+                                                           long row, long n, long nv,
+                                                           float scale) {
+    vf part[LANES];
+    for (long i = 0; i < LANES; i++) {
+        vf acc = splat(0.0f);
+        if (i < n)
+            for (long v = 0; v < nv; v++) acc += q[v] * load(keys + i * row + v * LANES);
+        part[i] = acc;
+    }
+    vf scores = sum_each(part) * splat(scale);
+    if (n < LANES) {
+        vi lane;
+        for (int i = 0; i < LANES; i++) lane[i] = i;
+        scores = select_v(lane < (int)n, scores, splat(-INFINITY));
+    }
+    return scores;
+}
+
+/* Query heads of KV heads [h0, h1) of one request; q and out point at the request's [H, D].
+ * Inlined with a constant D, the loops over D unroll and q and acc live in registers. Each
+ * block goes in three passes over the heads (scores, softmax, values), so the heads' chains of
+ * dependent operations overlap. */
+static inline __attribute__((always_inline)) void decode_heads_impl(const DecodeTask t, long h0,
+                                                                    long h1, const float *q,
+                                                                    float *out, const long D) {
+    const long G = t.G, bs = t.block_size, row = t.KV * D, nv = D / LANES;
     const long first = h0 * G, count = (h1 - h0) * G; /* query heads handled here */
-    /* On the heap: H x block_size floats can outgrow a worker thread's stack. */
-    float *scores = malloc(count * bs * sizeof(float)), run_max[count], run_sum[count];
+    const long padded = (bs + LANES - 1) / LANES * LANES;
+    /* The heads' scores for one block; on the heap, as blocks can be larger than a worker
+     * thread's stack allows. */
+    float *scores = malloc(count * padded * sizeof(float)), run_max[count], run_sum[count];
+    float keep[count];
     for (long j = 0; j < count; j++) {
         run_max[j] = -INFINITY;
         run_sum[j] = 0.0f;
         memset(out + (first + j) * D, 0, D * sizeof(float));
     }
     for (long start = 0; start < t.seq_len; start += bs) {
-        long n = t.seq_len - start < bs ? t.seq_len - start : bs;
+        const long n = t.seq_len - start < bs ? t.seq_len - start : bs;
+        const long vecs = (n + LANES - 1) / LANES;
         const float *keys = t.cache + (long)t.table[start / bs] * 2 * bs * row;
         const float *values = keys + bs * row;
         if (start + bs < t.seq_len) { /* the next block's K and V, while this one computes */
             const float *next = t.cache + (long)t.table[start / bs + 1] * 2 * bs * row;
             for (long off = 0; off < 2 * bs * row; off += 16) __builtin_prefetch(next + off, 0, 3);
         }
-        /* Row by row, every KV head in turn: the block's K rows are read as whole lines. */
-        for (long i = 0; i < n; i++)
-            for (long j = 0; j < count; j++) {
-                long head = first + j;
-                scores[j * bs + i] = dot(q + head * D, keys + i * row + head / G * D, D) * t.scale;
-            }
         for (long j = 0; j < count; j++) {
             long head = first + j;
-            float *s = scores + j * bs, *acc = out + head * D;
-            const float *v = values + head / G * D;
-            float block_max = max_of(s, n);
+            vf qv[MAX_HEAD_VECS];
+            for (long v = 0; v < nv; v++) qv[v] = load(q + head * D + v * LANES);
+            for (long i = 0; i < vecs; i++) {
+                long rest = n - i * LANES;
+                store(scores + j * padded + i * LANES,
+                      key_scores(qv, keys + i * LANES * row + head / G * D, row,
+                                 rest < LANES ? rest : LANES, nv, t.scale));
+            }
+        }
+        for (long j = 0; j < count; j++) {
+            float *s = scores + j * padded;
+            vf m = load(s);
+            for (long i = 1; i < vecs; i++) m = max_v(m, load(s + i * LANES));
+            float block_max = max_lanes(m);
             float new_max = block_max > run_max[j] ? block_max : run_max[j];
             /* Earlier blocks' sums and accumulators, rescaled to the new max. */
-            float keep = run_max[j] == -INFINITY ? 0.0f : expf(run_max[j] - new_max);
-            run_sum[j] = run_sum[j] * keep + softmax_weights(s, n, new_max);
+            keep[j] = run_max[j] == -INFINITY ? 0.0f : expf(run_max[j] - new_max);
+            vf sum = splat(0.0f);
+            for (long i = 0; i < vecs; i++) {
+                vf p = exp_v(load(s + i * LANES) - new_max);
+                store(s + i * LANES, p);
+                sum += p;
+            }
+            run_sum[j] = run_sum[j] * keep[j] + sum_lanes(sum);
             run_max[j] = new_max;
-            for (long d = 0; d < D; d += LANES) store(acc + d, load(acc + d) * keep);
-            for (long i = 0; i < n; i++)
-                for (long d = 0; d < D; d += LANES)
-                    store(acc + d, load(acc + d) + s[i] * load(v + i * row + d));
+        }
+        for (long j = 0; j < count; j++) {
+            long head = first + j;
+            const float *s = scores + j * padded, *value = values + head / G * D;
+            float *acc_out = out + head * D;
+            vf acc[MAX_HEAD_VECS];
+            for (long v = 0; v < nv; v++) acc[v] = load(acc_out + v * LANES) * keep[j];
+            for (long i = 0; i < n; i++) {
+                vf p = splat(s[i]);
+                for (long v = 0; v < nv; v++) acc[v] += p * load(value + i * row + v * LANES);
+            }
+            for (long v = 0; v < nv; v++) store(acc_out + v * LANES, acc[v]);
         }
     }
     for (long j = 0; j < count; j++) {
@@ -281,6 +349,15 @@ static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, f
         for (long d = 0; d < D; d++) out[(first + j) * D + d] *= inv;
     }
     free(scores);
+}
+
+static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, float *out) {
+    if (t.D == 64)
+        decode_heads_impl(t, h0, h1, q, out, 64);
+    else if (t.D == 128)
+        decode_heads_impl(t, h0, h1, q, out, 128);
+    else
+        decode_heads_impl(t, h0, h1, q, out, t.D);
 }
 
 /* q, out [B, H, D]; tables [B, table_width] int32; seq_lens [B] int32; H % KV == 0. A work

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the native decode kernel handles this attention shape."""
-    return dtype == torch.float32 and head_dim % 16 == 0 and num_heads % num_kv_heads == 0
+    return (
+        dtype == torch.float32
+        and head_dim % 16 == 0
+        and head_dim <= 256
+        and num_heads % num_kv_heads == 0
+    )
 
 
 class NativeAttentionBackend(TorchAttentionBackend):
