@@ -299,12 +299,18 @@ static inline __attribute__((always_inline)) void decode_heads_impl(const Decode
         const long vecs = (n + LANES - 1) / LANES;
         const float *keys = t.cache + (long)t.table[start / bs] * 2 * bs * row;
         const float *values = keys + bs * row;
-        if (start + bs < t.seq_len) { /* the next block's K and V, while this one computes */
-            const float *next = t.cache + (long)t.table[start / bs + 1] * 2 * bs * row;
-            for (long off = 0; off < 2 * bs * row; off += 16) __builtin_prefetch(next + off, 0, 3);
-        }
+        /* The next block's K and V are prefetched into L2 while this one computes, a share
+         * per head. All at once and into L1, the prefetches stalled on the line fill buffers
+         * (64 requests x 192 context: 34.5 -> 30.6 ms over 30 layers). */
+        const float *next = start + bs < t.seq_len
+                                ? t.cache + (long)t.table[start / bs + 1] * 2 * bs * row
+                                : 0;
+        const long lines = 2 * bs * row / 16, share = (lines + count - 1) / count;
         for (long j = 0; j < count; j++) {
             long head = first + j;
+            if (next)
+                for (long l = j * share; l < (j + 1) * share && l < lines; l++)
+                    __builtin_prefetch(next + l * 16, 0, 1);
             vf qv[MAX_HEAD_VECS];
             for (long v = 0; v < nv; v++) qv[v] = load(q + head * D + v * LANES);
             for (long i = 0; i < vecs; i++) {
