@@ -141,9 +141,11 @@ def reference_penalties(
 
 
 @FAST
-@given(st.integers(1, 6), st.integers(2, 40), st.integers(0, 2**31))
-def test_greedy_is_argmax(batch: int, vocab: int, seed: int) -> None:
+@given(st.integers(1, 6), st.integers(2, 40), st.integers(0, 2**31), st.booleans())
+def test_greedy_is_argmax(batch: int, vocab: int, seed: int, ties: bool) -> None:
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed))
+    if ties:  # the first of equal maxima wins, as with argmax
+        logits = logits.round()
     chunks = [chunk(f"r{i}", SamplingParams(temperature=0.0)) for i in range(batch)]
     sampler = Sampler(vocab, CPU, seed=0)
     before = logits.clone()
