@@ -13,19 +13,25 @@ logger = logging.getLogger("aioinfer")
 def setup_logging(level: str = "INFO") -> None:
     import sys
 
-    from rich.console import Console
-    from rich.logging import RichHandler
+    handler: logging.Handler
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.logging import RichHandler
 
-    # Piped into a file or a log collector, each message must stay on one greppable line.
-    width = None if sys.stderr.isatty() else 1000
-    handler = RichHandler(
-        console=Console(stderr=True, width=width),
-        show_path=False,
-        rich_tracebacks=True,
-        markup=False,
-        log_time_format="%X",
-    )
-    logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)
+        handler = RichHandler(
+            console=Console(stderr=True),
+            show_path=False,
+            rich_tracebacks=True,
+            markup=False,
+            log_time_format="%X",
+        )
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        # Piped into a file or a log collector: one greppable line per message, the same
+        # fields as on a terminal, and no padding to a console's width.
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s %(message)s", "%X"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     # Library chatter that says nothing an operator needs.
     for name in ("aiohttp.access", "httpx", "urllib3", "filelock"):
         logging.getLogger(name).setLevel(logging.WARNING)

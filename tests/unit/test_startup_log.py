@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from types import SimpleNamespace
 
 from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.scheduler import Scheduler
-from aioinfer.startup_log import log_stats_periodically
+from aioinfer.startup_log import log_stats_periodically, setup_logging
 
 
 async def test_periodic_stats_line_only_while_busy(caplog):
@@ -30,3 +31,18 @@ async def test_periodic_stats_line_only_while_busy(caplog):
     assert "GPU KV cache usage: 50.0%" in line
     assert "Prefix cache hit rate: 25.0%" in line
     assert "Avg generation throughput:" in line
+
+
+def test_log_lines_off_a_terminal_are_plain_and_unpadded(capsys):
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging("INFO")  # capsys's stderr is not a terminal
+        logging.getLogger("aioinfer").info("KV cache size: %d tokens", 1024)
+        logging.getLogger("aiohttp.access").info("GET /health")  # library chatter: dropped
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1
+    assert re.fullmatch(r"\d\d:\d\d:\d\d INFO     KV cache size: 1024 tokens", lines[0])
