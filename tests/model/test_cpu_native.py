@@ -288,8 +288,9 @@ def _our_model_of(hf: nn.Module) -> nn.Module:
 def test_decoder_layers_match_the_torch_modules(
     kernels: cpu_native.NativeKernels, arch: str, overrides: dict, with_prompt: bool
 ) -> None:
-    """A decode-only step runs each qualifying layer as one native call; a step with a prompt
-    in it runs the layer's modules. Both give the hidden states and K/V writes of torch."""
+    """Each qualifying layer runs as one native call, for a decode-only step and for one with
+    prompt tokens (a chunk after a cached prefix, a fresh prompt across blocks): the hidden
+    states and K/V writes are torch's."""
     from aioinfer.gpu.forward_context import forward_context
     from aioinfer.model.layers.attention import AttentionMetadata
     from aioinfer.model.layers.native_cpu import NativeDecoderLayer
@@ -307,7 +308,7 @@ def test_decoder_layers_match_the_torch_modules(
     block_size, num_blocks = 8, 24
     query_lens, before = [1, 1, 1, 1], [0, 7, 8, 30]
     if with_prompt:
-        query_lens, before = [*query_lens, 6], [*before, 3]
+        query_lens, before = [*query_lens, 6, 13], [*before, 3, 0]
     blocks = list(range(1, num_blocks))
     random.Random(2).shuffle(blocks)
     tables = []
@@ -343,7 +344,7 @@ def test_decoder_layers_match_the_torch_modules(
         x = torch.randn(metadata.num_tokens, cfg.hidden_size)
         wrong = torch.zeros(num_blocks, 2, block_size, cfg.num_kv_heads + 1, cfg.head_dim)
         with pytest.raises(ValueError, match="kv_cache must have shape"):
-            kernels.decoder_layer_decode(
+            kernels.decoder_layer(
                 layer.weights, x, x[:, :16], x[:, :16], wrong, metadata.slot_mapping,
                 metadata.block_tables, metadata.seq_lens,
             )  # fmt: skip

@@ -8,7 +8,7 @@
  * own ops share one thread team per calling thread.
  *
  * Kernels: packed_linear, paged_decode_attention, rms_norm, silu_mul, rotary, and
- * decoder_layer_decode, which runs them as one decoder layer; each documented above its code.
+ * decoder_layer, which runs them as one decoder layer; each documented above its code.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -435,10 +435,10 @@ void rotary(const float *x, long tokens, long heads, long dim, const float *cos,
     }
 }
 
-/* ------------------------------------------------------------------ decoder layer, decode step
+/* ------------------------------------------------------------------ decoder layer
  *
- * One Llama decoder layer over B decode tokens (token b is request b's only query token), in
- * the order of model/llama.py's modules, x [B, hidden] updated in place:
+ * One Llama decoder layer over the T tokens of a step, in the order of model/llama.py's
+ * modules, x [T, hidden] updated in place:
  *   h = rms_norm(x); q, k, v = h Wq, h Wk, h Wv (+ biases); per-head rms_norm of q and k
  *   (Qwen3); rotary(q, k); k, v into their cache slots; x += attention(q) Wo (+ bias);
  *   h = rms_norm(x); x += (silu(h Wgate) * h Wup) Wdown (+ biases).
@@ -455,17 +455,24 @@ typedef struct {
     const float *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias; /* or NULL */
 } DecoderLayer;
 
-/* cache [num_blocks, 2, block_size, kv_heads, head_dim]; slots [B] int64 (block * block_size +
- * offset of each new token); tables [B, table_width] and seq_lens [B] int32 as in
- * paged_decode_attention; cos/sin [B, head_dim / 2]. Every width a multiple of 16, head_dim
- * of 32. */
-void decoder_layer_decode(const DecoderLayer *l, float *x, long B, const float *cos,
-                          const float *sin, float *cache, const long *slots, const int *tables,
-                          long table_width, const int *seq_lens, long block_size,
-                          int num_threads) {
+/* Every token attends as a one-query request of paged_decode_attention: tables [B, width] and
+ * seq_lens [B] (int32) give token b's blocks and its context up to and including itself, so a
+ * prompt's tokens are causal; all K/V of the step are stored before any token attends.
+ * cache [num_blocks, 2, block_size, kv_heads, head_dim]; slots [B] int64 (block * block_size +
+ * offset of each token); cos/sin [B, head_dim / 2]; work: decoder_layer_work_floats(l, B)
+ * floats of scratch, reused across calls (a fresh allocation of that size page-faults every
+ * call). Every width a multiple of 16, head_dim of 32. */
+long decoder_layer_work_floats(const DecoderLayer *l, long B) {
+    const long qn = l->heads * l->head_dim, kvn = l->kv_heads * l->head_dim;
+    return B * (l->hidden + 2 * qn + 2 * kvn + 2 * l->intermediate);
+}
+
+void decoder_layer(const DecoderLayer *l, float *x, long B, const float *cos, const float *sin,
+                   float *cache, const long *slots, const int *tables, long table_width,
+                   const int *seq_lens, long block_size, float *work, int num_threads) {
     const long H = l->hidden, D = l->head_dim, I = l->intermediate;
     const long qn = l->heads * D, kvn = l->kv_heads * D;
-    float *h = malloc(B * (H + 2 * qn + 2 * kvn + 2 * I) * sizeof(float));
+    float *h = work;
     float *q = h + B * H, *k = q + B * qn, *v = k + B * kvn, *attn = v + B * kvn;
     float *gate = attn + B * qn, *up = gate + B * I;
 
@@ -500,5 +507,4 @@ void decoder_layer_decode(const DecoderLayer *l, float *x, long B, const float *
     }
     silu_mul(gate, up, B * I, gate, num_threads);
     packed_linear(gate, B, I, l->down, H, l->down_bias, x, 1, num_threads);
-    free(h);
 }

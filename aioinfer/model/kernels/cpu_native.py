@@ -64,13 +64,18 @@ class NativeKernels:
         self._silu_mul = lib.silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [_c_float_p, _c_float_p, ctypes.c_long, _c_float_p, ctypes.c_int]
-        self._decoder_layer = lib.decoder_layer_decode
+        self._decoder_layer = lib.decoder_layer
         self._decoder_layer.restype = None
         self._decoder_layer.argtypes = [
             ctypes.POINTER(DecoderLayerWeights), _c_float_p, ctypes.c_long, _c_float_p,
             _c_float_p, _c_float_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-            ctypes.c_void_p, ctypes.c_long, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_long, _c_float_p, ctypes.c_int,
         ]  # fmt: skip
+        self._decoder_layer_work = lib.decoder_layer_work_floats
+        self._decoder_layer_work.restype = ctypes.c_long
+        self._decoder_layer_work.argtypes = [ctypes.POINTER(DecoderLayerWeights), ctypes.c_long]
+        # Scratch of decoder_layer, grown to the largest step and reused (one engine thread).
+        self._work = torch.empty(0)
         self._rotary = lib.rotary
         self._rotary.restype = None
         self._rotary.argtypes = [
@@ -169,7 +174,7 @@ class NativeKernels:
         )  # fmt: skip
         return out
 
-    def decoder_layer_decode(
+    def decoder_layer(
         self,
         layer: DecoderLayerWeights,
         x: torch.Tensor,
@@ -180,10 +185,11 @@ class NativeKernels:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """One decoder layer over a step of decode tokens (token b is request b's one query):
-        x [B, hidden] -> [B, hidden]; writes the tokens' K/V at slot_mapping [B] (int64) of
-        kv_cache [N, 2, block_size, KV, D], then attends through block_tables [B, W] over
-        seq_lens [B] (int32) tokens; cos/sin [B, D / 2] as `rotary` takes them."""
+        """One decoder layer over the B tokens of a step: x [B, hidden] -> [B, hidden]; writes
+        the tokens' K/V at slot_mapping [B] (int64) of kv_cache [N, 2, block_size, KV, D], then
+        token b attends through block_tables[b] [W] over seq_lens[b] (int32) cached tokens, its
+        own included; cos/sin [B, D / 2] as `rotary` takes them. Not thread-safe: the scratch
+        buffer is shared."""
         out = x.clone(memory_format=torch.contiguous_format)  # updated in place by the kernel
         cos, sin = cos.contiguous(), sin.contiguous()
         _check(out, cos, sin, kv_cache)
@@ -202,10 +208,13 @@ class NativeKernels:
         for name, (got, want) in expected.items():
             if tuple(got) != want:  # the kernel would read past them
                 raise ValueError(f"{name} must have shape {want}, got {tuple(got)}")
+        work = self._decoder_layer_work(ctypes.byref(layer), b)
+        if self._work.numel() < work:
+            self._work = torch.empty(work)
         self._decoder_layer(
             ctypes.byref(layer), out.data_ptr(), out.shape[0], cos.data_ptr(), sin.data_ptr(),
             kv_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[2],
+            block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[2], self._work.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -219,7 +228,7 @@ _LAYER_TENSORS = (
 
 
 class DecoderLayerWeights(ctypes.Structure):
-    """The weights of one decoder layer as `decoder_layer_decode` reads them: norms [hidden]
+    """The weights of one decoder layer as `decoder_layer` reads them: norms [hidden]
     (q_norm and k_norm [head_dim], or both None), linear weights packed by `pack_weight`,
     biases [out_features] or None. Holds raw pointers, and the tensors to keep them alive: the
     tensors must keep their storage (load into them in place, never replace them)."""

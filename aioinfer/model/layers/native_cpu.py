@@ -105,10 +105,11 @@ class NativeApplyRotary(ApplyRotary):
 
 
 class NativeDecoderLayer(LlamaDecoderLayer):
-    """A decoder layer whose decode-only steps run as one native call (`decoder_layer_decode`:
-    the Python and dispatch between a layer's dozen ops cost as much as its attention at decode
-    sizes); steps with prompt tokens run its modules one by one. Holds the layer's own modules,
-    so parameter names and state dicts are unchanged."""
+    """A decoder layer that runs as one native call (`decoder_layer`) for every step: the
+    Python and dispatch between a layer's dozen ops cost as much as its attention at decode
+    sizes, and a prompt's tokens attend as one-query requests of the decode kernel. Holds the
+    layer's own modules (the fallback for other attention backends), so parameter names and
+    state dicts are unchanged."""
 
     def __init__(
         self, layer: LlamaDecoderLayer, weights: DecoderLayerWeights, kernels: NativeKernels
@@ -123,18 +124,19 @@ class NativeDecoderLayer(LlamaDecoderLayer):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
-        metadata = ctx.attn_metadata
-        if not (metadata.decode_only and isinstance(ctx.attn_backend, NativeAttentionBackend)):
+        backend = ctx.attn_backend
+        if not isinstance(backend, NativeAttentionBackend):
             return super().forward(x, cos, sin)
-        return self.kernels.decoder_layer_decode(
+        tables, seq_lens = backend.token_view(ctx.attn_metadata)
+        return self.kernels.decoder_layer(
             self.weights,
             x,
             cos,
             sin,
             ctx.kv_caches[self.self_attn.attn.layer_idx],
-            metadata.slot_mapping,
-            metadata.block_tables,
-            metadata.seq_lens,
+            ctx.attn_metadata.slot_mapping,
+            tables,
+            seq_lens,
         )
 
 
