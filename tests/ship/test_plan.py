@@ -182,10 +182,12 @@ def test_default_token_budget_follows_the_runner(monkeypatch, total_gib, offline
 
 def measured_activation_peak(folder: Path, dtype: str, num_tokens: int, num_seqs: int) -> int:
     """Bytes the profiling pass of `gpu/memory.py` allocates at its peak, beyond the weights and
-    the KV cache, measured on the CPU with torch's memory profiler."""
+    the KV cache, measured on the CPU with torch's memory profiler. The model runs torch's ops,
+    as on a GPU: the CPU's native decoder layers work in a scratch buffer of their own."""
     model_config = ModelConfig(
-        model=str(folder), load_format="dummy", dtype=dtype, device="cpu", max_model_len=num_tokens
-    )
+        model=str(folder), load_format="dummy", dtype=dtype, device="cpu", max_model_len=num_tokens,
+        cpu_kernels="torch", attention_backend="torch",
+    )  # fmt: skip
     runner = ModelRunner(
         ModelRunner.resolve(model_config),
         model_config,
