@@ -383,3 +383,46 @@ def test_decoder_layer_weights_refuse_what_the_kernel_would_misread() -> None:
         cpu_native.DecoderLayerWeights.build(
             **{**sizes, "head_dim": 16, "heads": 4, "kv_heads": 2}, scale=0.1, tensors=tensors
         )
+
+
+def test_decoder_layer_calls_from_two_threads_do_not_share_scratch(
+    kernels: cpu_native.NativeKernels,
+) -> None:
+    """Every engine of a process shares the kernels, each from its own thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hidden, heads, kv_heads, head_dim, inter, block_size = 64, 2, 1, 32, 128, 8
+    gen = torch.Generator().manual_seed(3)
+
+    def packed(n: int, k: int) -> torch.Tensor:
+        return cpu_native.pack_weight(torch.randn(n, k, generator=gen) * 0.1)
+
+    tensors: dict[str, torch.Tensor | None] = {
+        "input_norm": torch.ones(hidden), "post_norm": torch.ones(hidden),
+        "q_norm": None, "k_norm": None,
+        "q": packed(heads * head_dim, hidden), "k": packed(kv_heads * head_dim, hidden),
+        "v": packed(kv_heads * head_dim, hidden), "o": packed(hidden, heads * head_dim),
+        "gate": packed(inter, hidden), "up": packed(inter, hidden), "down": packed(hidden, inter),
+        **{f"{n}_bias": None for n in ("q", "k", "v", "o", "gate", "up", "down")},
+    }  # fmt: skip
+    layer = cpu_native.DecoderLayerWeights.build(
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=1e-6, scale=0.1, tensors=tensors
+    )
+
+    def step(tokens: int, seed: int) -> torch.Tensor:
+        """A fresh prompt of `tokens` tokens in blocks 1.. of its own cache."""
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, hidden, generator=g)
+        cos, sin = torch.rand(2, tokens, head_dim // 2, generator=g)
+        cache = torch.zeros(tokens // block_size + 2, 2, block_size, kv_heads, head_dim)
+        slots = torch.arange(block_size, block_size + tokens)
+        tables = torch.arange(1, tokens // block_size + 2, dtype=torch.int32).expand(tokens, -1)
+        lens = torch.arange(1, tokens + 1, dtype=torch.int32)
+        return kernels.decoder_layer(layer, x, cos, sin, cache, slots, tables.contiguous(), lens)
+
+    cases = [(300, 1), (40, 2)] * 8  # different sizes: the scratch is grown and reused
+    expected = [step(*case) for case in cases]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda case: step(*case), cases))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)

@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -74,8 +75,9 @@ class NativeKernels:
         self._decoder_layer_work = lib.decoder_layer_work_floats
         self._decoder_layer_work.restype = ctypes.c_long
         self._decoder_layer_work.argtypes = [ctypes.POINTER(DecoderLayerWeights), ctypes.c_long]
-        # Scratch of decoder_layer, grown to the largest step and reused (one engine thread).
-        self._work = torch.empty(0)
+        # Scratch of decoder_layer, grown to the largest step and reused; one per thread, as
+        # the kernels are shared by every engine of the process, each with its own thread.
+        self._scratch = threading.local()
         self._rotary = lib.rotary
         self._rotary.restype = None
         self._rotary.argtypes = [
@@ -188,8 +190,7 @@ class NativeKernels:
         """One decoder layer over the B tokens of a step: x [B, hidden] -> [B, hidden]; writes
         the tokens' K/V at slot_mapping [B] (int64) of kv_cache [N, 2, block_size, KV, D], then
         token b attends through block_tables[b] [W] over seq_lens[b] (int32) cached tokens, its
-        own included; cos/sin [B, D / 2] as `rotary` takes them. Not thread-safe: the scratch
-        buffer is shared."""
+        own included; cos/sin [B, D / 2] as `rotary` takes them."""
         out = x.clone(memory_format=torch.contiguous_format)  # updated in place by the kernel
         cos, sin = cos.contiguous(), sin.contiguous()
         _check(out, cos, sin, kv_cache)
@@ -208,13 +209,14 @@ class NativeKernels:
         for name, (got, want) in expected.items():
             if tuple(got) != want:  # the kernel would read past them
                 raise ValueError(f"{name} must have shape {want}, got {tuple(got)}")
-        work = self._decoder_layer_work(ctypes.byref(layer), b)
-        if self._work.numel() < work:
-            self._work = torch.empty(work)
+        floats = self._decoder_layer_work(ctypes.byref(layer), b)
+        work = getattr(self._scratch, "work", None)
+        if work is None or work.numel() < floats:
+            work = self._scratch.work = torch.empty(floats)
         self._decoder_layer(
             ctypes.byref(layer), out.data_ptr(), out.shape[0], cos.data_ptr(), sin.data_ptr(),
             kv_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[2], self._work.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[2], work.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         return out
