@@ -350,26 +350,38 @@ def test_decoder_layers_match_the_torch_modules(
             )  # fmt: skip
 
 
+# A small decoder layer for the kernel's own checks: hidden 64, 2 query heads over 1 KV head of
+# 32, MLP 128, no biases or query/key norms.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 2, 1, 32, 128
+
+
+def random_packed(n: int, k: int, gen: torch.Generator | None = None) -> torch.Tensor:
+    return cpu_native.pack_weight(torch.randn(n, k, generator=gen) * 0.1)
+
+
+def small_layer_tensors(gen: torch.Generator | None = None) -> dict[str, torch.Tensor | None]:
+    q, kv, hidden, inter = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, HIDDEN, INTER
+    shapes = {"q": (q, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, q),
+              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}  # fmt: skip
+    return {
+        "input_norm": torch.ones(hidden),
+        "post_norm": torch.ones(hidden),
+        "q_norm": None,
+        "k_norm": None,
+        **{name: random_packed(n, k, gen) for name, (n, k) in shapes.items()},
+        **{f"{name}_bias": None for name in shapes},
+    }
+
+
 def test_decoder_layer_weights_refuse_what_the_kernel_would_misread() -> None:
-    hidden, heads, kv_heads, head_dim, inter = 64, 2, 1, 32, 128
-
-    def packed(n: int, k: int) -> torch.Tensor:
-        return cpu_native.pack_weight(torch.randn(n, k))
-
-    tensors: dict[str, torch.Tensor | None] = {
-        "input_norm": torch.ones(hidden), "post_norm": torch.ones(hidden),
-        "q_norm": None, "k_norm": None,
-        "q": packed(heads * head_dim, hidden), "k": packed(kv_heads * head_dim, hidden),
-        "v": packed(kv_heads * head_dim, hidden), "o": packed(hidden, heads * head_dim),
-        "gate": packed(inter, hidden), "up": packed(inter, hidden), "down": packed(hidden, inter),
-        **{f"{n}_bias": None for n in ("q", "k", "v", "o", "gate", "up", "down")},
-    }  # fmt: skip
+    hidden, heads, kv_heads, head_dim, inter = HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER
+    tensors = small_layer_tensors()
     sizes = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "eps": 1e-6}
     layer = cpu_native.DecoderLayerWeights.build(**sizes, scale=0.1, tensors=tensors)
     assert (layer.hidden, layer.intermediate) == (hidden, inter)
     with pytest.raises(ValueError, match="down must have shape"):
         cpu_native.DecoderLayerWeights.build(
-            **sizes, scale=0.1, tensors={**tensors, "down": packed(hidden, inter + 16)}
+            **sizes, scale=0.1, tensors={**tensors, "down": random_packed(hidden, inter + 16)}
         )
     with pytest.raises(ValueError, match="q_norm and k_norm"):
         cpu_native.DecoderLayerWeights.build(
@@ -391,23 +403,11 @@ def test_decoder_layer_calls_from_two_threads_do_not_share_scratch(
     """Every engine of a process shares the kernels, each from its own thread."""
     from concurrent.futures import ThreadPoolExecutor
 
-    hidden, heads, kv_heads, head_dim, inter, block_size = 64, 2, 1, 32, 128, 8
-    gen = torch.Generator().manual_seed(3)
-
-    def packed(n: int, k: int) -> torch.Tensor:
-        return cpu_native.pack_weight(torch.randn(n, k, generator=gen) * 0.1)
-
-    tensors: dict[str, torch.Tensor | None] = {
-        "input_norm": torch.ones(hidden), "post_norm": torch.ones(hidden),
-        "q_norm": None, "k_norm": None,
-        "q": packed(heads * head_dim, hidden), "k": packed(kv_heads * head_dim, hidden),
-        "v": packed(kv_heads * head_dim, hidden), "o": packed(hidden, heads * head_dim),
-        "gate": packed(inter, hidden), "up": packed(inter, hidden), "down": packed(hidden, inter),
-        **{f"{n}_bias": None for n in ("q", "k", "v", "o", "gate", "up", "down")},
-    }  # fmt: skip
+    hidden, kv_heads, head_dim, block_size = HIDDEN, KV_HEADS, HEAD_DIM, 8
     layer = cpu_native.DecoderLayerWeights.build(
-        heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=1e-6, scale=0.1, tensors=tensors
-    )
+        heads=HEADS, kv_heads=kv_heads, head_dim=head_dim, eps=1e-6, scale=0.1,
+        tensors=small_layer_tensors(torch.Generator().manual_seed(3)),
+    )  # fmt: skip
 
     def step(tokens: int, seed: int) -> torch.Tensor:
         """A fresh prompt of `tokens` tokens in blocks 1.. of its own cache."""

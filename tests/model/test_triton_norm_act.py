@@ -1,18 +1,14 @@
 """The triton RMSNorm and SiLU-and-mul kernels against the torch modules they replace.
 
-Without CUDA they run under TRITON_INTERPRET=1 in float32 (the interpreter does no bfloat16
-arithmetic); with CUDA the same checks run natively, in bfloat16 too.
+Without CUDA they run under TRITON_INTERPRET=1 (set by conftest.py) in float32: the interpreter
+does no bfloat16 arithmetic. With CUDA the same checks run natively, in bfloat16 too.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed")
 
 from aioinfer.model.kernels import norm_act
