@@ -111,10 +111,10 @@ def run_transformers(
                 do_sample=False,
                 pad_token_id=pad,
             )
-        assert out.shape[1] - width == max_new
         # Requested tokens only, as vLLM counts its hf backend: a batch's padding to its
         # longest output is the peer's waste, not its throughput.
-        generated += sum(n for _, n in batch)
+        produced = out.shape[1] - width
+        generated += sum(min(n, produced) for _, n in batch)
         input_tokens += sum(len(p) for p, _ in batch)
     seconds = time.perf_counter() - start
     return ThroughputResult("transformers", len(workload), input_tokens, generated, seconds)
