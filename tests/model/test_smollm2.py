@@ -58,3 +58,28 @@ def test_chat_answers_sensibly(llm):
     )[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # ended by <|im_end|>, not by the length limit
+
+
+def test_long_prompts_in_chunks_and_from_the_prefix_cache_equal_transformers(hf_same_weights):
+    """Prompts of hundreds of tokens prefilled in 96-token chunks beside other requests' decodes,
+    then one that shares a cached prefix: on the CPU each chunk's tokens attend through the
+    native decode kernel over the cache, and the tokens must stay transformers'."""
+    import random
+
+    rng = random.Random(4)
+    shared = [rng.randrange(100, 40000) for _ in range(320)]
+    prompts = [
+        [rng.randrange(100, 40000) for _ in range(450)],
+        shared + [rng.randrange(100, 40000) for _ in range(40)],
+        [rng.randrange(100, 40000) for _ in range(17)],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(dtype="float32", kv_cache_memory=0.25, max_model_len=1024,
+             max_num_batched_tokens=96) as llm:  # fmt: skip
+        assert llm.engine.info.cpu_kernels == "native" or torch.cuda.is_available()
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        late = shared + [rng.randrange(100, 40000) for _ in range(25)]
+        hit = llm.generate([late], params, use_tqdm=False)[0]
+    assert hit.num_cached_tokens >= 256  # whole blocks of the shared prefix
+    for prompt, tokens in zip([*prompts, late], [*got, hit.outputs[0].token_ids], strict=True):
+        assert tokens == hf_greedy(hf_same_weights, prompt, 4)
