@@ -6,7 +6,8 @@
 #      input and output lengths uniform in [100, 1024], beside transformers' generate.
 # Usage: scripts/gpu_check.sh [RESULTS_DIR]   (or RESULTS_DIR=...; default gpu-results/DATE)
 # It runs from this checkout (no install of aioinfer itself). Python packages the machine lacks
-# are installed from pip, or, on a machine without a network, from wheels in WHEELS_DIR.
+# are installed from pip, or, on a machine without a network, from wheels in WHEELS_DIR
+# (scripts/gpu_wheels.sh downloads them beforehand).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-${RESULTS_DIR:-gpu-results/$(date +%Y%m%d-%H%M%S)}}
