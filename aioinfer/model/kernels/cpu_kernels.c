@@ -277,8 +277,7 @@ static inline __attribute__((always_inline)) vf key_scores(const vf *q, const fl
 
 /* Query heads of KV heads [h0, h1) of one request; q and out point at the request's [H, D].
  * Inlined with a constant D, the loops over D unroll and q and acc live in registers. Each
- * block goes in three passes over the heads (scores, softmax, values), so the heads' chains of
- * dependent operations overlap. */
+ * block goes in three passes over the heads: scores, softmax, values. */
 static inline __attribute__((always_inline)) void decode_heads_impl(const DecodeTask t, long h0,
                                                                     long h1, const float *q,
                                                                     float *out, const long D) {

@@ -82,7 +82,7 @@ class AttentionMetadata:
         tables = _pad_block_tables(block_tables)
 
         # Token t of request r sits at position ctx_lens[r] + (t - qsl[r]).
-        req_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        req_of_token = request_of_token(q_lens)
         positions = torch.arange(int(qsl[-1])) - qsl[req_of_token] + ctx_lens[req_of_token]
         blocks = tables[req_of_token, positions // block_size].to(torch.int64)
         slot_mapping = blocks * block_size + positions % block_size
@@ -103,6 +103,11 @@ class AttentionMetadata:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens_host),
         )
+
+
+def request_of_token(query_lens: torch.Tensor) -> torch.Tensor:
+    """[T] int64: the request each token of the flat batch belongs to, from query_lens [B]."""
+    return torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
 
 
 def _check_build_args(

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from aioinfer.model.kernels.cpu_native import NativeKernels
+from aioinfer.model.layers.attention import request_of_token
 from aioinfer.model.layers.torch_attention import TorchAttentionBackend
 
 if TYPE_CHECKING:
@@ -48,10 +49,8 @@ class NativeAttentionBackend(TorchAttentionBackend):
         cached = self._token_view
         if cached is not None and cached[0] is metadata:  # holds metadata: `is` is safe
             return cached[1], cached[2]
-        qsl = metadata.query_start_loc_host
-        query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(metadata.num_reqs)])
-        request_of_token = torch.repeat_interleave(torch.arange(metadata.num_reqs), query_lens)
-        tables = metadata.block_tables.index_select(0, request_of_token)
+        query_lens = torch.tensor(metadata.query_start_loc_host).diff()
+        tables = metadata.block_tables.index_select(0, request_of_token(query_lens))
         seq_lens = (metadata.positions + 1).to(torch.int32)
         self._token_view = (metadata, tables, seq_lens)
         return tables, seq_lens

@@ -6,7 +6,7 @@
 - `RMSNorm`, `SiluAndMul` and `ApplyRotary` by one native call each instead of several torch
   ops, where their sizes fit the kernels;
 - then every decoder layer whose parts all became native by a `NativeDecoderLayer`, which runs
-  a decode step as one native call and anything else through those parts.
+  the whole layer as one native call for every step.
 Each replacement takes and returns what the module it replaces does, so the model code is the
 same on every device.
 """
