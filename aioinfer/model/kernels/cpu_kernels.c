@@ -102,37 +102,54 @@ static inline vf exp_v(vf in) {
 
 typedef struct {
     const float *x;    /* rows of this tile, row stride K */
-    const float *w;    /* the tile's first strip, [K][16] */
+    const float *w;    /* the tile's first column in its packed strip ([K][16] per strip) */
+    const float *up;   /* gated tile: the up projection's same column, or NULL */
     const float *bias; /* bias of the tile's first column, or NULL */
+    const float *up_bias;
     float *y;          /* output of the tile, row stride N */
     long K, N;
     int accumulate;    /* add to y (a residual) instead of overwriting it */
 } Tile;
 
-/* Where vector j of the tile's columns sits in row k of the packed weight. */
-static inline const float *weight_at(const Tile *t, long j, long k) {
+/* The packed weight of column `col`, row 0 ([N / 16][K][16] strips). */
+static inline const float *strip_column(const float *wp, long K, long col) {
+    return wp + (col / STRIP) * K * STRIP + col % STRIP;
+}
+
+/* Where vector j of the tile's columns sits in row k of the packed weight; in a gated tile,
+ * vector 0 is the gate's LANES columns and vector 1 the up projection's same columns. */
+static inline const float *weight_at(const Tile *t, long j, long k, const int gated) {
+    if (gated) return (j ? t->up : t->w) + k * STRIP;
     long col = j * LANES;
     return t->w + (col / STRIP) * t->K * STRIP + k * STRIP + col % STRIP;
 }
 
-/* rows x (vecs * LANES) outputs; rows and vecs are constants after inlining. */
+static inline vf silu_times(vf gate, vf up) { return gate / (1.0f + exp_v(-gate)) * up; }
+
+/* rows x (vecs * LANES) outputs, or, gated, rows x LANES outputs silu(gate) * up; rows, vecs
+ * and gated are constants after inlining. */
 static inline __attribute__((always_inline)) void micro_tile(const Tile t, const long rows,
-                                                             const long vecs) {
+                                                             const long vecs, const int gated) {
     vf acc[ROWS][2];
     for (long j = 0; j < vecs; j++) {
-        vf init = t.bias ? load(t.bias + j * LANES) : splat(0.0f);
+        const float *bias = gated && j ? t.up_bias : t.bias;
+        vf init = bias ? load(bias + (gated ? 0 : j * LANES)) : splat(0.0f);
         for (long i = 0; i < rows; i++) acc[i][j] = init;
     }
     for (long k = 0; k < t.K; k++) {
         vf b[2];
         for (long j = 0; j < vecs; j++) {
-            __builtin_prefetch(weight_at(&t, j, k + PREFETCH_ROWS), 0, 3);
-            b[j] = load(weight_at(&t, j, k));
+            __builtin_prefetch(weight_at(&t, j, k + PREFETCH_ROWS, gated), 0, 3);
+            b[j] = load(weight_at(&t, j, k, gated));
         }
         for (long i = 0; i < rows; i++) {
             vf xv = splat(t.x[i * t.K + k]);
             for (long j = 0; j < vecs; j++) acc[i][j] += xv * b[j];
         }
+    }
+    if (gated) { /* the same sums and expression as a separate silu_mul: identical results */
+        for (long i = 0; i < rows; i++) store(t.y + i * t.N, silu_times(acc[i][0], acc[i][1]));
+        return;
     }
     /* The residual is added last: summed into from the start, it would round every product
      * to its (larger) magnitude. */
@@ -143,12 +160,13 @@ static inline __attribute__((always_inline)) void micro_tile(const Tile t, const
         }
 }
 
-/* One switch so that every (rows, vecs) pair gets its own fully unrolled body. */
+/* One switch so that every (rows, vecs, gated) case gets its own fully unrolled body. */
 static void run_tile(const Tile t, long rows, long vecs) {
-#define CASE(R)                                 \
-    case R:                                     \
-        if (vecs == 2) micro_tile(t, R, 2);     \
-        else micro_tile(t, R, 1);               \
+#define CASE(R)                                    \
+    case R:                                        \
+        if (t.up) micro_tile(t, R, 2, 1);          \
+        else if (vecs == 2) micro_tile(t, R, 2, 0); \
+        else micro_tile(t, R, 1, 0);               \
         break;
     switch (rows) {
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
@@ -166,21 +184,26 @@ static void run_tile(const Tile t, long rows, long vecs) {
 
 /* The tiles of one linear, shared out among the threads of the enclosing parallel region
  * without a barrier at the end, so several linears of one input run back to back.
- * x [M, K] and y [M, N] row-major and contiguous; wp [N / 16][K][16]; N % 16 == 0. */
+ * x [M, K] and y [M, N] row-major and contiguous; wp [N / 16][K][16]; N % 16 == 0. With `up`
+ * (packed as wp, with its bias up_bias), y [M, N] = silu(x Wp^T + bias) * (x Wup^T + up_bias):
+ * the MLP's gate and up projections and their activation, without writing either. */
 static void linear_tiles(const float *x, long M, long K, const float *wp, long N,
-                         const float *bias, float *y, int accumulate) {
-    long num_tiles = (N + TILE_COLS - 1) / TILE_COLS; /* the last may be half wide */
+                         const float *bias, const float *up, const float *up_bias, float *y,
+                         int accumulate) {
+    const long tile_cols = up ? LANES : TILE_COLS;
+    long num_tiles = (N + tile_cols - 1) / tile_cols; /* the last may be half wide */
     long block = ROW_BLOCK_FLOATS / K / ROWS * ROWS;
     if (block < ROWS) block = ROWS;
     for (long m0 = 0; m0 < M; m0 += block) {
         long m1 = m0 + block < M ? m0 + block : M;
 #pragma omp for schedule(static) nowait
         for (long p = 0; p < num_tiles; p++) {
-            long col = p * TILE_COLS;
+            long col = p * tile_cols;
             long vecs = N - col >= TILE_COLS ? 2 : 1;
             for (long m = m0; m < m1; m += ROWS) {
-                Tile t = {x + m * K, wp + col * K, bias ? bias + col : 0, y + m * N + col, K,
-                          N, accumulate};
+                Tile t = {x + m * K, strip_column(wp, K, col),
+                          up ? strip_column(up, K, col) : 0, bias ? bias + col : 0,
+                          up_bias ? up_bias + col : 0, y + m * N + col, K, N, accumulate};
                 run_tile(t, m1 - m < ROWS ? m1 - m : ROWS, vecs);
             }
         }
@@ -191,7 +214,7 @@ static void linear_tiles(const float *x, long M, long K, const float *wp, long N
 void packed_linear(const float *x, long M, long K, const float *wp, long N, const float *bias,
                    float *y, int accumulate, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    linear_tiles(x, M, K, wp, N, bias, y, accumulate);
+    linear_tiles(x, M, K, wp, N, bias, 0, 0, y, accumulate);
 }
 
 /* ------------------------------------------------------------------ paged decode attention
@@ -408,8 +431,7 @@ void silu_mul(const float *gate, const float *up, long n, float *out, int num_th
     long full = n / LANES * LANES;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (n > 65536)
     for (long i = 0; i < full; i += LANES) {
-        vf g = load(gate + i);
-        store(out + i, g / (1.0f + exp_v(-g)) * load(up + i));
+        store(out + i, silu_times(load(gate + i), load(up + i)));
     }
     for (long i = full; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
@@ -442,8 +464,10 @@ void rotary(const float *x, long tokens, long heads, long dim, const float *cos,
  *   (Qwen3); rotary(q, k); k, v into their cache slots; x += attention(q) Wo (+ bias);
  *   h = rms_norm(x); x += (silu(h Wgate) * h Wup) Wdown (+ biases).
  * One call instead of a dozen ops: at decode sizes the Python and dispatch between them cost
- * about as much as the attention itself. The three projections of h (and the two of the MLP)
- * share one parallel region, so no thread waits between them.
+ * about as much as the attention itself. The three projections of h share one parallel
+ * region, so no thread waits between them; the MLP's gate and up projections are one gated
+ * pass whose tiles apply silu(gate) * up to their sums (a separate pass over both outputs was
+ * 3 % of a prefill step).
  */
 typedef struct {
     long hidden, heads, kv_heads, head_dim, intermediate;
@@ -463,7 +487,7 @@ typedef struct {
  * call). Every width a multiple of 16, head_dim of 32. */
 long decoder_layer_work_floats(const DecoderLayer *l, long B) {
     const long qn = l->heads * l->head_dim, kvn = l->kv_heads * l->head_dim;
-    return B * (l->hidden + 2 * qn + 2 * kvn + 2 * l->intermediate);
+    return B * (l->hidden + 2 * qn + 2 * kvn + l->intermediate);
 }
 
 void decoder_layer(const DecoderLayer *l, float *x, long B, const float *cos, const float *sin,
@@ -473,14 +497,14 @@ void decoder_layer(const DecoderLayer *l, float *x, long B, const float *cos, co
     const long qn = l->heads * D, kvn = l->kv_heads * D;
     float *h = work;
     float *q = h + B * H, *k = q + B * qn, *v = k + B * kvn, *attn = v + B * kvn;
-    float *gate = attn + B * qn, *up = gate + B * I;
+    float *act = attn + B * qn; /* silu(gate) * up */
 
     rms_norm(x, B, H, l->input_norm, l->eps, h, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
-        linear_tiles(h, B, H, l->q, qn, l->q_bias, q, 0);
-        linear_tiles(h, B, H, l->k, kvn, l->k_bias, k, 0);
-        linear_tiles(h, B, H, l->v, kvn, l->v_bias, v, 0);
+        linear_tiles(h, B, H, l->q, qn, l->q_bias, 0, 0, q, 0);
+        linear_tiles(h, B, H, l->k, kvn, l->k_bias, 0, 0, k, 0);
+        linear_tiles(h, B, H, l->v, kvn, l->v_bias, 0, 0, v, 0);
     }
     if (l->q_norm) {
         rms_norm(q, B * l->heads, D, l->q_norm, l->eps, q, num_threads);
@@ -500,10 +524,6 @@ void decoder_layer(const DecoderLayer *l, float *x, long B, const float *cos, co
 
     rms_norm(x, B, H, l->post_norm, l->eps, h, num_threads);
 #pragma omp parallel num_threads(num_threads)
-    {
-        linear_tiles(h, B, H, l->gate, I, l->gate_bias, gate, 0);
-        linear_tiles(h, B, H, l->up, I, l->up_bias, up, 0);
-    }
-    silu_mul(gate, up, B * I, gate, num_threads);
-    packed_linear(gate, B, I, l->down, H, l->down_bias, x, 1, num_threads);
+    linear_tiles(h, B, H, l->gate, I, l->gate_bias, l->up, l->up_bias, act, 0);
+    packed_linear(act, B, I, l->down, H, l->down_bias, x, 1, num_threads);
 }
