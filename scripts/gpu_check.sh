@@ -41,7 +41,7 @@ phase() { echo "phase $1 ends at ${SECONDS}s" >>"$RESULTS/gpu.txt"; }
 phase start
 # The Triton kernel tests run compiled here (in bfloat16 and float32), not interpreted.
 timeout 140 $PY -m pytest -q --tb=short -p no:cacheprovider \
-  tests/gpu tests/model/test_triton_kernels.py tests/model/test_triton_norm_act.py \
+  tests/gpu tests/model/test_triton_kernels.py tests/model/test_triton_layers.py \
   >"$RESULTS/gpu-tests.log" 2>&1
 tests_rc=$?
 phase tests

@@ -138,7 +138,7 @@ class ModelRunner:
             from aioinfer.model.layers.triton_layers import use_triton_kernels
 
             swapped = use_triton_kernels(self.model, self.dtype, self.device)
-            logger.info("triton kernels run %d RMSNorm and SiLU-and-mul modules", swapped)
+            logger.info("triton kernels run %d RMSNorm, SiLU-and-mul and rotary modules", swapped)
 
         bytes_per_block = sizing.kv_bytes_per_block(
             self.block_size, self.num_kv_heads, self.head_dim, self.num_layers, self.dtype.itemsize

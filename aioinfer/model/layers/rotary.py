@@ -124,7 +124,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class ApplyRotary(nn.Module):
-    """`apply_rotary` as a module, so the CPU path can swap in its native kernel."""
+    """`apply_rotary` as a module, so the CPU and CUDA paths can swap in their kernels."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotary(x, cos, sin)

@@ -1,9 +1,9 @@
-"""The triton RMSNorm and SiLU-and-mul kernels as drop-in modules for a model on CUDA.
+"""The triton RMSNorm, SiLU-and-mul and rotary kernels as drop-in modules for a model on CUDA.
 
-`use_triton_kernels(model)` swaps, in place, every `RMSNorm` and `SiluAndMul` for a module that
-takes and returns the same tensors in one kernel launch (kernels/norm_act.py), after checking
-each kernel once against its torch module on this device: a kernel that fails to build or
-disagrees is left out, with a warning, and the torch module stays.
+`use_triton_kernels(model)` swaps, in place, every `RMSNorm`, `SiluAndMul` and `ApplyRotary` for
+a module that takes and returns the same tensors in one kernel launch (kernels/norm_act.py,
+kernels/rotary.py), after checking each kernel once against its torch module on this device: a
+kernel that fails to build or disagrees is left out, with a warning, and the torch module stays.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import logging
 import torch
 from torch import nn
 
-from aioinfer.model.kernels import norm_act
+from aioinfer.model.kernels import norm_act, rotary
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.norm import RMSNorm
+from aioinfer.model.layers.rotary import ApplyRotary
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,13 @@ class TritonSiluAndMul(SiluAndMul):
         return norm_act.silu_and_mul(gate, up)
 
 
+class TritonApplyRotary(ApplyRotary):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            return super().forward(x, cos, sin)
+        return rotary.apply_rotary(x, cos, sin)
+
+
 def kernel_mismatch(module: nn.Module, twin: nn.Module, *inputs: torch.Tensor) -> str | None:
     """Why `twin` cannot stand in for `module` on these inputs (an error, or outputs that differ
     by more than rounding in the inputs' dtype), or None when it can."""
@@ -53,8 +61,8 @@ def kernel_mismatch(module: nn.Module, twin: nn.Module, *inputs: torch.Tensor) -
 
 
 def use_triton_kernels(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Swap the model's RMSNorm and SiluAndMul modules for the triton ones, each kind only if it
-    matches torch on a sample here; returns how many modules were swapped."""
+    """Swap the model's RMSNorm, SiluAndMul and ApplyRotary modules for the triton ones, each
+    kind only if it matches torch on a sample here; returns how many modules were swapped."""
     gen = torch.Generator(device=device).manual_seed(0)
     norms = [m for m in model.modules() if type(m) is RMSNorm]
     usable: dict[type, bool] = {}
@@ -66,6 +74,11 @@ def use_triton_kernels(model: nn.Module, dtype: torch.dtype, device: torch.devic
         gate, up = torch.randn(2, 5, 96, generator=gen, device=device).to(dtype)
         mismatch = kernel_mismatch(SiluAndMul(), TritonSiluAndMul(), gate, up)
         usable[SiluAndMul] = _usable("SiluAndMul", mismatch)
+    if any(type(m) is ApplyRotary for m in model.modules()):
+        x = torch.randn(5, 3, 64, generator=gen, device=device).to(dtype)
+        cos, sin = torch.randn(2, 5, 32, generator=gen, device=device).to(dtype)
+        mismatch = kernel_mismatch(ApplyRotary(), TritonApplyRotary(), x, cos, sin)
+        usable[ApplyRotary] = _usable("rotary", mismatch)
 
     swapped = 0
     for parent in list(model.modules()):
@@ -75,6 +88,8 @@ def use_triton_kernels(model: nn.Module, dtype: torch.dtype, device: torch.devic
                 twin = TritonRMSNorm(child)
             elif type(child) is SiluAndMul and usable.get(SiluAndMul):
                 twin = TritonSiluAndMul()
+            elif type(child) is ApplyRotary and usable.get(ApplyRotary):
+                twin = TritonApplyRotary()
             if twin is not None:
                 setattr(parent, name, twin)
                 swapped += 1

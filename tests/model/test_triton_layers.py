@@ -1,4 +1,4 @@
-"""The triton RMSNorm and SiLU-and-mul kernels against the torch modules they replace.
+"""The triton RMSNorm, SiLU-and-mul and rotary kernels against the torch modules they replace.
 
 Without CUDA they run under TRITON_INTERPRET=1 (set by conftest.py) in float32: the interpreter
 does no bfloat16 arithmetic. With CUDA the same checks run natively, in bfloat16 too.
@@ -11,10 +11,12 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from aioinfer.model.kernels import norm_act
+from aioinfer.model.kernels import norm_act, rotary
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.norm import RMSNorm
+from aioinfer.model.layers.rotary import ApplyRotary, RopeConfig, RotaryEmbedding
 from aioinfer.model.layers.triton_layers import (
+    TritonApplyRotary,
     TritonRMSNorm,
     TritonSiluAndMul,
     kernel_mismatch,
@@ -69,11 +71,49 @@ def test_silu_and_mul_matches_the_torch_module(dtype: torch.dtype, n: int) -> No
     torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "heads", "head_dim"), [(1, 9, 64), (7, 3, 64), (5, 12, 128), (3, 5, 96)]
+)
+def test_rotary_matches_the_torch_module(
+    dtype: torch.dtype, tokens: int, heads: int, head_dim: int
+) -> None:
+    """Real cos/sin of scattered positions (a decode batch), head counts and a head_dim that are
+    not powers of two (masked lanes)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens * heads + head_dim)
+    rope = RotaryEmbedding(head_dim, RopeConfig(theta=10000.0, rope_type="default", params=()))
+    positions = torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE)
+    cos, sin = rope(positions, dtype)
+    x = (torch.randn(tokens, heads, head_dim, generator=gen, device=DEVICE) * 2).to(dtype)
+    got = TritonApplyRotary()(x, cos, sin)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, ApplyRotary()(x, cos, sin), **tolerance(dtype))
+
+
+def test_rotary_reads_strided_heads_and_falls_back_on_strided_dims() -> None:
+    """q as a view of a fused qkv output: heads of unit-stride dims, tokens spaced wider; a
+    transposed head_dim is rotated by torch instead."""
+    qkv = torch.randn(4, 5 * 64, device=DEVICE)
+    q = qkv[:, : 3 * 64].view(4, 3, 64)
+    cos, sin = torch.randn(2, 4, 32, device=DEVICE)
+    expected = ApplyRotary()(q, cos, sin)
+    torch.testing.assert_close(rotary.apply_rotary(q, cos, sin), expected, atol=1e-5, rtol=1e-5)
+    x = torch.randn(4, 64, 3, device=DEVICE).transpose(1, 2)
+    torch.testing.assert_close(
+        TritonApplyRotary()(x, cos, sin), ApplyRotary()(x, cos, sin), atol=1e-5, rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="cos and sin must have shape"):
+        rotary.apply_rotary(q, cos[:, :16], sin[:, :16])
+
+
 def test_swap_checks_each_kernel_and_keeps_state_dicts() -> None:
-    model = torch.nn.ModuleDict({"norm": RMSNorm(64), "act": SiluAndMul()}).to(DEVICE)
+    model = torch.nn.ModuleDict(
+        {"norm": RMSNorm(64), "act": SiluAndMul(), "rotary": ApplyRotary()}
+    ).to(DEVICE)
     before = model.state_dict()
-    assert use_triton_kernels(model, torch.float32, DEVICE) == 2
+    assert use_triton_kernels(model, torch.float32, DEVICE) == 3
     assert isinstance(model["norm"], TritonRMSNorm) and isinstance(model["act"], TritonSiluAndMul)
+    assert isinstance(model["rotary"], TritonApplyRotary)
     assert model.state_dict().keys() == before.keys()
 
 
