@@ -134,6 +134,10 @@ class ModelRunner:
             self.head_dim,
         )
 
+        if self.device.type == "cuda":
+            # q/k/v and gate/up as one GEMM each: on a GPU a decode step's time follows its
+            # kernel count. (The CPU's native layers read the projections one by one.)
+            self.model.merge_projections()
         if self.device.type == "cuda" and getattr(self.attn_backend, "name", None) == "triton":
             from aioinfer.model.layers.triton_layers import use_triton_kernels
 

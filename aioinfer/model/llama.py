@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from aioinfer.model.layers.activation import SiluAndMul
@@ -49,6 +50,34 @@ class DecoderConfig:
     qk_norm: bool = False
 
 
+class MergedLinear(nn.Module):
+    """Linears of one input as one GEMM: their weights (and biases) concatenated by output
+    features, and the originals' parameters re-pointed to slices of it, so state dicts, loading
+    into them and memory are unchanged. Build it on the model's final device: moving the model
+    afterwards would copy the slices apart. The output splits back with `.split(self.sizes, -1)`.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        if len({lin.bias is None for lin in linears}) != 1:
+            raise ValueError("merged linears must all have a bias or all have none")
+        self.sizes = [lin.out_features for lin in linears]
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        bias = None
+        if linears[0].bias is not None:
+            bias = torch.cat([lin.bias.detach() for lin in linears])  # type: ignore[union-attr]
+        for i, (lin, part) in enumerate(zip(linears, weight.split(self.sizes), strict=True)):
+            lin.weight = nn.Parameter(part, requires_grad=False)
+            if bias is not None:
+                lin.bias = nn.Parameter(bias.split(self.sizes)[i], requires_grad=False)
+        # Buffers outside the state dict: the originals' parameters stay its only entries.
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -56,9 +85,15 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_fn = SiluAndMul()
+        # gate and up as one GEMM, set by `LlamaForCausalLM.merge_projections`.
+        self.gate_up_proj: MergedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.gate_up_proj.sizes, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(gate, up))
 
 
 class LlamaAttention(nn.Module):
@@ -80,12 +115,19 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = ApplyRotary()
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx)
+        # q, k and v as one GEMM, set by `LlamaForCausalLM.merge_projections`.
+        self.qkv_proj: MergedLinear | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            # Strided views of one output: the norms, rotary and KV store read their strides.
+            q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -175,6 +217,14 @@ class LlamaForCausalLM(nn.Module):
         """Share the embedding with the LM head when the config ties them; call after loading."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def merge_projections(self) -> None:
+        """Run each layer's q/k/v and gate/up projections as one GEMM each, once the weights
+        are loaded on their final device (the GPU path: fewer, larger kernels per layer)."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = MergedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up_proj = MergedLinear([mlp.gate_proj, mlp.up_proj])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden_size]."""

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from aioinfer.gpu.forward_context import forward_context
 from aioinfer.model.layers.attention import AttentionMetadata
 from aioinfer.model.layers.rotary import compute_inv_freq, rope_config_from_hf
-from aioinfer.model.llama import LlamaForCausalLM
+from aioinfer.model.llama import LlamaForCausalLM, MergedLinear
 from aioinfer.model.registry import get_model_class
 from tests.model.tiny_models import VARIANTS, make_hf_model, make_variant
 
@@ -32,13 +32,17 @@ def hf_model(variant: str) -> PreTrainedModel:
 
 
 @cache
-def our_model(variant: str) -> LlamaForCausalLM:
+def our_model(variant: str, merged: bool = False) -> LlamaForCausalLM:
+    """Ours with the HF model's weights; `merged`: q/k/v and gate/up as one GEMM each (the GPU
+    path's layout)."""
     hf = hf_model(variant)
     model = get_model_class(hf.config)(hf.config)
     result = model.load_state_dict(hf.state_dict(), strict=False)
     assert result.missing_keys == []
     assert result.unexpected_keys == []
     model.tie_weights()
+    if merged:
+        model.merge_projections()
     return model.eval()
 
 
@@ -116,10 +120,11 @@ def test_full_prefill_flat_batch(variant: str) -> None:
     run_and_check(variant, PagedRun(our_model(variant)), [(s, len(s.tokens)) for s in seqs])
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
-def test_chunked_prefill_with_cached_prefix(variant: str) -> None:
+def test_chunked_prefill_with_cached_prefix(variant: str, merged: bool) -> None:
     rng = random.Random(2)
-    run = PagedRun(our_model(variant))
+    run = PagedRun(our_model(variant, merged))
     a = Seq(random_prompt(rng, 21))
     c = Seq(random_prompt(rng, 11))
     run_and_check(variant, run, [(a, 21), (c, 6)])
@@ -136,10 +141,11 @@ def append_greedy(variant: str, seq: Seq) -> None:
     seq.tokens.append(int(hf_logits(variant, seq.tokens)[-1].argmax()))
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
-def test_greedy_decode_mixed_with_prefill(variant: str) -> None:
+def test_greedy_decode_mixed_with_prefill(variant: str, merged: bool) -> None:
     rng = random.Random(3)
-    run = PagedRun(our_model(variant))
+    run = PagedRun(our_model(variant, merged))
     decoding = [Seq(random_prompt(rng, n)) for n in (6, 11, 3)]
     late = Seq(random_prompt(rng, 9))
     for seq, logits in zip(decoding, run.step([(s, len(s.tokens)) for s in decoding]), strict=True):
@@ -178,6 +184,39 @@ def test_meta_build_and_assign_load(variant: str) -> None:
     seq = Seq(random_prompt(random.Random(4), 10))
     (logits,) = PagedRun(model.eval()).step([(seq, 10)])
     check_feed(variant, seq, logits)
+
+
+def test_merged_projections_share_storage_and_keep_the_state_dict() -> None:
+    """The originals' parameters become slices of the merged weight: same state dict keys and
+    values, no second copy of the weights, and a load into the state dict reaches the GEMM."""
+    hf = hf_model("qwen2")  # q/k/v biases
+    model = get_model_class(hf.config)(hf.config)
+    model.load_state_dict(hf.state_dict(), strict=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    num_parameters = sum(p.numel() for p in model.parameters())
+    model.merge_projections()
+    assert sum(p.numel() for p in model.parameters()) == num_parameters
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, atol=0, rtol=0)
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_proj is not None
+    merged = attn.qkv_proj.weight
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
+    assert attn.qkv_proj.bias is not None
+    assert (
+        attn.v_proj.bias.untyped_storage().data_ptr()
+        == attn.qkv_proj.bias.untyped_storage().data_ptr()
+    )
+    new_v = torch.randn_like(attn.v_proj.weight)
+    model.load_state_dict({"model.layers.0.self_attn.v_proj.weight": new_v}, strict=False)
+    torch.testing.assert_close(merged[-new_v.shape[0] :], new_v, atol=0, rtol=0)
+
+
+def test_merging_linears_with_and_without_bias_is_refused() -> None:
+    with pytest.raises(ValueError, match="all have a bias or all have none"):
+        MergedLinear([torch.nn.Linear(4, 2), torch.nn.Linear(4, 2, bias=False)])
 
 
 def test_llama3_inv_freq_matches_hf() -> None:

@@ -71,6 +71,25 @@ def test_silu_and_mul_matches_the_torch_module(dtype: torch.dtype, n: int) -> No
     torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
+def test_silu_and_mul_reads_the_halves_of_a_merged_gate_up_output() -> None:
+    """gate and up as the two halves of one [T, 2I] GEMM output: rows spaced 2I apart; the
+    result lands in the gate half, the up half untouched."""
+    gate_up = torch.randn(5, 2 * 1100, device=DEVICE) * 4
+    gate, up = gate_up.split(1100, dim=-1)
+    expected = SiluAndMul()(gate.clone(), up.clone())
+    up_before = up.clone()
+    got = TritonSiluAndMul()(gate, up)
+    assert got.data_ptr() == gate.data_ptr()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(up, up_before, atol=0, rtol=0)
+
+    # Each read with its own row spacing.
+    gate = torch.randn(5, 1100, device=DEVICE)
+    up = torch.randn(5, 3 * 1100, device=DEVICE)[:, 1100:2200]
+    expected = SiluAndMul()(gate.clone(), up)
+    torch.testing.assert_close(TritonSiluAndMul()(gate, up), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "heads", "head_dim"), [(1, 9, 64), (7, 3, 64), (5, 12, 128), (3, 5, 96)]

@@ -39,14 +39,17 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
+def _silu_and_mul_kernel(gate_ptr, up_ptr, stride_gate, stride_up, cols, BLOCK: tl.constexpr):
+    """One block of one row; the result goes into gate's buffer."""
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < cols
+    gate_row = gate_ptr + row * stride_gate + offsets
+    gate = tl.load(gate_row, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + offsets, mask=mask, other=0.0).to(tl.float32)
+    dtype = gate_ptr.dtype.element_ty
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + offsets, (silu * up).to(dtype), mask=mask)
+    tl.store(gate_row, (silu * up).to(dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,16 +74,19 @@ SILU_BLOCK = 1024
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, written into gate's buffer (as the torch module does); both contiguous
-    and of one shape and dtype."""
+    """silu(gate) * up, written into gate's buffer (as the torch module does); both of one shape
+    and dtype, rows of unit stride, spaced as they may be (the halves of a merged gate/up
+    output): 1-D, or 2-D."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(
             f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and "
             f"{tuple(up.shape)} {up.dtype}"
         )
-    if not (gate.is_contiguous() and up.is_contiguous()):
-        raise ValueError("gate and up must be contiguous")
-    n = gate.numel()
-    if n:
-        _silu_and_mul_kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, gate, n, BLOCK=SILU_BLOCK)
+    if gate.dim() not in (1, 2) or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("gate and up must be 1-D or 2-D with rows of unit stride")
+    rows, cols = (1, gate.shape[0]) if gate.dim() == 1 else gate.shape
+    if rows and cols:
+        grid = (rows, triton.cdiv(cols, SILU_BLOCK))
+        stride_gate, stride_up = (0, 0) if gate.dim() == 1 else (gate.stride(0), up.stride(0))
+        _silu_and_mul_kernel[grid](gate, up, stride_gate, stride_up, cols, BLOCK=SILU_BLOCK)
     return gate

@@ -33,7 +33,7 @@ class TritonRMSNorm(RMSNorm):
 
 class TritonSiluAndMul(SiluAndMul):
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if not (gate.is_contiguous() and up.is_contiguous()):
+        if gate.dim() > 2 or gate.stride(-1) != 1 or up.stride(-1) != 1:
             return super().forward(gate, up)
         return norm_act.silu_and_mul(gate, up)
 
