@@ -57,6 +57,9 @@ class MergedLinear(nn.Module):
     afterwards would copy the slices apart. The output splits back with `.split(self.sizes, -1)`.
     """
 
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linears: list[nn.Linear]) -> None:
         super().__init__()
         if len({lin.bias is None for lin in linears}) != 1:
@@ -223,7 +226,8 @@ class LlamaForCausalLM(nn.Module):
         """Run each layer's q/k/v and gate/up projections as one GEMM each, once the weights
         are loaded on their final device (the GPU path: fewer, larger kernels per layer)."""
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn: LlamaAttention = layer.self_attn  # type: ignore[assignment]
+            mlp: LlamaMLP = layer.mlp  # type: ignore[assignment]
             attn.qkv_proj = MergedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
             mlp.gate_up_proj = MergedLinear([mlp.gate_proj, mlp.up_proj])
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from aioinfer.model.loader.resolve import (
     bundled_gguf_path,
     resolve_model,
 )
+
+if TYPE_CHECKING:
+    from aioinfer.model.llama import LlamaForCausalLM
 
 __all__ = [
     "BUNDLED_CONFIGS",
@@ -60,7 +63,7 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 def load_model(
     resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str, seed: int = 0
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """The registry's model class for `resolved.hf_config`, with its weights on `device`."""
     from aioinfer.model.registry import get_model_class
 
