@@ -135,9 +135,9 @@ class ModelRunner:
         )
 
         if self.device.type == "cuda":
-            # q/k/v and gate/up as one GEMM each: on a GPU a decode step's time follows its
-            # kernel count. (The CPU's native layers read the projections one by one.)
-            self.model.merge_projections()
+            # Merged projections, residual adds inside GEMMs: on a GPU a decode step's time
+            # follows its kernel count. (The CPU's native layers have their own fusions.)
+            self.model.fuse_gemms()
         if self.device.type == "cuda" and getattr(self.attn_backend, "name", None) == "triton":
             from aioinfer.model.layers.triton_layers import use_triton_kernels
 

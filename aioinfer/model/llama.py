@@ -81,6 +81,16 @@ class MergedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def linear_into(residual: torch.Tensor | None, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """linear(x), plus residual when given: summed inside the GEMM (addmm) where the linear has
+    no bias, one kernel instead of two on a GPU, and the product rounded once instead of twice."""
+    if residual is None:
+        return linear(x)
+    if linear.bias is not None:
+        return residual + linear(x)
+    return torch.addmm(residual, x, linear.weight.t())
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -88,16 +98,19 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_fn = SiluAndMul()
-        # gate and up as one GEMM, set by `LlamaForCausalLM.merge_projections`.
+        # gate and up as one GEMM, set by `LlamaForCausalLM.fuse_gemms`.
         self.gate_up_proj: MergedLinear | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x, plus residual when given (see `linear_into`)."""
         # One expression each, so that `up` is freed before down_proj runs (the activation
         # peak the memory profile plans for).
         if self.gate_up_proj is not None:
             merged = self.gate_up_proj
-            return self.down_proj(self.act_fn(*merged(x).split(merged.sizes, dim=-1)))
-        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+            act = self.act_fn(*merged(x).split(merged.sizes, dim=-1))
+        else:
+            act = self.act_fn(self.gate_proj(x), self.up_proj(x))
+        return linear_into(residual, act, self.down_proj)
 
 
 class LlamaAttention(nn.Module):
@@ -119,10 +132,17 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = ApplyRotary()
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx)
-        # q, k and v as one GEMM, set by `LlamaForCausalLM.merge_projections`.
+        # q, k and v as one GEMM, set by `LlamaForCausalLM.fuse_gemms`.
         self.qkv_proj: MergedLinear | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over x, plus residual when given (see `linear_into`)."""
         t = x.shape[0]
         if self.qkv_proj is not None:
             # Strided views of one output: the norms, rotary and KV store read their strides.
@@ -136,10 +156,13 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         out = self.attn(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return linear_into(residual, out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The residual adds inside the o_proj and down_proj GEMMs, set by `LlamaForCausalLM.fuse_gemms`.
+    residual_in_gemm = False
+
     def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -148,6 +171,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.residual_in_gemm:
+            x = self.self_attn(self.input_layernorm(x), cos, sin, residual=x)
+            return self.mlp(self.post_attention_layernorm(x), residual=x)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -222,14 +248,17 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def merge_projections(self) -> None:
-        """Run each layer's q/k/v and gate/up projections as one GEMM each, once the weights
-        are loaded on their final device (the GPU path: fewer, larger kernels per layer)."""
-        for layer in self.model.layers:
+    def fuse_gemms(self) -> None:
+        """Fewer, larger kernels per layer for the GPU path, once the weights are loaded on
+        their final device: q/k/v and gate/up as one GEMM each, and the two residual adds
+        inside the o_proj and down_proj GEMMs."""
+        for module in self.model.layers:
+            layer: LlamaDecoderLayer = module  # type: ignore[assignment]
             attn: LlamaAttention = layer.self_attn  # type: ignore[assignment]
             mlp: LlamaMLP = layer.mlp  # type: ignore[assignment]
             attn.qkv_proj = MergedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
             mlp.gate_up_proj = MergedLinear([mlp.gate_proj, mlp.up_proj])
+            layer.residual_in_gemm = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden_size]."""

@@ -32,17 +32,17 @@ def hf_model(variant: str) -> PreTrainedModel:
 
 
 @cache
-def our_model(variant: str, merged: bool = False) -> LlamaForCausalLM:
-    """Ours with the HF model's weights; `merged`: q/k/v and gate/up as one GEMM each (the GPU
-    path's layout)."""
+def our_model(variant: str, fused: bool = False) -> LlamaForCausalLM:
+    """Ours with the HF model's weights; `fused`: q/k/v and gate/up as one GEMM each and the
+    residual adds inside GEMMs, as on the GPU path."""
     hf = hf_model(variant)
     model = get_model_class(hf.config)(hf.config)
     result = model.load_state_dict(hf.state_dict(), strict=False)
     assert result.missing_keys == []
     assert result.unexpected_keys == []
     model.tie_weights()
-    if merged:
-        model.merge_projections()
+    if fused:
+        model.fuse_gemms()
     return model.eval()
 
 
@@ -120,11 +120,11 @@ def test_full_prefill_flat_batch(variant: str) -> None:
     run_and_check(variant, PagedRun(our_model(variant)), [(s, len(s.tokens)) for s in seqs])
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
-def test_chunked_prefill_with_cached_prefix(variant: str, merged: bool) -> None:
+def test_chunked_prefill_with_cached_prefix(variant: str, fused: bool) -> None:
     rng = random.Random(2)
-    run = PagedRun(our_model(variant, merged))
+    run = PagedRun(our_model(variant, fused))
     a = Seq(random_prompt(rng, 21))
     c = Seq(random_prompt(rng, 11))
     run_and_check(variant, run, [(a, 21), (c, 6)])
@@ -141,11 +141,11 @@ def append_greedy(variant: str, seq: Seq) -> None:
     seq.tokens.append(int(hf_logits(variant, seq.tokens)[-1].argmax()))
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["separate", "merged"])
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("variant", VARIANT_NAMES)
-def test_greedy_decode_mixed_with_prefill(variant: str, merged: bool) -> None:
+def test_greedy_decode_mixed_with_prefill(variant: str, fused: bool) -> None:
     rng = random.Random(3)
-    run = PagedRun(our_model(variant, merged))
+    run = PagedRun(our_model(variant, fused))
     decoding = [Seq(random_prompt(rng, n)) for n in (6, 11, 3)]
     late = Seq(random_prompt(rng, 9))
     for seq, logits in zip(decoding, run.step([(s, len(s.tokens)) for s in decoding]), strict=True):
@@ -194,7 +194,7 @@ def test_merged_projections_share_storage_and_keep_the_state_dict() -> None:
     model.load_state_dict(hf.state_dict(), strict=False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     num_parameters = sum(p.numel() for p in model.parameters())
-    model.merge_projections()
+    model.fuse_gemms()
     assert sum(p.numel() for p in model.parameters()) == num_parameters
     after = model.state_dict()
     assert after.keys() == before.keys()
