@@ -4,6 +4,7 @@ Skipped, with the reason, where they cannot build (no AVX2 + FMA, no C compiler)
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -165,6 +166,60 @@ def test_paged_decode_matches_torch_reference(
     expected = decode_attention(query, cache, tables, lens, max(seq_lens), scale)
     assert torch.isfinite(got).all()  # never reads the NaN slots past a request's length
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def causal_chunk_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Reference: each request's chunk (its last query_len positions of seq_len) attends to
+    its context up to and including each query's own position, K/V read from the cache."""
+    block_size, kv_heads = cache.shape[2], cache.shape[3]
+    group = query.shape[1] // kv_heads
+    outs, start = [], 0
+    for r, (n, length) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        pos = torch.arange(length)
+        blocks = tables[r, pos // block_size].long()
+        keys = cache[blocks, 0, pos % block_size].repeat_interleave(group, 1)  # [L, H, D]
+        values = cache[blocks, 1, pos % block_size].repeat_interleave(group, 1)
+        q = query[start : start + n]
+        scores = torch.einsum("thd,lhd->htl", q.double(), keys.double()) * scale
+        q_pos = torch.arange(length - n, length)
+        scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        outs.append(torch.einsum("htl,lhd->thd", scores.softmax(-1), values.double()))
+        start += n
+    return torch.cat(outs).float()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])  # 64, 128: specialised; 80 not
+@pytest.mark.parametrize("gqa", [1, 3, 8])
+def test_paged_prefill_matches_torch_reference(
+    kernels: cpu_native.NativeKernels, block_size: int, head_dim: int, gqa: int
+) -> None:
+    """Chunks after cached prefixes and fresh prompts, one token to more than two work items
+    of queries (64 tokens each), across blocks; the unused cache slots hold NaN."""
+    query_lens = [1, 7, 150, 2 * block_size + 3, 64]
+    before = [0, 3 * block_size + 1, 0, block_size, 5]
+    seq_lens = [q + b for q, b in zip(query_lens, before, strict=True)]
+    seed = block_size * 100 + head_dim + gqa
+    _, cache, tables, lens = random_paged_case(seed, block_size, head_dim, gqa, seq_lens)
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(sum(query_lens), 2 * gqa, head_dim, generator=gen)
+    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    scale = head_dim**-0.5
+    got = kernels.paged_prefill_attention(query, cache, tables, starts, lens, scale)
+    expected = causal_chunk_attention(query, cache, tables, query_lens, seq_lens, scale)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="query_start_loc must end"):
+        kernels.paged_prefill_attention(query[:-1], cache, tables, starts, lens, scale)
+    with pytest.raises(ValueError, match="block_tables must have shape"):
+        kernels.paged_prefill_attention(query, cache, tables[:-1], starts, lens, scale)
 
 
 def test_backend_decodes_natively_and_prefills_as_torch(kernels: cpu_native.NativeKernels) -> None:
@@ -346,7 +401,8 @@ def test_decoder_layers_match_the_torch_modules(
         with pytest.raises(ValueError, match="kv_cache must have shape"):
             kernels.decoder_layer(
                 layer.weights, x, x[:, :16], x[:, :16], wrong, metadata.slot_mapping,
-                metadata.block_tables, metadata.seq_lens,
+                metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
+                metadata.num_decodes,
             )  # fmt: skip
 
 
@@ -416,9 +472,9 @@ def test_decoder_layer_calls_from_two_threads_do_not_share_scratch(
         cos, sin = torch.rand(2, tokens, head_dim // 2, generator=g)
         cache = torch.zeros(tokens // block_size + 2, 2, block_size, kv_heads, head_dim)
         slots = torch.arange(block_size, block_size + tokens)
-        tables = torch.arange(1, tokens // block_size + 2, dtype=torch.int32).expand(tokens, -1)
-        lens = torch.arange(1, tokens + 1, dtype=torch.int32)
-        return kernels.decoder_layer(layer, x, cos, sin, cache, slots, tables.contiguous(), lens)
+        tables = torch.arange(1, tokens // block_size + 2, dtype=torch.int32)[None]
+        starts, lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens])
+        return kernels.decoder_layer(layer, x, cos, sin, cache, slots, tables, starts, lens, 0)
 
     cases = [(300, 1), (40, 2)] * 8  # different sizes: the scratch is grown and reused
     expected = [step(*case) for case in cases]

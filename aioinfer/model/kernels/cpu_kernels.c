@@ -7,8 +7,9 @@
  * runtime resolves to the libgomp that torch has already loaded, so these kernels and torch's
  * own ops share one thread team per calling thread.
  *
- * Kernels: packed_linear, paged_decode_attention, rms_norm, silu_mul, rotary, and
- * decoder_layer, which runs them as one decoder layer; each documented above its code.
+ * Kernels: packed_linear, paged_decode_attention, paged_prefill_attention, rms_norm, silu_mul,
+ * rotary, and decoder_layer, which runs them as one decoder layer; each documented above its
+ * code.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -264,10 +265,18 @@ static inline vf sum_each(const vf *p) {
 #undef HALVES
 }
 
-static inline float max_lanes(vf v) {
-    float m = v[0];
-    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
-    return m;
+static inline float max_lanes(vf v) { /* a tree of half swaps */
+#if LANES == 16
+    v = max_v(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = max_v(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = max_v(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = max_v(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+    v = max_v(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = max_v(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = max_v(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
+    return v[0];
 }
 
 typedef struct {
@@ -405,6 +414,169 @@ void paged_decode_attention(const float *q, const float *cache, const int *table
     }
 }
 
+/* ------------------------------------------------------------------ paged prefill attention
+ *
+ * The query tokens of a request's chunk over its paged context, causal (the chunk's own K/V
+ * already in the cache). A work item is one KV head of one request over up to PREFILL_TOKENS
+ * of its queries: the rows (token, query head of the group) go through the context LANES keys
+ * at a time. The keys are transposed once per chunk of keys into [D][LANES], so each row's
+ * scores are D broadcast FMAs (no horizontal sums) and every key serves all the item's rows;
+ * then an online softmax per row and the values, eight rows per pass over them. Against prompt
+ * tokens attending one by one through the decode kernel (SmolLM2's shapes, one layer): a
+ * 1024-token prompt 15.3-16.6 -> 8.4-9.0 ms, 32 prompts of 128 tokens 10.0-11.1 -> 6.2-7.4 ms.
+ */
+#define PREFILL_TOKENS 64 /* query tokens per work item */
+#define SCORE_ROWS 8      /* rows whose scores share each load of the transposed keys */
+#define VALUE_ROWS 8      /* rows whose outputs share each load of a value row */
+
+typedef struct {
+    const float *cache; /* [num_blocks, 2, block_size, KV, D] */
+    const int *table;   /* the request's blocks */
+    const float *q;     /* the request's first query token, [tokens, H, D] */
+    float *out;         /* the same rows of the output */
+    long before;        /* context tokens before the chunk */
+    long t0, t1;        /* the item's query tokens, within the chunk */
+    long g;             /* its KV head */
+    long H, KV, G, block_size;
+    float scale;
+} PrefillItem;
+
+static inline __attribute__((always_inline)) void prefill_item_impl(const PrefillItem t,
+                                                                    float *work, const long D) {
+    const long G = t.G, rows = (t.t1 - t.t0) * G, row_stride = t.KV * D, bs = t.block_size;
+    const long nv = D / LANES;
+    /* Rows padded to whole tiles, so that every tile loop has constant trips and keeps its
+     * accumulators in registers; the padding rows compute on copies of the last row and are
+     * never written out. work: keys transposed [D][LANES], the rows' queries [padded][D] (one
+     * base pointer for a tile's rows: no pointer per row spilled from registers), probabilities
+     * [padded][LANES], outputs [padded][D], running max [padded], running sums [padded][LANES]
+     * (lane by lane, summed once at the end). */
+    const long padded = (rows + SCORE_ROWS - 1) / SCORE_ROWS * SCORE_ROWS;
+    float *kt = work, *query = kt + D * LANES, *prob = query + padded * D;
+    float *acc = prob + padded * LANES;
+    float *run_max = acc + padded * D, *run_sum = run_max + padded;
+    const float *vrow[LANES];
+    for (long r = 0; r < padded; r++) {
+        long row = r < rows ? r : rows - 1;
+        memcpy(query + r * D, t.q + ((t.t0 + row / G) * t.H + t.g * G + row % G) * D,
+               D * sizeof(float));
+        run_max[r] = -INFINITY;
+    }
+    memset(run_sum, 0, padded * LANES * sizeof(float));
+    memset(acc, 0, padded * D * sizeof(float));
+    vi lane;
+    for (int i = 0; i < LANES; i++) lane[i] = i;
+    const long last = t.before + t.t1 - 1; /* the last key any row reads */
+    for (long start = 0; start <= last; start += LANES) {
+        const long n = last + 1 - start < LANES ? last + 1 - start : LANES;
+        for (long j = 0; j < LANES; j++) {
+            if (j < n) {
+                long pos = start + j;
+                const float *key = t.cache + ((long)t.table[pos / bs] * 2 * bs + pos % bs) *
+                                                 row_stride + t.g * D;
+                vrow[j] = key + bs * row_stride;
+                for (long d = 0; d < D; d++) kt[d * LANES + j] = key[d];
+            } else {
+                for (long d = 0; d < D; d++) kt[d * LANES + j] = 0.0f;
+            }
+        }
+        /* Rows whose token comes before this chunk of keys see none of it. */
+        long first_token = start - t.before > t.t0 ? start - t.before : t.t0;
+        const long r0 = (first_token - t.t0) * G;
+        const long r_first = r0 / SCORE_ROWS * SCORE_ROWS;
+        for (long r = r_first; r < rows; r += SCORE_ROWS) {
+            const float *qr = query + r * D;
+            vf s[SCORE_ROWS];
+            for (long i = 0; i < SCORE_ROWS; i++) s[i] = splat(0.0f);
+            for (long d = 0; d < D; d++) {
+                vf k = load(kt + d * LANES);
+                for (long i = 0; i < SCORE_ROWS; i++) s[i] += splat(qr[i * D + d]) * k;
+            }
+            for (long i = 0; i < SCORE_ROWS; i++) {
+                const long row = r + i;
+                const long pos = t.before + t.t0 + (row < rows ? row : rows - 1) / G;
+                vi valid = (lane < (int)n) & (lane + (int)start <= (int)pos);
+                vf sc = select_v(valid, s[i] * t.scale, splat(-INFINITY));
+                float block_max = max_lanes(sc);
+                float new_max = block_max > run_max[row] ? block_max : run_max[row];
+                float keep = new_max == run_max[row]      ? 1.0f /* the usual case, once settled */
+                             : run_max[row] == -INFINITY ? 0.0f
+                                                         : expf(run_max[row] - new_max);
+                vf p = select_v(valid, exp_v(sc - new_max), splat(0.0f));
+                store(run_sum + row * LANES, load(run_sum + row * LANES) * keep + p);
+                run_max[row] = new_max;
+                store(prob + row * LANES, p);
+                if (keep != 1.0f)
+                    for (long v = 0; v < nv; v++)
+                        store(acc + row * D + v * LANES, load(acc + row * D + v * LANES) * keep);
+            }
+        }
+        for (long r = r_first; r < rows; r += VALUE_ROWS) {
+            for (long v = 0; v < nv; v++) {
+                vf o[VALUE_ROWS];
+                for (long i = 0; i < VALUE_ROWS; i++) o[i] = load(acc + (r + i) * D + v * LANES);
+                for (long j = 0; j < n; j++) {
+                    vf value = load(vrow[j] + v * LANES);
+                    for (long i = 0; i < VALUE_ROWS; i++)
+                        o[i] += splat(prob[(r + i) * LANES + j]) * value;
+                }
+                for (long i = 0; i < VALUE_ROWS; i++) store(acc + (r + i) * D + v * LANES, o[i]);
+            }
+        }
+    }
+    for (long row = 0; row < rows; row++) {
+        float *o = t.out + ((t.t0 + row / G) * t.H + t.g * G + row % G) * D;
+        /* key 0 is in every row's context: the sum is never 0 */
+        float inv = 1.0f / sum_lanes(load(run_sum + row * LANES));
+        for (long d = 0; d < D; d++) o[d] = acc[row * D + d] * inv;
+    }
+}
+
+/* q, out [T, H, D] for the tokens of requests [first, last): request r owns tokens
+ * [query_start[r], query_start[r + 1]) and its context after them is seq_lens[r] tokens, its
+ * blocks tables[r] [table_width]. */
+void paged_prefill_attention(const float *q, const float *cache, const int *tables,
+                             long table_width, const int *query_start, const int *seq_lens,
+                             long first, long last, long H, long KV, long D, long block_size,
+                             float scale, float *out, int num_threads) {
+    const long G = H / KV;
+    long num_items = 0;
+    for (long r = first; r < last; r++) {
+        long tokens = query_start[r + 1] - query_start[r];
+        num_items += KV * ((tokens + PREFILL_TOKENS - 1) / PREFILL_TOKENS);
+    }
+    const long padded = (PREFILL_TOKENS * G + SCORE_ROWS - 1) / SCORE_ROWS * SCORE_ROWS;
+    const long work_floats = D * LANES + padded * (2 * LANES + 2 * D + 1);
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *work = malloc(work_floats * sizeof(float));
+#pragma omp for schedule(dynamic)
+        for (long item = 0; item < num_items; item++) {
+            /* the item-th (request, token group, KV head), in request order */
+            long r = first, rest = item;
+            for (;; r++) {
+                long tokens = query_start[r + 1] - query_start[r];
+                long here = KV * ((tokens + PREFILL_TOKENS - 1) / PREFILL_TOKENS);
+                if (rest < here) break;
+                rest -= here;
+            }
+            const long tokens = query_start[r + 1] - query_start[r];
+            const long group = rest / KV, t0 = group * PREFILL_TOKENS;
+            PrefillItem t = {cache, tables + r * table_width, q + query_start[r] * H * D,
+                             out + query_start[r] * H * D, seq_lens[r] - tokens, t0,
+                             t0 + PREFILL_TOKENS < tokens ? t0 + PREFILL_TOKENS : tokens,
+                             rest % KV, H, KV, G, block_size, scale};
+            if (D == 64)
+                prefill_item_impl(t, work, 64);
+            else if (D == 128)
+                prefill_item_impl(t, work, 128);
+            else
+                prefill_item_impl(t, work, D);
+        }
+        free(work);
+    }
+}
+
 /* ------------------------------------------------------------------ small fused ops
  *
  * Each replaces several torch ops (and their dispatch, which at decode sizes costs more than
@@ -478,9 +650,11 @@ typedef struct {
     const float *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias; /* or NULL */
 } DecoderLayer;
 
-/* Every token attends as a one-query request of paged_decode_attention: tables [B, width] and
- * seq_lens [B] (int32) give token b's blocks and its context up to and including itself, so a
- * prompt's tokens are causal; all K/V of the step are stored before any token attends.
+/* The step's R requests: request r owns tokens [query_start[r], query_start[r + 1]) (int32,
+ * query_start[R] = B), has seq_lens[r] tokens of context after them (int32) and its blocks in
+ * tables[r] [table_width] (int32). Its first num_decodes requests have one token each and
+ * attend through paged_decode_attention, the others' chunks through paged_prefill_attention;
+ * all K/V of the step are stored before any token attends.
  * cache [num_blocks, 2, block_size, kv_heads, head_dim]; slots [B] int64 (block * block_size +
  * offset of each token); cos/sin [B, head_dim / 2]; work: decoder_layer_work_floats(l, B)
  * floats of scratch, reused across calls (a fresh allocation of that size page-faults every
@@ -492,7 +666,8 @@ long decoder_layer_work_floats(const DecoderLayer *l, long B) {
 
 void decoder_layer(const DecoderLayer *l, float *x, long B, const float *cos, const float *sin,
                    float *cache, const long *slots, const int *tables, long table_width,
-                   const int *seq_lens, long block_size, float *work, int num_threads) {
+                   const int *query_start, const int *seq_lens, long num_reqs, long num_decodes,
+                   long block_size, float *work, int num_threads) {
     const long H = l->hidden, D = l->head_dim, I = l->intermediate;
     const long qn = l->heads * D, kvn = l->kv_heads * D;
     float *h = work;
@@ -518,8 +693,12 @@ void decoder_layer(const DecoderLayer *l, float *x, long B, const float *cos, co
         memcpy(key_row, k + b * kvn, kvn * sizeof(float));
         memcpy(key_row + block_size * kvn, v + b * kvn, kvn * sizeof(float)); /* V half */
     }
-    paged_decode_attention(q, cache, tables, table_width, seq_lens, B, l->heads, l->kv_heads, D,
-                           block_size, l->scale, attn, num_threads);
+    paged_decode_attention(q, cache, tables, table_width, seq_lens, num_decodes, l->heads,
+                           l->kv_heads, D, block_size, l->scale, attn, num_threads);
+    if (num_decodes < num_reqs)
+        paged_prefill_attention(q, cache, tables, table_width, query_start, seq_lens,
+                                num_decodes, num_reqs, l->heads, l->kv_heads, D, block_size,
+                                l->scale, attn, num_threads);
     packed_linear(attn, B, qn, l->o, H, l->o_bias, x, 1, num_threads);
 
     rms_norm(x, B, H, l->post_norm, l->eps, h, num_threads);

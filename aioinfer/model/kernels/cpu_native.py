@@ -70,7 +70,15 @@ class NativeKernels:
         self._decoder_layer.argtypes = [
             ctypes.POINTER(DecoderLayerWeights), _c_float_p, ctypes.c_long, _c_float_p,
             _c_float_p, _c_float_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-            ctypes.c_void_p, ctypes.c_long, _c_float_p, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+            _c_float_p, ctypes.c_int,
+        ]  # fmt: skip
+        self._paged_prefill = lib.paged_prefill_attention
+        self._paged_prefill.restype = None
+        self._paged_prefill.argtypes = [
+            _c_float_p, _c_float_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+            ctypes.c_long, ctypes.c_long, ctypes.c_float, _c_float_p, ctypes.c_int,
         ]  # fmt: skip
         self._decoder_layer_work = lib.decoder_layer_work_floats
         self._decoder_layer_work.restype = ctypes.c_long
@@ -140,6 +148,34 @@ class NativeKernels:
         )
         return out
 
+    def paged_prefill_attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """query [T, H, D] of R requests' chunks, request r's tokens at query_start_loc[r] ..
+        query_start_loc[r + 1] ([R + 1], int32, ending at T), each attending causally over its
+        seq_lens[r] ([R], int32) tokens of context, the chunk's own K/V included, read from
+        kv_cache [N, 2, block_size, KV, D] through block_tables [R, W] (int32) -> [T, H, D]."""
+        t, h, d = query.shape
+        query = query.contiguous()
+        _check(query, kv_cache)
+        block_tables, query_start_loc, seq_lens = _request_view(
+            t, block_tables, query_start_loc, seq_lens
+        )
+        out = torch.empty_like(query)
+        self._paged_prefill(
+            query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+            query_start_loc.data_ptr(), seq_lens.data_ptr(), 0, seq_lens.shape[0], h,
+            kv_cache.shape[3], d, kv_cache.shape[2], scale, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim (a multiple of 16) of float32 x; weight [dim]."""
         x = x.contiguous()
@@ -185,26 +221,32 @@ class NativeKernels:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor,
+        num_decodes: int,
     ) -> torch.Tensor:
-        """One decoder layer over the B tokens of a step: x [B, hidden] -> [B, hidden]; writes
-        the tokens' K/V at slot_mapping [B] (int64) of kv_cache [N, 2, block_size, KV, D], then
-        token b attends through block_tables[b] [W] over seq_lens[b] (int32) cached tokens, its
-        own included; cos/sin [B, D / 2] as `rotary` takes them."""
+        """One decoder layer over the B tokens of a step's R requests: x [B, hidden] ->
+        [B, hidden]; writes the tokens' K/V at slot_mapping [B] (int64) of kv_cache
+        [N, 2, block_size, KV, D], then request r's tokens (query_start_loc[r] ..
+        query_start_loc[r + 1], [R + 1] int32) attend causally through block_tables[r] [W] over
+        seq_lens[r] ([R], int32) tokens of context, their own included; its first num_decodes
+        requests have one token each. cos/sin [B, D / 2] as `rotary` takes them."""
         out = x.clone(memory_format=torch.contiguous_format)  # updated in place by the kernel
         cos, sin = cos.contiguous(), sin.contiguous()
         _check(out, cos, sin, kv_cache)
         _check_indices(slot_mapping, torch.int64)
-        _check_indices(block_tables, torch.int32)
-        _check_indices(seq_lens, torch.int32)
         b = out.shape[0]
+        block_tables, query_start_loc, seq_lens = _request_view(
+            b, block_tables, query_start_loc, seq_lens
+        )
+        num_reqs = seq_lens.shape[0]
+        if not 0 <= num_decodes <= min(num_reqs, b):
+            raise ValueError(f"num_decodes must be in [0, {min(num_reqs, b)}], got {num_decodes}")
         expected = {
             "x": (out.shape, (b, layer.hidden)),
             "cos": (cos.shape, (b, layer.head_dim // 2)),
             "kv_cache": (kv_cache.shape[3:], (layer.kv_heads, layer.head_dim)),
             "slot_mapping": (slot_mapping.shape, (b,)),
-            "block_tables": (block_tables.shape[:1], (b,)),
-            "seq_lens": (seq_lens.shape, (b,)),
         }
         for name, (got, want) in expected.items():
             if tuple(got) != want:  # the kernel would read past them
@@ -216,8 +258,8 @@ class NativeKernels:
         self._decoder_layer(
             ctypes.byref(layer), out.data_ptr(), out.shape[0], cos.data_ptr(), sin.data_ptr(),
             kv_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
-            block_tables.shape[1], seq_lens.data_ptr(), kv_cache.shape[2], work.data_ptr(),
-            torch.get_num_threads(),
+            block_tables.shape[1], query_start_loc.data_ptr(), seq_lens.data_ptr(), num_reqs,
+            num_decodes, kv_cache.shape[2], work.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
 
@@ -284,6 +326,36 @@ class DecoderLayerWeights(ctypes.Structure):
         layer = cls(hidden, heads, kv_heads, head_dim, intermediate, eps, scale, *pointers)
         layer.tensors = tensors  # keeps the pointed-to storage alive
         return layer
+
+
+def _request_view(
+    num_tokens: int,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's per-request index tensors, as int32 and contiguous, after checking their shapes
+    against each other and the step's token count (the kernels trust their values)."""
+    block_tables = block_tables.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    for t in (block_tables, query_start_loc, seq_lens):
+        _check_indices(t, torch.int32)  # on the CPU
+    num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    expected = {
+        "seq_lens": (seq_lens.shape, (num_reqs,)),
+        "block_tables": (block_tables.shape[:1] if block_tables.dim() == 2 else (), (num_reqs,)),
+        "query_start_loc": (query_start_loc.shape, (num_reqs + 1,)),
+    }
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:  # the kernels would read past them
+            raise ValueError(f"{name} must have shape {want}, got {tuple(got)}")
+    if int(query_start_loc[-1]) != num_tokens:
+        raise ValueError(
+            f"query_start_loc must end at the step's {num_tokens} tokens, "
+            f"got {int(query_start_loc[-1])}"
+        )
+    return block_tables, query_start_loc, seq_lens
 
 
 def _check_indices(t: torch.Tensor, dtype: torch.dtype) -> None:

@@ -4,7 +4,7 @@ Decode steps dominate serving on the CPU, and the torch reference spends most of
 time gathering every request's K/V into a padded copy; the native kernel reads the cache in place
 through the block table (cpu_kernels.c). A whole prompt attends over its own new keys and values
 without reading them back; a chunk after a cached prefix keeps the torch path. Native decoder
-layers (native_cpu.py) run prompt tokens through the decode kernel instead (`token_view`).
+layers (native_cpu.py) run prompt chunks through the native prefill kernel instead.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from aioinfer.model.kernels.cpu_native import NativeKernels
-from aioinfer.model.layers.attention import request_of_token
 from aioinfer.model.layers.torch_attention import TorchAttentionBackend
 
 if TYPE_CHECKING:
@@ -37,23 +36,6 @@ class NativeAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, kernels: NativeKernels) -> None:
         self.kernels = kernels
-        # The last step's per-token view, shared by its layers: (metadata, tables, seq_lens).
-        self._token_view: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
-
-    def token_view(self, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables [T, W] and context lengths [T] (int32) that make every token of the step
-        a one-query request over its context up to and including itself: the decode kernel then
-        runs prompt tokens too. A decode step's own tables and lengths are already that."""
-        if metadata.decode_only:
-            return metadata.block_tables, metadata.seq_lens
-        cached = self._token_view
-        if cached is not None and cached[0] is metadata:  # holds metadata: `is` is safe
-            return cached[1], cached[2]
-        query_lens = torch.tensor(metadata.query_start_loc_host).diff()
-        tables = metadata.block_tables.index_select(0, request_of_token(query_lens))
-        seq_lens = (metadata.positions + 1).to(torch.int32)
-        self._token_view = (metadata, tables, seq_lens)
-        return tables, seq_lens
 
     def decode(
         self,

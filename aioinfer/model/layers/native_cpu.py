@@ -107,7 +107,7 @@ class NativeApplyRotary(ApplyRotary):
 class NativeDecoderLayer(LlamaDecoderLayer):
     """A decoder layer that runs as one native call (`decoder_layer`) for every step: the
     Python and dispatch between a layer's dozen ops cost as much as its attention at decode
-    sizes, and a prompt's tokens attend as one-query requests of the decode kernel. Holds the
+    sizes; decodes attend through the decode kernel, prompt chunks the prefill kernel. Holds the
     layer's own modules (the fallback for other attention backends), so parameter names and
     state dicts are unchanged."""
 
@@ -127,16 +127,18 @@ class NativeDecoderLayer(LlamaDecoderLayer):
         backend = ctx.attn_backend
         if not isinstance(backend, NativeAttentionBackend):
             return super().forward(x, cos, sin)
-        tables, seq_lens = backend.token_view(ctx.attn_metadata)
+        metadata = ctx.attn_metadata
         return self.kernels.decoder_layer(
             self.weights,
             x,
             cos,
             sin,
             ctx.kv_caches[self.self_attn.attn.layer_idx],
-            ctx.attn_metadata.slot_mapping,
-            tables,
-            seq_lens,
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.num_decodes,
         )
 
 
