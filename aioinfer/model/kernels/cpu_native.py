@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,55 +44,27 @@ class NativeKernels:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        self._packed_linear = lib.packed_linear
-        self._packed_linear.restype = None
-        self._packed_linear.argtypes = [
-            _c_float_p, ctypes.c_long, ctypes.c_long, _c_float_p, ctypes.c_long,
-            _c_float_p, _c_float_p, ctypes.c_int, ctypes.c_int,
-        ]  # fmt: skip
-        self._paged_decode = lib.paged_decode_attention
-        self._paged_decode.restype = None
-        self._paged_decode.argtypes = [
-            _c_float_p, _c_float_p, _c_float_p, ctypes.c_long, _c_float_p, ctypes.c_long,
-            ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_float,
-            _c_float_p, ctypes.c_int,
-        ]  # fmt: skip
-        self._rms_norm = lib.rms_norm
-        self._rms_norm.restype = None
-        self._rms_norm.argtypes = [
-            _c_float_p, ctypes.c_long, ctypes.c_long, _c_float_p, ctypes.c_float, _c_float_p,
-            ctypes.c_int,
-        ]  # fmt: skip
-        self._silu_mul = lib.silu_mul
-        self._silu_mul.restype = None
-        self._silu_mul.argtypes = [_c_float_p, _c_float_p, ctypes.c_long, _c_float_p, ctypes.c_int]
-        self._decoder_layer = lib.decoder_layer
-        self._decoder_layer.restype = None
-        self._decoder_layer.argtypes = [
-            ctypes.POINTER(DecoderLayerWeights), _c_float_p, ctypes.c_long, _c_float_p,
-            _c_float_p, _c_float_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-            _c_float_p, ctypes.c_int,
-        ]  # fmt: skip
-        self._paged_prefill = lib.paged_prefill_attention
-        self._paged_prefill.restype = None
-        self._paged_prefill.argtypes = [
-            _c_float_p, _c_float_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-            ctypes.c_long, ctypes.c_long, ctypes.c_float, _c_float_p, ctypes.c_int,
-        ]  # fmt: skip
-        self._decoder_layer_work = lib.decoder_layer_work_floats
-        self._decoder_layer_work.restype = ctypes.c_long
-        self._decoder_layer_work.argtypes = [ctypes.POINTER(DecoderLayerWeights), ctypes.c_long]
+        # Argument types, in each C signature's order: P float buffer, V index buffer, L long,
+        # I int, F float, W the layer's weights (DecoderLayerWeights).
+        P, L, I, F = _c_float_p, ctypes.c_long, ctypes.c_int, ctypes.c_float  # noqa: E741
+        V, W = ctypes.c_void_p, ctypes.POINTER(DecoderLayerWeights)
+        self._packed_linear = _bind(lib.packed_linear, P, L, L, P, L, P, P, I, I)
+        self._paged_decode = _bind(
+            lib.paged_decode_attention, P, P, P, L, P, L, L, L, L, L, F, P, I
+        )
+        self._paged_prefill = _bind(
+            lib.paged_prefill_attention, P, P, V, L, V, V, L, L, L, L, L, L, F, P, I
+        )
+        self._rms_norm = _bind(lib.rms_norm, P, L, L, P, F, P, I)
+        self._silu_mul = _bind(lib.silu_mul, P, P, L, P, I)
+        self._rotary = _bind(lib.rotary, P, L, L, L, P, P, P, I)
+        self._decoder_layer = _bind(
+            lib.decoder_layer, W, P, L, P, P, P, V, V, L, V, V, L, L, L, P, I
+        )
+        self._decoder_layer_work = _bind(lib.decoder_layer_work_floats, W, L, restype=L)
         # Scratch of decoder_layer, grown to the largest step and reused; one per thread, as
         # the kernels are shared by every engine of the process, each with its own thread.
         self._scratch = threading.local()
-        self._rotary = lib.rotary
-        self._rotary.restype = None
-        self._rotary.argtypes = [
-            _c_float_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, _c_float_p, _c_float_p,
-            _c_float_p, ctypes.c_int,
-        ]  # fmt: skip
 
     def packed_linear(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
@@ -326,6 +299,13 @@ class DecoderLayerWeights(ctypes.Structure):
         layer = cls(hidden, heads, kv_heads, head_dim, intermediate, eps, scale, *pointers)
         layer.tensors = tensors  # keeps the pointed-to storage alive
         return layer
+
+
+def _bind(function: Any, *argtypes: Any, restype: Any = None) -> Any:
+    """A C function of the library with its argument and result types declared."""
+    function.argtypes = list(argtypes)
+    function.restype = restype
+    return function
 
 
 def _request_view(
