@@ -418,16 +418,18 @@ void paged_decode_attention(const float *q, const float *cache, const int *table
  *
  * The query tokens of a request's chunk over its paged context, causal (the chunk's own K/V
  * already in the cache). A work item is one KV head of one request over up to PREFILL_TOKENS
- * of its queries: the rows (token, query head of the group) go through the context LANES keys
- * at a time. The keys are transposed once per chunk of keys into [D][LANES], so each row's
- * scores are D broadcast FMAs (no horizontal sums) and every key serves all the item's rows;
- * then an online softmax per row and the values, eight rows per pass over them. Against prompt
- * tokens attending one by one through the decode kernel (SmolLM2's shapes, one layer): a
- * 1024-token prompt 15.3-16.6 -> 8.4-9.0 ms, 32 prompts of 128 tokens 10.0-11.1 -> 6.2-7.4 ms.
+ * of its queries: the rows (token, query head of the group) go through the context KEYS keys
+ * at a time. The keys are transposed once per chunk into [D][KEYS], so each row's scores are
+ * broadcast FMAs (no horizontal sums) and every key serves all the item's rows; then an online
+ * softmax per row and the values, eight rows per pass over them. Against prompt tokens
+ * attending one by one through the decode kernel (SmolLM2's shapes, one layer): a 1024-token
+ * prompt 15.3-16.9 -> 7.6 ms, 32 prompts of 128 tokens 9.8-13.1 -> 5.8-6.6 ms (chunks of 16
+ * keys instead of 32: 8.4-9.0 and 6.2-7.4 ms).
  */
 #define PREFILL_TOKENS 64 /* query tokens per work item */
 #define SCORE_ROWS 8      /* rows whose scores share each load of the transposed keys */
 #define VALUE_ROWS 8      /* rows whose outputs share each load of a value row */
+#define KEYS (2 * LANES)  /* keys per chunk: the softmax's per-row work is paid once per KEYS */
 
 typedef struct {
     const float *cache; /* [num_blocks, 2, block_size, KV, D] */
@@ -447,15 +449,15 @@ static inline __attribute__((always_inline)) void prefill_item_impl(const Prefil
     const long nv = D / LANES;
     /* Rows padded to whole tiles, so that every tile loop has constant trips and keeps its
      * accumulators in registers; the padding rows compute on copies of the last row and are
-     * never written out. work: keys transposed [D][LANES], the rows' queries [padded][D] (one
+     * never written out. work: keys transposed [D][KEYS], the rows' queries [padded][D] (one
      * base pointer for a tile's rows: no pointer per row spilled from registers), probabilities
-     * [padded][LANES], outputs [padded][D], running max [padded], running sums [padded][LANES]
+     * [padded][KEYS], outputs [padded][D], running max [padded], running sums [padded][LANES]
      * (lane by lane, summed once at the end). */
     const long padded = (rows + SCORE_ROWS - 1) / SCORE_ROWS * SCORE_ROWS;
-    float *kt = work, *query = kt + D * LANES, *prob = query + padded * D;
-    float *acc = prob + padded * LANES;
+    float *kt = work, *query = kt + D * KEYS, *prob = query + padded * D;
+    float *acc = prob + padded * KEYS;
     float *run_max = acc + padded * D, *run_sum = run_max + padded;
-    const float *vrow[LANES];
+    const float *vrow[KEYS];
     for (long r = 0; r < padded; r++) {
         long row = r < rows ? r : rows - 1;
         memcpy(query + r * D, t.q + ((t.t0 + row / G) * t.H + t.g * G + row % G) * D,
@@ -467,17 +469,17 @@ static inline __attribute__((always_inline)) void prefill_item_impl(const Prefil
     vi lane;
     for (int i = 0; i < LANES; i++) lane[i] = i;
     const long last = t.before + t.t1 - 1; /* the last key any row reads */
-    for (long start = 0; start <= last; start += LANES) {
-        const long n = last + 1 - start < LANES ? last + 1 - start : LANES;
-        for (long j = 0; j < LANES; j++) {
+    for (long start = 0; start <= last; start += KEYS) {
+        const long n = last + 1 - start < KEYS ? last + 1 - start : KEYS;
+        for (long j = 0; j < KEYS; j++) {
             if (j < n) {
                 long pos = start + j;
                 const float *key = t.cache + ((long)t.table[pos / bs] * 2 * bs + pos % bs) *
                                                  row_stride + t.g * D;
                 vrow[j] = key + bs * row_stride;
-                for (long d = 0; d < D; d++) kt[d * LANES + j] = key[d];
+                for (long d = 0; d < D; d++) kt[d * KEYS + j] = key[d];
             } else {
-                for (long d = 0; d < D; d++) kt[d * LANES + j] = 0.0f;
+                for (long d = 0; d < D; d++) kt[d * KEYS + j] = 0.0f;
             }
         }
         /* Rows whose token comes before this chunk of keys see none of it. */
@@ -486,26 +488,34 @@ static inline __attribute__((always_inline)) void prefill_item_impl(const Prefil
         const long r_first = r0 / SCORE_ROWS * SCORE_ROWS;
         for (long r = r_first; r < rows; r += SCORE_ROWS) {
             const float *qr = query + r * D;
-            vf s[SCORE_ROWS];
-            for (long i = 0; i < SCORE_ROWS; i++) s[i] = splat(0.0f);
+            vf s[SCORE_ROWS][2];
+            for (long i = 0; i < SCORE_ROWS; i++) s[i][0] = s[i][1] = splat(0.0f);
             for (long d = 0; d < D; d++) {
-                vf k = load(kt + d * LANES);
-                for (long i = 0; i < SCORE_ROWS; i++) s[i] += splat(qr[i * D + d]) * k;
+                vf k0 = load(kt + d * KEYS), k1 = load(kt + d * KEYS + LANES);
+                for (long i = 0; i < SCORE_ROWS; i++) {
+                    vf b = splat(qr[i * D + d]);
+                    s[i][0] += b * k0;
+                    s[i][1] += b * k1;
+                }
             }
             for (long i = 0; i < SCORE_ROWS; i++) {
                 const long row = r + i;
                 const long pos = t.before + t.t0 + (row < rows ? row : rows - 1) / G;
-                vi valid = (lane < (int)n) & (lane + (int)start <= (int)pos);
-                vf sc = select_v(valid, s[i] * t.scale, splat(-INFINITY));
-                float block_max = max_lanes(sc);
+                vi valid0 = (lane < (int)n) & (lane + (int)start <= (int)pos);
+                vi valid1 = (lane + LANES < (int)n) & (lane + (int)(start + LANES) <= (int)pos);
+                vf sc0 = select_v(valid0, s[i][0] * t.scale, splat(-INFINITY));
+                vf sc1 = select_v(valid1, s[i][1] * t.scale, splat(-INFINITY));
+                float block_max = max_lanes(max_v(sc0, sc1));
                 float new_max = block_max > run_max[row] ? block_max : run_max[row];
                 float keep = new_max == run_max[row]      ? 1.0f /* the usual case, once settled */
                              : run_max[row] == -INFINITY ? 0.0f
                                                          : expf(run_max[row] - new_max);
-                vf p = select_v(valid, exp_v(sc - new_max), splat(0.0f));
-                store(run_sum + row * LANES, load(run_sum + row * LANES) * keep + p);
+                vf p0 = select_v(valid0, exp_v(sc0 - new_max), splat(0.0f));
+                vf p1 = select_v(valid1, exp_v(sc1 - new_max), splat(0.0f));
+                store(run_sum + row * LANES, load(run_sum + row * LANES) * keep + (p0 + p1));
                 run_max[row] = new_max;
-                store(prob + row * LANES, p);
+                store(prob + row * KEYS, p0);
+                store(prob + row * KEYS + LANES, p1);
                 if (keep != 1.0f)
                     for (long v = 0; v < nv; v++)
                         store(acc + row * D + v * LANES, load(acc + row * D + v * LANES) * keep);
@@ -518,7 +528,7 @@ static inline __attribute__((always_inline)) void prefill_item_impl(const Prefil
                 for (long j = 0; j < n; j++) {
                     vf value = load(vrow[j] + v * LANES);
                     for (long i = 0; i < VALUE_ROWS; i++)
-                        o[i] += splat(prob[(r + i) * LANES + j]) * value;
+                        o[i] += splat(prob[(r + i) * KEYS + j]) * value;
                 }
                 for (long i = 0; i < VALUE_ROWS; i++) store(acc + (r + i) * D + v * LANES, o[i]);
             }
@@ -546,7 +556,7 @@ void paged_prefill_attention(const float *q, const float *cache, const int *tabl
         num_items += KV * ((tokens + PREFILL_TOKENS - 1) / PREFILL_TOKENS);
     }
     const long padded = (PREFILL_TOKENS * G + SCORE_ROWS - 1) / SCORE_ROWS * SCORE_ROWS;
-    const long work_floats = D * LANES + padded * (2 * LANES + 2 * D + 1);
+    const long work_floats = D * KEYS + padded * (KEYS + LANES + 2 * D + 1);
 #pragma omp parallel num_threads(num_threads)
     {
         float *work = malloc(work_floats * sizeof(float));
