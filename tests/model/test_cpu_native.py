@@ -473,7 +473,8 @@ def test_decoder_layer_calls_from_two_threads_do_not_share_scratch(
         cache = torch.zeros(tokens // block_size + 2, 2, block_size, kv_heads, head_dim)
         slots = torch.arange(block_size, block_size + tokens)
         tables = torch.arange(1, tokens // block_size + 2, dtype=torch.int32)[None]
-        starts, lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens])
+        starts = torch.tensor([0, tokens], dtype=torch.int32)
+        lens = torch.tensor([tokens], dtype=torch.int32)
         return kernels.decoder_layer(layer, x, cos, sin, cache, slots, tables, starts, lens, 0)
 
     cases = [(300, 1), (40, 2)] * 8  # different sizes: the scratch is grown and reused

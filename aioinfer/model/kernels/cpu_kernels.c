@@ -703,8 +703,9 @@ void decoder_layer(const DecoderLayer *l, float *x, long B, const float *cos, co
         memcpy(key_row, k + b * kvn, kvn * sizeof(float));
         memcpy(key_row + block_size * kvn, v + b * kvn, kvn * sizeof(float)); /* V half */
     }
-    paged_decode_attention(q, cache, tables, table_width, seq_lens, num_decodes, l->heads,
-                           l->kv_heads, D, block_size, l->scale, attn, num_threads);
+    if (num_decodes > 0)
+        paged_decode_attention(q, cache, tables, table_width, seq_lens, num_decodes, l->heads,
+                               l->kv_heads, D, block_size, l->scale, attn, num_threads);
     if (num_decodes < num_reqs)
         paged_prefill_attention(q, cache, tables, table_width, query_start, seq_lens,
                                 num_decodes, num_reqs, l->heads, l->kv_heads, D, block_size,

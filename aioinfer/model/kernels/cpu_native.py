@@ -137,9 +137,7 @@ class NativeKernels:
         t, h, d = query.shape
         query = query.contiguous()
         _check(query, kv_cache)
-        block_tables, query_start_loc, seq_lens = _request_view(
-            t, block_tables, query_start_loc, seq_lens
-        )
+        _check_requests(t, block_tables, query_start_loc, seq_lens)
         out = torch.empty_like(query)
         self._paged_prefill(
             query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
@@ -209,9 +207,7 @@ class NativeKernels:
         _check(out, cos, sin, kv_cache)
         _check_indices(slot_mapping, torch.int64)
         b = out.shape[0]
-        block_tables, query_start_loc, seq_lens = _request_view(
-            b, block_tables, query_start_loc, seq_lens
-        )
+        _check_requests(b, block_tables, query_start_loc, seq_lens)
         num_reqs = seq_lens.shape[0]
         if not 0 <= num_decodes <= min(num_reqs, b):
             raise ValueError(f"num_decodes must be in [0, {min(num_reqs, b)}], got {num_decodes}")
@@ -308,19 +304,17 @@ def _bind(function: Any, *argtypes: Any, restype: Any = None) -> Any:
     return function
 
 
-def _request_view(
+def _check_requests(
     num_tokens: int,
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A step's per-request index tensors, as int32 and contiguous, after checking their shapes
-    against each other and the step's token count (the kernels trust their values)."""
-    block_tables = block_tables.to(torch.int32).contiguous()
-    query_start_loc = query_start_loc.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
+) -> None:
+    """Refuse a step's per-request index tensors unless they are contiguous int32 on the CPU
+    with shapes that agree with each other and the step's token count (the kernels trust their
+    values). Every layer of a step calls it: checks only, no conversions."""
     for t in (block_tables, query_start_loc, seq_lens):
-        _check_indices(t, torch.int32)  # on the CPU
+        _check_indices(t, torch.int32)
     num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     expected = {
         "seq_lens": (seq_lens.shape, (num_reqs,)),
@@ -335,7 +329,6 @@ def _request_view(
             f"query_start_loc must end at the step's {num_tokens} tokens, "
             f"got {int(query_start_loc[-1])}"
         )
-    return block_tables, query_start_loc, seq_lens
 
 
 def _check_indices(t: torch.Tensor, dtype: torch.dtype) -> None:
