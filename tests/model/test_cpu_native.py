@@ -348,7 +348,7 @@ def test_decoder_layers_match_the_torch_modules(
     states and K/V writes are torch's."""
     from aioinfer.gpu.forward_context import forward_context
     from aioinfer.model.layers.attention import AttentionMetadata
-    from aioinfer.model.layers.native_cpu import NativeDecoderLayer
+    from aioinfer.model.layers.native_cpu import NativeDecoderLayer, NativeLlamaModel
     from aioinfer.model.layers.torch_attention import TorchAttentionBackend
     from tests.model.tiny_models import make_hf_model
 
@@ -358,6 +358,8 @@ def test_decoder_layers_match_the_torch_modules(
     cfg = native.config
     fused = sum(isinstance(m, NativeDecoderLayer) for m in native.modules())
     assert fused == (cfg.num_layers if cfg.head_dim % 32 == 0 else 0)
+    # ... and a stack of such layers as one call for all of them
+    assert isinstance(native.model, NativeLlamaModel) == bool(fused)
 
     gen = torch.Generator().manual_seed(11)
     block_size, num_blocks = 8, 24
@@ -404,6 +406,13 @@ def test_decoder_layers_match_the_torch_modules(
                 metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
                 metadata.num_decodes,
             )  # fmt: skip
+        stack = native.model.layer_weights
+        step = (metadata.slot_mapping, metadata.block_tables, metadata.query_start_loc,
+                metadata.seq_lens, metadata.num_decodes)  # fmt: skip
+        with pytest.raises(ValueError, match=r"kv_caches\[1\] must have shape"):
+            kernels.decoder_layers(stack, x, x[:, :16], x[:, :16], [caches[0], wrong], *step)
+        with pytest.raises(ValueError, match="one KV cache per layer"):
+            kernels.decoder_layers(stack, x, x[:, :16], x[:, :16], caches[:1], *step)
 
 
 # A small decoder layer for the kernel's own checks: hidden 64, 2 query heads over 1 KV head of

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,8 @@ class NativeKernels:
         self._rms_norm = _bind(lib.rms_norm, P, L, L, P, F, P, I)
         self._silu_mul = _bind(lib.silu_mul, P, P, L, P, I)
         self._rotary = _bind(lib.rotary, P, L, L, L, P, P, P, I)
-        self._decoder_layer = _bind(
-            lib.decoder_layer, W, P, L, P, P, P, V, V, L, V, V, L, L, L, P, I
+        self._decoder_layers = _bind(
+            lib.decoder_layers, V, V, L, P, L, P, P, V, V, L, V, V, L, L, L, P, I
         )
         self._decoder_layer_work = _bind(lib.decoder_layer_work_floats, W, L, restype=L)
         # Scratch of decoder_layer, grown to the largest step and reused; one per thread, as
@@ -196,39 +197,72 @@ class NativeKernels:
         seq_lens: torch.Tensor,
         num_decodes: int,
     ) -> torch.Tensor:
-        """One decoder layer over the B tokens of a step's R requests: x [B, hidden] ->
-        [B, hidden]; writes the tokens' K/V at slot_mapping [B] (int64) of kv_cache
-        [N, 2, block_size, KV, D], then request r's tokens (query_start_loc[r] ..
-        query_start_loc[r + 1], [R + 1] int32) attend causally through block_tables[r] [W] over
-        seq_lens[r] ([R], int32) tokens of context, their own included; its first num_decodes
-        requests have one token each. cos/sin [B, D / 2] as `rotary` takes them."""
+        """One decoder layer: `decoder_layers` with a stack of one."""
+        return self.decoder_layers(
+            [layer], x, cos, sin, [kv_cache], slot_mapping, block_tables, query_start_loc,
+            seq_lens, num_decodes,
+        )  # fmt: skip
+
+    def decoder_layers(
+        self,
+        layers: Sequence[DecoderLayerWeights],
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_decodes: int,
+    ) -> torch.Tensor:
+        """Decoder layers in turn over the B tokens of a step's R requests, layer i with its
+        cache kv_caches[i] [N, 2, block_size, KV, D]: x [B, hidden] -> [B, hidden]. Each layer
+        writes the tokens' K/V at slot_mapping [B] (int64) of its cache, then request r's tokens
+        (query_start_loc[r] .. query_start_loc[r + 1], [R + 1] int32) attend causally through
+        block_tables[r] [W] over seq_lens[r] ([R], int32) tokens of context, their own
+        included; the first num_decodes requests have one token each. cos/sin [B, D / 2] as
+        `rotary` takes them. All layers must share their sizes and the caches their shape."""
+        if not layers or len(layers) != len(kv_caches):
+            raise ValueError(
+                f"need one KV cache per layer and at least one layer, got {len(layers)} layers "
+                f"and {len(kv_caches)} caches"
+            )
         out = x.clone(memory_format=torch.contiguous_format)  # updated in place by the kernel
         cos, sin = cos.contiguous(), sin.contiguous()
-        _check(out, cos, sin, kv_cache)
+        _check(out, cos, sin, *kv_caches)
         _check_indices(slot_mapping, torch.int64)
         b = out.shape[0]
         _check_requests(b, block_tables, query_start_loc, seq_lens)
         num_reqs = seq_lens.shape[0]
         if not 0 <= num_decodes <= min(num_reqs, b):
             raise ValueError(f"num_decodes must be in [0, {min(num_reqs, b)}], got {num_decodes}")
+        first = layers[0]
+        sizes = ("hidden", "heads", "kv_heads", "head_dim", "intermediate")
+        if any(getattr(layer, n) != getattr(first, n) for layer in layers for n in sizes):
+            raise ValueError("decoder layers of one call must share their sizes")
+        cache_shape = tuple(kv_caches[0].shape)
         expected = {
-            "x": (out.shape, (b, layer.hidden)),
-            "cos": (cos.shape, (b, layer.head_dim // 2)),
-            "kv_cache": (kv_cache.shape[3:], (layer.kv_heads, layer.head_dim)),
+            "x": (out.shape, (b, first.hidden)),
+            "cos": (cos.shape, (b, first.head_dim // 2)),
+            "kv_cache": (cache_shape[3:], (first.kv_heads, first.head_dim)),
             "slot_mapping": (slot_mapping.shape, (b,)),
+            **{f"kv_caches[{i}]": (c.shape, cache_shape) for i, c in enumerate(kv_caches)},
         }
         for name, (got, want) in expected.items():
             if tuple(got) != want:  # the kernel would read past them
                 raise ValueError(f"{name} must have shape {want}, got {tuple(got)}")
-        floats = self._decoder_layer_work(ctypes.byref(layer), b)
+        floats = self._decoder_layer_work(ctypes.byref(first), b)
         work = getattr(self._scratch, "work", None)
         if work is None or work.numel() < floats:
             work = self._scratch.work = torch.empty(floats)
-        self._decoder_layer(
-            ctypes.byref(layer), out.data_ptr(), out.shape[0], cos.data_ptr(), sin.data_ptr(),
-            kv_cache.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+        layer_ptrs = (ctypes.c_void_p * len(layers))(*(ctypes.addressof(n) for n in layers))
+        cache_ptrs = (ctypes.c_void_p * len(layers))(*(c.data_ptr() for c in kv_caches))
+        self._decoder_layers(
+            layer_ptrs, cache_ptrs, len(layers), out.data_ptr(), b, cos.data_ptr(),
+            sin.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.shape[1], query_start_loc.data_ptr(), seq_lens.data_ptr(), num_reqs,
-            num_decodes, kv_cache.shape[2], work.data_ptr(), torch.get_num_threads(),
+            num_decodes, cache_shape[2], work.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
 

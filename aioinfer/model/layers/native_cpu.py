@@ -6,7 +6,9 @@
 - `RMSNorm`, `SiluAndMul` and `ApplyRotary` by one native call each instead of several torch
   ops, where their sizes fit the kernels;
 - then every decoder layer whose parts all became native by a `NativeDecoderLayer`, which runs
-  the whole layer as one native call for every step.
+  the whole layer as one native call for every step;
+- then every decoder stack whose layers all became native by a `NativeLlamaModel`, which runs
+  all of its layers as one native call.
 Each replacement takes and returns what the module it replaces does, so the model code is the
 same on every device.
 """
@@ -28,7 +30,7 @@ from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
 from aioinfer.model.layers.rotary import ApplyRotary
-from aioinfer.model.llama import LlamaDecoderLayer
+from aioinfer.model.llama import LlamaDecoderLayer, LlamaModel
 
 
 class PackedLinear(nn.Module):
@@ -105,11 +107,12 @@ class NativeApplyRotary(ApplyRotary):
 
 
 class NativeDecoderLayer(LlamaDecoderLayer):
-    """A decoder layer that runs as one native call (`decoder_layer`) for every step: the
-    Python and dispatch between a layer's dozen ops cost as much as its attention at decode
-    sizes; decodes attend through the decode kernel, prompt chunks the prefill kernel. Holds the
-    layer's own modules (the fallback for other attention backends), so parameter names and
-    state dicts are unchanged."""
+    """A decoder layer that runs as one native call (`decoder_layer`): the Python and dispatch
+    between a layer's dozen ops cost as much as its attention at decode sizes; decodes attend
+    through the decode kernel, prompt chunks the prefill kernel. In a model, `NativeLlamaModel`
+    runs all such layers in one call and reads their `weights`. Holds the layer's own modules
+    (the fallback for other attention backends), so parameter names and state dicts are
+    unchanged."""
 
     def __init__(
         self, layer: LlamaDecoderLayer, weights: DecoderLayerWeights, kernels: NativeKernels
@@ -140,6 +143,45 @@ class NativeDecoderLayer(LlamaDecoderLayer):
             metadata.seq_lens,
             metadata.num_decodes,
         )
+
+
+class NativeLlamaModel(LlamaModel):
+    """A decoder stack whose layers are all `NativeDecoderLayer`s, run as one native call
+    (`decoder_layers`) for every step: called layer by layer, the Python between them ran on
+    caches each layer's weights had just flushed, about 90 us a layer. Holds the model's own
+    modules, so parameter names and state dicts are unchanged."""
+
+    def __init__(self, model: LlamaModel, kernels: NativeKernels) -> None:
+        nn.Module.__init__(self)  # adopts the model's modules instead of building new ones
+        self.embed_tokens = model.embed_tokens
+        self.layers = model.layers
+        self.norm = model.norm
+        self.rotary_emb = model.rotary_emb
+        self.kernels = kernels
+        layers: list[NativeDecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+        self.layer_weights = [layer.weights for layer in layers]
+        self.cache_indices = [layer.self_attn.attn.layer_idx for layer in layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        if not isinstance(ctx.attn_backend, NativeAttentionBackend):
+            return super().forward(input_ids, positions)
+        metadata = ctx.attn_metadata
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        x = self.kernels.decoder_layers(
+            self.layer_weights,
+            x,
+            cos,
+            sin,
+            [ctx.kv_caches[i] for i in self.cache_indices],
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.num_decodes,
+        )
+        return self.norm(x)
 
 
 def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
@@ -224,5 +266,12 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
             weights = _decoder_layer_weights(child)
             if weights is not None:
                 setattr(parent, name, NativeDecoderLayer(child, weights, kernels))
+                swapped += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is LlamaModel and all(
+                isinstance(layer, NativeDecoderLayer) for layer in child.layers
+            ):
+                setattr(parent, name, NativeLlamaModel(child, kernels))
                 swapped += 1
     return swapped
