@@ -341,7 +341,11 @@ def _our_model_of(hf: nn.Module) -> nn.Module:
 )
 @pytest.mark.parametrize("with_prompt", [False, True])
 def test_decoder_layers_match_the_torch_modules(
-    kernels: cpu_native.NativeKernels, arch: str, overrides: dict, with_prompt: bool
+    kernels: cpu_native.NativeKernels,
+    arch: str,
+    overrides: dict,
+    with_prompt: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each qualifying layer runs as one native call, for a decode-only step and for one with
     prompt tokens (a chunk after a cached prefix, a fresh prompt across blocks): the hidden
@@ -387,12 +391,23 @@ def test_decoder_layers_match_the_torch_modules(
     ref_caches = [c.clone() for c in caches]
     ids = torch.randint(0, cfg.vocab_size, (metadata.num_tokens,), generator=gen)
 
+    calls = []
+    monkeypatch.setattr(
+        kernels,
+        "decoder_layers",
+        lambda *a: calls.append(a) or type(kernels).decoder_layers(kernels, *a),
+    )
     with torch.no_grad():
         with forward_context(metadata, caches, NativeAttentionBackend(kernels)):
             got = native(ids, metadata.positions)
         with forward_context(metadata, ref_caches, TorchAttentionBackend()):
             expected = reference(ids, metadata.positions)
+        fallback_caches = [c.clone() for c in caches]
+        with forward_context(metadata, fallback_caches, TorchAttentionBackend()):
+            fallback = native(ids, metadata.positions)  # other backends: the modules one by one
+    assert len(calls) == (1 if fused else 0)  # every layer of the step in one call
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fallback, expected, rtol=1e-4, atol=1e-4)
     for cache, ref_cache in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert native.state_dict().keys() == reference.state_dict().keys()
@@ -413,6 +428,12 @@ def test_decoder_layers_match_the_torch_modules(
             kernels.decoder_layers(stack, x, x[:, :16], x[:, :16], [caches[0], wrong], *step)
         with pytest.raises(ValueError, match="one KV cache per layer"):
             kernels.decoder_layers(stack, x, x[:, :16], x[:, :16], caches[:1], *step)
+        other = cpu_native.DecoderLayerWeights.build(
+            heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, eps=1e-6, scale=0.1,
+            tensors=small_layer_tensors(),
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="share their sizes"):
+            kernels.decoder_layers([stack[0], other], x, x[:, :16], x[:, :16], caches, *step)
 
 
 # A small decoder layer for the kernel's own checks: hidden 64, 2 query heads over 1 KV head of

@@ -237,6 +237,8 @@ class NativeKernels:
         num_reqs = seq_lens.shape[0]
         if not 0 <= num_decodes <= min(num_reqs, b):
             raise ValueError(f"num_decodes must be in [0, {min(num_reqs, b)}], got {num_decodes}")
+        if not all(isinstance(layer, DecoderLayerWeights) for layer in layers):
+            raise TypeError("layers must be DecoderLayerWeights")  # passed as raw addresses
         first = layers[0]
         sizes = ("hidden", "heads", "kv_heads", "head_dim", "intermediate")
         if any(getattr(layer, n) != getattr(first, n) for layer in layers for n in sizes):
@@ -245,7 +247,8 @@ class NativeKernels:
         expected = {
             "x": (out.shape, (b, first.hidden)),
             "cos": (cos.shape, (b, first.head_dim // 2)),
-            "kv_cache": (cache_shape[3:], (first.kv_heads, first.head_dim)),
+            "sin": (sin.shape, (b, first.head_dim // 2)),
+            "kv_cache": (cache_shape[1:2] + cache_shape[3:], (2, first.kv_heads, first.head_dim)),
             "slot_mapping": (slot_mapping.shape, (b,)),
             **{f"kv_caches[{i}]": (c.shape, cache_shape) for i, c in enumerate(kv_caches)},
         }
@@ -275,7 +278,7 @@ _LAYER_TENSORS = (
 
 
 class DecoderLayerWeights(ctypes.Structure):
-    """The weights of one decoder layer as `decoder_layer` reads them: norms [hidden]
+    """The weights of one decoder layer as the C `DecoderLayer` holds them: norms [hidden]
     (q_norm and k_norm [head_dim], or both None), linear weights packed by `pack_weight`,
     biases [out_features] or None. Holds raw pointers, and the tensors to keep them alive: the
     tensors must keep their storage (load into them in place, never replace them)."""
@@ -346,7 +349,7 @@ def _check_requests(
 ) -> None:
     """Refuse a step's per-request index tensors unless they are contiguous int32 on the CPU
     with shapes that agree with each other and the step's token count (the kernels trust their
-    values). Every layer of a step calls it: checks only, no conversions."""
+    values). Called once a step: checks only, no conversions."""
     for t in (block_tables, query_start_loc, seq_lens):
         _check_indices(t, torch.int32)
     num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1

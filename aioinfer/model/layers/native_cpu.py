@@ -107,12 +107,12 @@ class NativeApplyRotary(ApplyRotary):
 
 
 class NativeDecoderLayer(LlamaDecoderLayer):
-    """A decoder layer that runs as one native call (`decoder_layer`): the Python and dispatch
-    between a layer's dozen ops cost as much as its attention at decode sizes; decodes attend
-    through the decode kernel, prompt chunks the prefill kernel. In a model, `NativeLlamaModel`
-    runs all such layers in one call and reads their `weights`. Holds the layer's own modules
-    (the fallback for other attention backends), so parameter names and state dicts are
-    unchanged."""
+    """A decoder layer that runs as one native call (`NativeKernels.decoder_layer`): the Python
+    and dispatch between a layer's dozen ops cost as much as its attention at decode sizes;
+    decodes attend through the decode kernel, prompt chunks the prefill kernel. In a model,
+    `NativeLlamaModel` runs all such layers in one call and reads their `weights`. Holds the
+    layer's own modules (the fallback for other attention backends), so parameter names and
+    state dicts are unchanged."""
 
     def __init__(
         self, layer: LlamaDecoderLayer, weights: DecoderLayerWeights, kernels: NativeKernels
@@ -158,6 +158,7 @@ class NativeLlamaModel(LlamaModel):
         self.norm = model.norm
         self.rotary_emb = model.rotary_emb
         self.kernels = kernels
+        # Read once: the layers are not replaced after the swap.
         layers: list[NativeDecoderLayer] = list(model.layers)  # type: ignore[arg-type]
         self.layer_weights = [layer.weights for layer in layers]
         self.cache_indices = [layer.self_attn.attn.layer_idx for layer in layers]
@@ -269,8 +270,10 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
                 swapped += 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is LlamaModel and all(
-                isinstance(layer, NativeDecoderLayer) for layer in child.layers
+            if (
+                type(child) is LlamaModel
+                and len(child.layers) > 0
+                and all(isinstance(layer, NativeDecoderLayer) for layer in child.layers)
             ):
                 setattr(parent, name, NativeLlamaModel(child, kernels))
                 swapped += 1
