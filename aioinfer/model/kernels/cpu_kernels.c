@@ -8,8 +8,8 @@
  * own ops share one thread team per calling thread.
  *
  * Kernels: packed_linear, paged_decode_attention, paged_prefill_attention, rms_norm, silu_mul,
- * rotary, and decoder_layer, which runs them as one decoder layer; each documented above its
- * code.
+ * rotary, and decoder_layers, which runs them as a model's decoder layers; each documented
+ * above its code.
  */
 #include <math.h>
 #include <stdlib.h>
