@@ -354,6 +354,7 @@ def test_decoder_layers_match_the_torch_modules(
     from aioinfer.model.layers.attention import AttentionMetadata
     from aioinfer.model.layers.native_cpu import NativeDecoderLayer, NativeLlamaModel
     from aioinfer.model.layers.torch_attention import TorchAttentionBackend
+    from aioinfer.model.llama import LlamaModel
     from tests.model.tiny_models import make_hf_model
 
     hf = make_hf_model(arch, seed=5, **overrides)
@@ -402,12 +403,16 @@ def test_decoder_layers_match_the_torch_modules(
             got = native(ids, metadata.positions)
         with forward_context(metadata, ref_caches, TorchAttentionBackend()):
             expected = reference(ids, metadata.positions)
+        assert len(calls) == (1 if fused else 0)  # every layer of the step in one call
         fallback_caches = [c.clone() for c in caches]
         with forward_context(metadata, fallback_caches, TorchAttentionBackend()):
             fallback = native(ids, metadata.positions)  # other backends: the modules one by one
-    assert len(calls) == (1 if fused else 0)  # every layer of the step in one call
+        one_by_one_caches = [c.clone() for c in caches]
+        with forward_context(metadata, one_by_one_caches, NativeAttentionBackend(kernels)):
+            one_by_one = LlamaModel.forward(native.model, ids, metadata.positions)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fallback, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(one_by_one, got, rtol=0, atol=0)  # each layer a call of its own
     for cache, ref_cache in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert native.state_dict().keys() == reference.state_dict().keys()
@@ -416,8 +421,8 @@ def test_decoder_layers_match_the_torch_modules(
         x = torch.randn(metadata.num_tokens, cfg.hidden_size)
         wrong = torch.zeros(num_blocks, 2, block_size, cfg.num_kv_heads + 1, cfg.head_dim)
         with pytest.raises(ValueError, match="kv_cache must have shape"):
-            kernels.decoder_layer(
-                layer.weights, x, x[:, :16], x[:, :16], wrong, metadata.slot_mapping,
+            kernels.decoder_layers(
+                [layer.weights], x, x[:, :16], x[:, :16], [wrong], metadata.slot_mapping,
                 metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
                 metadata.num_decodes,
             )  # fmt: skip
@@ -505,7 +510,7 @@ def test_decoder_layer_calls_from_two_threads_do_not_share_scratch(
         tables = torch.arange(1, tokens // block_size + 2, dtype=torch.int32)[None]
         starts = torch.tensor([0, tokens], dtype=torch.int32)
         lens = torch.tensor([tokens], dtype=torch.int32)
-        return kernels.decoder_layer(layer, x, cos, sin, cache, slots, tables, starts, lens, 0)
+        return kernels.decoder_layers([layer], x, cos, sin, [cache], slots, tables, starts, lens, 0)
 
     cases = [(300, 1), (40, 2)] * 8  # different sizes: the scratch is grown and reused
     expected = [step(*case) for case in cases]

@@ -63,7 +63,7 @@ class NativeKernels:
             lib.decoder_layers, V, V, L, P, L, P, P, V, V, L, V, V, L, L, L, P, I
         )
         self._decoder_layer_work = _bind(lib.decoder_layer_work_floats, W, L, restype=L)
-        # Scratch of decoder_layer, grown to the largest step and reused; one per thread, as
+        # Scratch of decoder_layers, grown to the largest step and reused; one per thread, as
         # the kernels are shared by every engine of the process, each with its own thread.
         self._scratch = threading.local()
 
@@ -183,25 +183,6 @@ class NativeKernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
-
-    def decoder_layer(
-        self,
-        layer: DecoderLayerWeights,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        seq_lens: torch.Tensor,
-        num_decodes: int,
-    ) -> torch.Tensor:
-        """One decoder layer: `decoder_layers` with a stack of one."""
-        return self.decoder_layers(
-            [layer], x, cos, sin, [kv_cache], slot_mapping, block_tables, query_start_loc,
-            seq_lens, num_decodes,
-        )  # fmt: skip
 
     def decoder_layers(
         self,

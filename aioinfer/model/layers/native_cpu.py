@@ -107,7 +107,7 @@ class NativeApplyRotary(ApplyRotary):
 
 
 class NativeDecoderLayer(LlamaDecoderLayer):
-    """A decoder layer that runs as one native call (`NativeKernels.decoder_layer`): the Python
+    """A decoder layer that runs as one native call (`NativeKernels.decoder_layers`): the Python
     and dispatch between a layer's dozen ops cost as much as its attention at decode sizes;
     decodes attend through the decode kernel, prompt chunks the prefill kernel. In a model,
     `NativeLlamaModel` runs all such layers in one call and reads their `weights`. Holds the
@@ -126,22 +126,10 @@ class NativeDecoderLayer(LlamaDecoderLayer):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx = get_forward_context()
-        backend = ctx.attn_backend
-        if not isinstance(backend, NativeAttentionBackend):
+        if not isinstance(get_forward_context().attn_backend, NativeAttentionBackend):
             return super().forward(x, cos, sin)
-        metadata = ctx.attn_metadata
-        return self.kernels.decoder_layer(
-            self.weights,
-            x,
-            cos,
-            sin,
-            ctx.kv_caches[self.self_attn.attn.layer_idx],
-            metadata.slot_mapping,
-            metadata.block_tables,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            metadata.num_decodes,
+        return _run_native_layers(
+            self.kernels, [self.weights], [self.self_attn.attn.layer_idx], x, cos, sin
         )
 
 
@@ -164,25 +152,38 @@ class NativeLlamaModel(LlamaModel):
         self.cache_indices = [layer.self_attn.attn.layer_idx for layer in layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ctx = get_forward_context()
-        if not isinstance(ctx.attn_backend, NativeAttentionBackend):
+        if not isinstance(get_forward_context().attn_backend, NativeAttentionBackend):
             return super().forward(input_ids, positions)
-        metadata = ctx.attn_metadata
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        x = self.kernels.decoder_layers(
-            self.layer_weights,
-            x,
-            cos,
-            sin,
-            [ctx.kv_caches[i] for i in self.cache_indices],
-            metadata.slot_mapping,
-            metadata.block_tables,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            metadata.num_decodes,
-        )
+        x = _run_native_layers(self.kernels, self.layer_weights, self.cache_indices, x, cos, sin)
         return self.norm(x)
+
+
+def _run_native_layers(
+    kernels: NativeKernels,
+    weights: list[DecoderLayerWeights],
+    cache_indices: list[int],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """The layers of `weights` over the current step, each with the step's KV cache of the
+    matching index."""
+    ctx = get_forward_context()
+    metadata = ctx.attn_metadata
+    return kernels.decoder_layers(
+        weights,
+        x,
+        cos,
+        sin,
+        [ctx.kv_caches[i] for i in cache_indices],
+        metadata.slot_mapping,
+        metadata.block_tables,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.num_decodes,
+    )
 
 
 def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
