@@ -367,11 +367,22 @@ class Sampler:
     def _noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty_like(probs)
         if batch.any_unseeded_random:
-            noise.exponential_(generator=self._generator)
+            exponential_(noise, self._generator)
         for row, seed in batch.seeded_rows:
             self._seeded_generator.manual_seed(seed)
-            noise[row].exponential_(generator=self._seeded_generator)
+            exponential_(noise[row], self._seeded_generator)
         return noise
+
+
+def exponential_(out: torch.Tensor, generator: torch.Generator) -> None:
+    """Fill `out` with Exp(1) draws. On the CPU, `Tensor.exponential_` takes about 17 ns an
+    element (13 ms over 16 x 49152 logits, a third of a decode step); -log of a uniform draw,
+    about 3. A draw of U = 0 is raised to the smallest normal number: -log(0) = inf would take
+    its token out of the race, and with every other token masked, leave a masked one to win."""
+    if out.device.type != "cpu":
+        out.exponential_(generator=generator)
+        return
+    out.uniform_(generator=generator).clamp_(min=torch.finfo(out.dtype).tiny).log_().neg_()
 
 
 def argmax(values: torch.Tensor) -> torch.Tensor:

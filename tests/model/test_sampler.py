@@ -18,6 +18,7 @@ from aioinfer.core.step import ScheduledChunk
 from aioinfer.gpu.sampler import (
     Sampler,
     compute_prompt_logprobs,
+    exponential_,
     process_logits,
     seeded_generator_seed,
     truncate_logits,
@@ -281,6 +282,16 @@ def test_sampling_distribution_matches_softmax(
     assert set(counts) <= allowed
     # Degrees of freedom <= 5; 30 is far in the tail (p < 1e-4), so only a real bias fails.
     assert chi_square(counts, probs, n) < 30.0
+
+
+def test_exponential_noise_is_exp1_and_positive() -> None:
+    """The race's noise: mean 1, variance 1, P(E > 3) = e^-3, never 0 or inf."""
+    out = torch.empty(400_000)
+    exponential_(out, torch.Generator().manual_seed(7))
+    assert bool(torch.isfinite(out).all()) and float(out.min()) > 0
+    assert abs(float(out.mean()) - 1.0) < 0.01
+    assert abs(float(out.var()) - 1.0) < 0.02
+    assert abs(float((out > 3.0).float().mean()) - math.exp(-3.0)) < 0.002
 
 
 # ---- penalties, bias, bans ----------------------------------------------------------------------
