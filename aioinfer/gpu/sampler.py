@@ -376,8 +376,8 @@ class Sampler:
 
 def exponential_(out: torch.Tensor, generator: torch.Generator) -> None:
     """Fill `out` with Exp(1) draws. On the CPU, `Tensor.exponential_` takes about 17 ns an
-    element (13 ms over 16 x 49152 logits, a third of a decode step); -log of a uniform draw,
-    about 3. A draw of U = 0 is raised to the smallest normal number: -log(0) = inf would take
+    element (13 ms over 16 x 49152 logits, a third of a decode step); -log of a uniform draw
+    about 3 ns. A draw of U = 0 is raised to the smallest normal number: -log(0) = inf would take
     its token out of the race, and with every other token masked, leave a masked one to win."""
     if out.device.type != "cpu":
         out.exponential_(generator=generator)
