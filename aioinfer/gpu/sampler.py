@@ -26,7 +26,7 @@ Unseeded rows share one generator.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,8 @@ from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk, TokenLogprobs
 
 MAX_LOGPROBS = 20
+# (logits [B, V], top_p [B, 1]) -> threshold [B, 1]: the nucleus is the logits >= it.
+TopPThresholds = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 # Rows of prompt logits turned into logprobs at a time; bounds the extra [rows, V] buffers.
@@ -202,12 +204,16 @@ class Sampler:
         *,
         seed: int | None = None,
         max_logprobs: int = MAX_LOGPROBS,
+        top_p_thresholds: TopPThresholds | None = None,
     ) -> None:
+        """`top_p_thresholds` finds each row's top_p threshold without sorting the row (the
+        native CPU kernel); by default the rows are sorted."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.max_logprobs = max_logprobs
+        self.top_p_thresholds = top_p_thresholds
         self._pin = self.device.type == "cuda"
         self._generator = torch.Generator(device=self.device)
         if seed is None:
@@ -355,7 +361,7 @@ class Sampler:
         if batch.all_greedy:
             return argmax(logits)
         greedy_ids = argmax(logits) if batch.greedy is not None else None
-        truncate_logits(logits, batch)
+        truncate_logits(logits, batch, self.top_p_thresholds)
         probs = logits.softmax(dim=-1)
         # Exp(1) noise can round to 0; keep it positive so masked tokens stay at exactly 0.
         noise = self._noise(probs, batch).clamp_(min=torch.finfo(probs.dtype).tiny)
@@ -426,7 +432,9 @@ def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
 
 
-def truncate_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def truncate_logits(
+    logits: torch.Tensor, batch: SamplingBatch, top_p_thresholds: TopPThresholds | None = None
+) -> torch.Tensor:
     """Apply temperature, min_p, top_k and top_p to `logits` [B, V] float32 in place."""
     t = batch.truncation
     if t.temperature is not None:
@@ -435,7 +443,11 @@ def truncate_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); log(0) = -inf keeps all.
         floor = logits.amax(dim=-1, keepdim=True) + t.min_p.log()
         logits.masked_fill_(logits < floor, float("-inf"))
-    if t.top_p is not None:
+    if t.top_p is not None and top_p_thresholds is not None and logits.device.type == "cpu":
+        if t.top_k is not None:
+            _apply_top_k(logits, t.top_k, t.max_top_k)
+        logits.masked_fill_(logits < top_p_thresholds(logits, t.top_p), float("-inf"))
+    elif t.top_p is not None:
         _apply_top_k_top_p(logits, t.top_k, t.top_p)
     elif t.top_k is not None:
         _apply_top_k(logits, t.top_k, t.max_top_k)

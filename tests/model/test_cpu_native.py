@@ -518,3 +518,45 @@ def test_decoder_layer_calls_from_two_threads_do_not_share_scratch(
         got = list(pool.map(lambda case: step(*case), cases))
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def sorted_top_p_thresholds(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The sampler's reference: sort, cumulative probability before each token, the last
+    token whose predecessors hold less than top_p."""
+    ordered = logits.sort(dim=-1, descending=True).values
+    probs = ordered.double().softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    last = ((before < top_p).sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
+    return ordered.gather(1, last).masked_fill_(top_p >= 1.0, float("-inf"))
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_top_p_thresholds_match_a_sort(kernels: cpu_native.NativeKernels, case: int) -> None:
+    """Ties, removed (-inf) tokens, widths off the vector size, top_p of 0 and 1."""
+    gen = torch.Generator().manual_seed(case)
+    rows, vocab = 1 + case % 5, int(torch.randint(1, 700, (1,), generator=gen))
+    logits = torch.randn(rows, vocab, generator=gen) * (0.1 + case % 7)
+    if case % 2:
+        logits = logits.round()  # many ties
+    if case % 3 == 0:
+        logits[torch.rand(rows, vocab, generator=gen) < 0.4] = float("-inf")
+    top_p = torch.rand(rows, 1, generator=gen)
+    top_p[0] = (0.0, 1.0, float(top_p[0]))[case % 3]
+    got = kernels.top_p_thresholds(logits, top_p)
+    expected = sorted_top_p_thresholds(logits, top_p)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # The kept set never includes a removed token, and holds at least top_p of the mass.
+    kept = logits >= got
+    kept_removed = (kept & torch.isinf(logits)).any(dim=-1, keepdim=True)
+    assert not (kept_removed & (got > float("-inf"))).any()  # only where top_p keeps all
+    mass = (logits.double().softmax(-1) * kept).sum(-1, keepdim=True)
+    assert bool((mass >= top_p.double() - 1e-9).all())
+
+
+def test_top_p_thresholds_of_a_full_vocabulary(kernels: cpu_native.NativeKernels) -> None:
+    """SmolLM2's 49152 logits, flat and peaked rows: the nucleus of a sort, in double."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=gen) * torch.tensor([[0.5], [1], [2], [4], [8], [16]])
+    top_p = torch.tensor([[0.9], [0.5], [0.95], [0.3], [0.99], [0.7]])
+    got = kernels.top_p_thresholds(logits, top_p)
+    torch.testing.assert_close(got, sorted_top_p_thresholds(logits, top_p), rtol=0, atol=0)

@@ -17,12 +17,14 @@ from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk
 from aioinfer.gpu.sampler import (
     Sampler,
+    TopPThresholds,
     compute_prompt_logprobs,
     exponential_,
     process_logits,
     seeded_generator_seed,
     truncate_logits,
 )
+from aioinfer.model.kernels import cpu_native
 
 CPU = torch.device("cpu")
 FAST = settings(max_examples=25, deadline=None)
@@ -220,16 +222,27 @@ truncation_cases = st.tuples(
 )
 
 
+def top_p_search(name: str) -> TopPThresholds | None:
+    """How the sampler finds top_p thresholds: a sort of each row, or the native kernel."""
+    if name == "sort":
+        return None
+    kernels = cpu_native.load()
+    if kernels is None:
+        pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
+    return kernels.top_p_thresholds
+
+
+@pytest.mark.parametrize("search", ["sort", "native"])
 @settings(max_examples=60, deadline=None)
 @given(truncation_cases)
-def test_truncation_keeps_exactly_the_reference_set(case: tuple) -> None:
+def test_truncation_keeps_exactly_the_reference_set(search: str, case: tuple) -> None:
     values, temperature, top_k, top_p, min_p = case
     assume(boundary_margin(values, temperature, top_k, top_p, min_p) > 1e-4)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     chunks = [chunk("a", params), chunk("b", SamplingParams(temperature=1.0))]
     logits = torch.tensor([values, values], dtype=torch.float32)
     sampler = Sampler(len(values), CPU, seed=0)
-    out = truncate_logits(logits.clone(), sampler.prepare(chunks))
+    out = truncate_logits(logits.clone(), sampler.prepare(chunks), top_p_search(search))
     kept = set(torch.isfinite(out[0]).nonzero().flatten().tolist())
     assert kept == reference_allowed(values, temperature, top_k, top_p, min_p)
     assert torch.isfinite(out[1]).all()  # the other row is untouched
@@ -250,6 +263,7 @@ def chi_square(counts: Counter, probs: Sequence[float], n: int) -> float:
     return sum((counts[i] - n * p) ** 2 / (n * p) for i, p in enumerate(probs) if p > 0)
 
 
+@pytest.mark.parametrize("search", ["sort", "native"])
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "seeded"),
     [
@@ -261,7 +275,7 @@ def chi_square(counts: Counter, probs: Sequence[float], n: int) -> float:
     ],
 )
 def test_sampling_distribution_matches_softmax(
-    temperature: float, top_k: int, top_p: float, seeded: bool
+    temperature: float, top_k: int, top_p: float, seeded: bool, search: str
 ) -> None:
     values = [1.0, 0.4, 0.2, -0.3, -0.6, -1.2]
     n = 3000 if seeded else 20000
@@ -275,7 +289,8 @@ def test_sampling_distribution_matches_softmax(
         for i in range(n)
     ]
     logits = torch.tensor(values).expand(n, -1).contiguous()
-    counts = Counter(sample_ids(Sampler(len(values), CPU, seed=3), logits, chunks))
+    sampler = Sampler(len(values), CPU, seed=3, top_p_thresholds=top_p_search(search))
+    counts = Counter(sample_ids(sampler, logits, chunks))
     allowed = reference_allowed(values, temperature, top_k, top_p, 0.0)
     z = [v / temperature if i in allowed else -math.inf for i, v in enumerate(values)]
     probs = softmax64(z)

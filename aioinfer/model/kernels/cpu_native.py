@@ -59,6 +59,7 @@ class NativeKernels:
         self._rms_norm = _bind(lib.rms_norm, P, L, L, P, F, P, I)
         self._silu_mul = _bind(lib.silu_mul, P, P, L, P, I)
         self._rotary = _bind(lib.rotary, P, L, L, L, P, P, P, I)
+        self._top_p_thresholds = _bind(lib.top_p_thresholds, P, L, L, P, P, I)
         self._decoder_layers = _bind(
             lib.decoder_layers, V, V, L, P, L, P, P, V, V, L, V, V, L, L, L, P, I
         )
@@ -180,6 +181,24 @@ class NativeKernels:
         out = torch.empty_like(x)
         self._rotary(
             x.data_ptr(), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def top_p_thresholds(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """For logits [B, V] (-inf where already removed) and top_p [B, 1], the threshold
+        [B, 1] of each row's nucleus: its tokens are those with logits >= the threshold, as
+        the smallest prefix of the descending sort that reaches top_p, ties included (-inf where
+        top_p >= 1). Float32 on the CPU."""
+        logits = logits.contiguous()
+        top_p = top_p.to(torch.float32).reshape(-1).contiguous()
+        _check(logits, top_p)
+        rows, vocab = logits.shape
+        if top_p.shape[0] != rows:
+            raise ValueError(f"top_p must have {rows} rows, got {top_p.shape[0]}")
+        out = torch.empty(rows, 1)
+        self._top_p_thresholds(
+            logits.data_ptr(), rows, vocab, top_p.data_ptr(), out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         return out
