@@ -123,7 +123,7 @@ class ModelRunner:
             self.device,
             seed=model_config.seed,
             max_logprobs=model_config.max_logprobs,
-            top_p_thresholds=_native_top_p(cpu_kernels),
+            cpu_kernels=_native_kernels(cpu_kernels),
         )
         self.graph_runner: CudaGraphRunner | None = None  # captured after the KV cache exists
         self.attn_backend = select_attention_backend(
@@ -370,15 +370,13 @@ def select_cpu_kernels(
     return "native"
 
 
-def _native_top_p(cpu_kernels: str) -> Any:
-    """The native kernel that finds top_p thresholds without a sort, when the native CPU
-    kernels run the model."""
+def _native_kernels(cpu_kernels: str) -> Any:
+    """The native CPU kernels when they run the model (the sampler uses them too), else None."""
     if cpu_kernels != "native":
         return None
     from aioinfer.model.kernels import cpu_native
 
-    kernels = cpu_native.load()
-    return kernels.top_p_thresholds if kernels is not None else None
+    return cpu_native.load()
 
 
 def _graphs_off_reason(

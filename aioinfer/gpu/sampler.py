@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from aioinfer.core.step import ScheduledChunk, TokenLogprobs
 MAX_LOGPROBS = 20
 # (logits [B, V], top_p [B, 1]) -> threshold [B, 1]: the nucleus is the logits >= it.
 TopPThresholds = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+if TYPE_CHECKING:
+    from aioinfer.model.kernels.cpu_native import NativeKernels
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 # Rows of prompt logits turned into logprobs at a time; bounds the extra [rows, V] buffers.
@@ -204,16 +208,17 @@ class Sampler:
         *,
         seed: int | None = None,
         max_logprobs: int = MAX_LOGPROBS,
-        top_p_thresholds: TopPThresholds | None = None,
+        cpu_kernels: NativeKernels | None = None,
     ) -> None:
-        """`top_p_thresholds` finds each row's top_p threshold without sorting the row (the
-        native CPU kernel); by default the rows are sorted."""
+        """With `cpu_kernels` on the CPU, the noise of the race and the top_p thresholds come
+        from native kernels (the noise then depends on the seed alone, as with torch's
+        generators, but draws other values); else from torch ops."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.max_logprobs = max_logprobs
-        self.top_p_thresholds = top_p_thresholds
+        self.cpu_kernels = cpu_kernels if self.device.type == "cpu" else None
         self._pin = self.device.type == "cuda"
         self._generator = torch.Generator(device=self.device)
         if seed is None:
@@ -361,7 +366,8 @@ class Sampler:
         if batch.all_greedy:
             return argmax(logits)
         greedy_ids = argmax(logits) if batch.greedy is not None else None
-        truncate_logits(logits, batch, self.top_p_thresholds)
+        kernels = self.cpu_kernels
+        truncate_logits(logits, batch, kernels.top_p_thresholds if kernels else None)
         probs = logits.softmax(dim=-1)
         # Exp(1) noise can round to 0; keep it positive so masked tokens stay at exactly 0.
         noise = self._noise(probs, batch).clamp_(min=torch.finfo(probs.dtype).tiny)
@@ -372,11 +378,19 @@ class Sampler:
 
     def _noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty_like(probs)
+        kernels = self.cpu_kernels
         if batch.any_unseeded_random:
-            exponential_(noise, self._generator)
+            if kernels is not None:
+                key = int(torch.randint(0, 2**62, (), generator=self._generator))
+                kernels.exponential_(noise, key)
+            else:
+                exponential_(noise, self._generator)
         for row, seed in batch.seeded_rows:
-            self._seeded_generator.manual_seed(seed)
-            exponential_(noise[row], self._seeded_generator)
+            if kernels is not None:
+                kernels.exponential_(noise[row], seed)
+            else:
+                self._seeded_generator.manual_seed(seed)
+                exponential_(noise[row], self._seeded_generator)
         return noise
 
 

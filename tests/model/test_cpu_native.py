@@ -560,3 +560,33 @@ def test_top_p_thresholds_of_a_full_vocabulary(kernels: cpu_native.NativeKernels
     top_p = torch.tensor([[0.9], [0.5], [0.95], [0.3], [0.99], [0.7]])
     got = kernels.top_p_thresholds(logits, top_p)
     torch.testing.assert_close(got, sorted_top_p_thresholds(logits, top_p), rtol=0, atol=0)
+
+
+def _mix32(x: int) -> int:
+    x ^= x >> 16
+    x = x * 0x7FEB352D & 0xFFFFFFFF
+    x ^= x >> 15
+    x = x * 0x846CA68B & 0xFFFFFFFF
+    return x ^ x >> 16
+
+
+def test_exponential_noise_is_its_hash(kernels: cpu_native.NativeKernels) -> None:
+    """Element i of key k is -log(u) for u from two rounds of the mixer over (k, i): the same
+    draws from either build, vector lanes and the scalar tail alike."""
+    key = 0x1234_5678_9ABC_DEF0
+    out = kernels.exponential_(torch.empty(1000 + 7), key)
+    lo, hi = key & 0xFFFFFFFF, key >> 32
+    expected = []
+    for i in range(out.numel()):
+        h = _mix32((_mix32(i ^ lo) + hi) & 0xFFFFFFFF)
+        expected.append(-math.log(((h >> 9) + 0.5) / 2**23))
+    torch.testing.assert_close(out, torch.tensor(expected), rtol=2e-6, atol=0)
+
+
+def test_exponential_noise_is_never_zero(kernels: cpu_native.NativeKernels) -> None:
+    """A zero would win the race for its token whatever its probability: the largest uniform
+    draw (hit about eight times in these 2^26 draws) must stay below 1."""
+    out = torch.empty(1 << 24)
+    for key in range(4):
+        kernels.exponential_(out, key)
+        assert float(out.min()) > 5e-8 and bool(torch.isfinite(out).all())

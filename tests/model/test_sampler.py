@@ -17,7 +17,6 @@ from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk
 from aioinfer.gpu.sampler import (
     Sampler,
-    TopPThresholds,
     compute_prompt_logprobs,
     exponential_,
     process_logits,
@@ -177,12 +176,13 @@ def test_greedy_rows_of_mixed_batch_take_argmax_of_processed_logits() -> None:
 # ---- seeded sampling ----------------------------------------------------------------------------
 
 
-def test_seeded_sampling_reproduces_whatever_the_batch() -> None:
+@pytest.mark.parametrize("ops", ["torch", "native"])
+def test_seeded_sampling_reproduces_whatever_the_batch(ops: str) -> None:
     vocab = 64
     gen = torch.Generator().manual_seed(7)
     target = torch.randn(vocab, generator=gen) * 0.5
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
-    sampler = Sampler(vocab, CPU)
+    sampler = Sampler(vocab, CPU, cpu_kernels=sampler_kernels(ops))
 
     def run(step: int, others: int, position: int) -> int:
         rows = [torch.randn(vocab, generator=gen) for _ in range(others)]
@@ -222,27 +222,29 @@ truncation_cases = st.tuples(
 )
 
 
-def top_p_search(name: str) -> TopPThresholds | None:
-    """How the sampler finds top_p thresholds: a sort of each row, or the native kernel."""
-    if name == "sort":
+def sampler_kernels(ops: str) -> cpu_native.NativeKernels | None:
+    """What the sampler's noise and top_p thresholds run on: torch ops, or the native kernels."""
+    if ops == "torch":
         return None
     kernels = cpu_native.load()
     if kernels is None:
         pytest.skip(f"native CPU kernels unavailable: {cpu_native.unavailable_reason()}")
-    return kernels.top_p_thresholds
+    return kernels
 
 
-@pytest.mark.parametrize("search", ["sort", "native"])
+@pytest.mark.parametrize("ops", ["torch", "native"])
 @settings(max_examples=60, deadline=None)
 @given(truncation_cases)
-def test_truncation_keeps_exactly_the_reference_set(search: str, case: tuple) -> None:
+def test_truncation_keeps_exactly_the_reference_set(ops: str, case: tuple) -> None:
     values, temperature, top_k, top_p, min_p = case
     assume(boundary_margin(values, temperature, top_k, top_p, min_p) > 1e-4)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     chunks = [chunk("a", params), chunk("b", SamplingParams(temperature=1.0))]
     logits = torch.tensor([values, values], dtype=torch.float32)
     sampler = Sampler(len(values), CPU, seed=0)
-    out = truncate_logits(logits.clone(), sampler.prepare(chunks), top_p_search(search))
+    kernels = sampler_kernels(ops)
+    search = kernels.top_p_thresholds if kernels else None  # else a sort of each row
+    out = truncate_logits(logits.clone(), sampler.prepare(chunks), search)
     kept = set(torch.isfinite(out[0]).nonzero().flatten().tolist())
     assert kept == reference_allowed(values, temperature, top_k, top_p, min_p)
     assert torch.isfinite(out[1]).all()  # the other row is untouched
@@ -263,7 +265,7 @@ def chi_square(counts: Counter, probs: Sequence[float], n: int) -> float:
     return sum((counts[i] - n * p) ** 2 / (n * p) for i, p in enumerate(probs) if p > 0)
 
 
-@pytest.mark.parametrize("search", ["sort", "native"])
+@pytest.mark.parametrize("ops", ["torch", "native"])
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "seeded"),
     [
@@ -275,7 +277,7 @@ def chi_square(counts: Counter, probs: Sequence[float], n: int) -> float:
     ],
 )
 def test_sampling_distribution_matches_softmax(
-    temperature: float, top_k: int, top_p: float, seeded: bool, search: str
+    temperature: float, top_k: int, top_p: float, seeded: bool, ops: str
 ) -> None:
     values = [1.0, 0.4, 0.2, -0.3, -0.6, -1.2]
     n = 3000 if seeded else 20000
@@ -289,7 +291,7 @@ def test_sampling_distribution_matches_softmax(
         for i in range(n)
     ]
     logits = torch.tensor(values).expand(n, -1).contiguous()
-    sampler = Sampler(len(values), CPU, seed=3, top_p_thresholds=top_p_search(search))
+    sampler = Sampler(len(values), CPU, seed=3, cpu_kernels=sampler_kernels(ops))
     counts = Counter(sample_ids(sampler, logits, chunks))
     allowed = reference_allowed(values, temperature, top_k, top_p, 0.0)
     z = [v / temperature if i in allowed else -math.inf for i, v in enumerate(values)]
@@ -299,10 +301,15 @@ def test_sampling_distribution_matches_softmax(
     assert chi_square(counts, probs, n) < 30.0
 
 
-def test_exponential_noise_is_exp1_and_positive() -> None:
+@pytest.mark.parametrize("ops", ["torch", "native"])
+def test_exponential_noise_is_exp1_and_positive(ops: str) -> None:
     """The race's noise: mean 1, variance 1, P(E > 3) = e^-3, never 0 or inf."""
     out = torch.empty(400_000)
-    exponential_(out, torch.Generator().manual_seed(7))
+    kernels = sampler_kernels(ops)
+    if kernels is None:
+        exponential_(out, torch.Generator().manual_seed(7))
+    else:
+        kernels.exponential_(out, 7)
     assert bool(torch.isfinite(out).all()) and float(out.min()) > 0
     assert abs(float(out.mean()) - 1.0) < 0.01
     assert abs(float(out.var()) - 1.0) < 0.02

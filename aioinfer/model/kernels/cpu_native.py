@@ -60,6 +60,7 @@ class NativeKernels:
         self._silu_mul = _bind(lib.silu_mul, P, P, L, P, I)
         self._rotary = _bind(lib.rotary, P, L, L, L, P, P, P, I)
         self._top_p_thresholds = _bind(lib.top_p_thresholds, P, L, L, P, P, I)
+        self._exponential_noise = _bind(lib.exponential_noise, P, L, ctypes.c_ulonglong, I)
         self._decoder_layers = _bind(
             lib.decoder_layers, V, V, L, P, L, P, P, V, V, L, V, V, L, L, L, P, I
         )
@@ -201,6 +202,15 @@ class NativeKernels:
             logits.data_ptr(), rows, vocab, top_p.data_ptr(), out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
+        return out
+
+    def exponential_(self, out: torch.Tensor, key: int) -> torch.Tensor:
+        """Fill float32 `out` with Exp(1) draws that depend only on `key` (64 bits) and each
+        element's index: a row filled with its own key draws the same in any batch."""
+        _check(out)
+        self._exponential_noise(
+            out.data_ptr(), out.numel(), key & (1 << 64) - 1, torch.get_num_threads()
+        )
         return out
 
     def decoder_layers(
