@@ -429,16 +429,23 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _apply_penalties(logits: torch.Tensor, pen: PenaltyBatch) -> torch.Tensor:
+    """The penalties of rows [P, V], computed at the ids of their histories only (gathered,
+    penalised, scattered back): over the whole rows it took 4-5 ms a step on the CPU."""
     vocab = logits.shape[1]
     history = pen.history.masked_fill((pen.history < 0) | (pen.history > vocab), vocab)
     positions = torch.arange(history.shape[1], device=history.device)
     output = history.masked_fill(positions.unsqueeze(0) < pen.prompt_lens, vocab)
-    # Column `vocab` absorbs padding and ids past the vocabulary; it is dropped afterwards.
-    seen = _counts(history, vocab)[:, :vocab] > 0
-    counts = _counts(output, vocab)[:, :vocab]
-    penalised = torch.where(logits > 0, logits / pen.repetition, logits * pen.repetition)
-    logits = torch.where(seen, penalised, logits)
-    return logits - pen.frequency * counts - pen.presence * (counts > 0).to(logits.dtype)
+    # Column `vocab` absorbs padding and ids past the vocabulary; it is dropped at the end.
+    # Each scatter writes the same value to every copy of a repeated id.
+    padded = torch.nn.functional.pad(logits, (0, 1))
+    seen = padded.gather(1, history)
+    penalised = torch.where(seen > 0, seen / pen.repetition, seen * pen.repetition)
+    padded.scatter_(1, history, penalised)
+    counts = _counts(output, vocab).gather(1, output)
+    current = padded.gather(1, output)
+    presence = pen.presence * (counts > 0).to(logits.dtype)
+    padded.scatter_(1, output, current - pen.frequency * counts - presence)
+    return padded[:, :vocab]
 
 
 def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
