@@ -554,10 +554,12 @@ def test_top_p_thresholds_match_a_sort(kernels: cpu_native.NativeKernels, case: 
 
 
 def test_top_p_thresholds_of_a_full_vocabulary(kernels: cpu_native.NativeKernels) -> None:
-    """SmolLM2's 49152 logits, flat and peaked rows: the nucleus of a sort, in double."""
+    """SmolLM2's 49152 logits, flat and peaked rows (the flattest puts thousands of distinct
+    logits in one bucket): the nucleus of a sort, in double."""
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 49152, generator=gen) * torch.tensor([[0.5], [1], [2], [4], [8], [16]])
-    top_p = torch.tensor([[0.9], [0.5], [0.95], [0.3], [0.99], [0.7]])
+    scales = torch.tensor([[0.5], [1], [2], [4], [8], [16], [1e-3]])
+    logits = torch.randn(7, 49152, generator=gen) * scales
+    top_p = torch.tensor([[0.9], [0.5], [0.95], [0.3], [0.99], [0.7], [0.6]])
     got = kernels.top_p_thresholds(logits, top_p)
     torch.testing.assert_close(got, sorted_top_p_thresholds(logits, top_p), rtol=0, atol=0)
 
@@ -590,3 +592,18 @@ def test_exponential_noise_is_never_zero(kernels: cpu_native.NativeKernels) -> N
     for key in range(4):
         kernels.exponential_(out, key)
         assert float(out.min()) > 5e-8 and bool(torch.isfinite(out).all())
+
+
+def test_top_p_thresholds_survive_nan_and_inf(kernels: cpu_native.NativeKernels) -> None:
+    """A broken model's NaN or infinite logits give some threshold, never a crash or a write
+    out of bounds (NaN once replaced the row's max, and the bucket index went negative)."""
+    for bad in (float("nan"), float("inf")):
+        logits = torch.full((3, 48), -10.0)
+        logits[:, 0], logits[:, 32] = 5.0, 1.0
+        logits[0, 16], logits[1, 47], logits[2] = bad, bad, bad
+        got = kernels.top_p_thresholds(logits, torch.full((3, 1), 0.9))
+        assert got.shape == (3, 1)
+    logits = torch.full((1, 48), -10.0)
+    logits[0, 0], logits[0, 16], logits[0, 32] = 5.0, float("nan"), 1.0
+    # The NaN does not hide the max: the nucleus of [5, 1, -10...] at 0.9 is {5} alone.
+    assert float(kernels.top_p_thresholds(logits, torch.tensor([[0.9]]))) == 5.0

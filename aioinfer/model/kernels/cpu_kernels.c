@@ -751,7 +751,8 @@ void decoder_layers(const DecoderLayer *const *layers, float *const *caches, lon
 
 static inline long nucleus_bucket(float max, float logit) {
     float b = (max - logit) * (NUCLEUS_BUCKETS / NUCLEUS_SPAN); /* inf for removed tokens */
-    return b < NUCLEUS_BUCKETS - 1 ? (long)b : NUCLEUS_BUCKETS - 1;
+    if (b >= 0 && b < NUCLEUS_BUCKETS - 1) return (long)b;
+    return b < 0 ? 0 : NUCLEUS_BUCKETS - 1; /* NaN (a broken model's logits) last */
 }
 
 /* The threshold among the n candidates (values, weights), `above` (< target) being the weight
@@ -796,7 +797,7 @@ static float nucleus_threshold(const float *logits, long V, float top_p, float *
                                float *weights) {
     const long full = V / LANES * LANES;
     vf vmax = splat(-INFINITY);
-    for (long i = 0; i < full; i += LANES) vmax = max_v(vmax, load(logits + i));
+    for (long i = 0; i < full; i += LANES) vmax = max_v(load(logits + i), vmax); /* NaN skipped */
     float max = max_lanes(vmax);
     for (long i = full; i < V; i++) max = logits[i] > max ? logits[i] : max;
     if (!(top_p < 1.0f) || max == -INFINITY) return -INFINITY;
@@ -805,7 +806,7 @@ static float nucleus_threshold(const float *logits, long V, float top_p, float *
         vf l = load(logits + i); /* exp_v clamps -inf to exp(-87): mask the removed ones */
         store(weights + i, select_v(l > splat(-INFINITY), exp_v(l - max), splat(0.0f)));
     }
-    for (long i = full; i < V; i++) weights[i] = expf(logits[i] - max);
+    for (long i = full; i < V; i++) weights[i] = logits[i] > -INFINITY ? expf(logits[i] - max) : 0;
     double mass[NUCLEUS_BUCKETS] = {0}, total = 0.0;
     for (long i = 0; i < V; i++) mass[nucleus_bucket(max, logits[i])] += weights[i];
     for (long b = 0; b < NUCLEUS_BUCKETS; b++) total += mass[b];
@@ -829,8 +830,10 @@ void top_p_thresholds(const float *logits, long rows, long V, const float *top_p
     {
         float *scratch = malloc(2 * V * sizeof(float));
 #pragma omp for schedule(dynamic)
-        for (long r = 0; r < rows; r++)
-            thresholds[r] = nucleus_threshold(logits + r * V, V, top_p[r], scratch, scratch + V);
+        for (long r = 0; r < rows; r++) /* without scratch, keep every token */
+            thresholds[r] = scratch ? nucleus_threshold(logits + r * V, V, top_p[r], scratch,
+                                                        scratch + V)
+                                    : -INFINITY;
         free(scratch);
     }
 }
