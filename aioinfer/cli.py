@@ -196,6 +196,9 @@ def bench_serve(
     ),
     warmup: int = typer.Option(1, help="Uncounted warm-up requests."),
     allow_remote: bool = typer.Option(False, help="Allow a server that is not on loopback."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(None, help="top_p to send (default: none)."),
+    top_k: int = typer.Option(None, help="top_k to send (default: none)."),
 ) -> None:
     """Load an OpenAI-compatible server (aioinfer, vLLM, llama.cpp) as `vllm bench serve` does."""
     from aioinfer.bench.serve import BenchError, ServeBenchConfig
@@ -220,6 +223,9 @@ def bench_serve(
             tokenizer=tokenizer,
             allow_remote=allow_remote,
             warmup=warmup,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
         )
     except ValueError as exc:
         typer.echo(f"Error: {exc}", err=True)

@@ -69,6 +69,10 @@ class ServeBenchConfig:
     tokenizer: str | None = None
     allow_remote: bool = False
     warmup: int = 1
+    # Sampling, as `vllm bench serve` sends it: greedy unless set; top_p / top_k only when set.
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
 
     def __post_init__(self) -> None:
         choices = {
@@ -88,6 +92,10 @@ class ServeBenchConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         check_base_url(self.base_url, self.allow_remote)
 
 
@@ -130,10 +138,14 @@ def build_payload(config: ServeBenchConfig, model: str, sample: Sample) -> dict[
     payload: dict[str, Any] = {
         "model": model,
         "max_tokens": sample.output_len,
-        "temperature": 0.0,
+        "temperature": config.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if config.top_p is not None:
+        payload["top_p"] = config.top_p
+    if config.top_k is not None:
+        payload["top_k"] = config.top_k
     if config.endpoint == "chat":
         payload["messages"] = sample.messages
     else:

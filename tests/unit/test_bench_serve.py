@@ -208,9 +208,18 @@ def test_payload_asks_for_streamed_usage_and_exact_lengths(fake_server):
         assert body["ignore_eos"] is True and body["temperature"] == 0
         assert len(body["prompt"].split()) == 12
 
+    assert all("top_p" not in b and "top_k" not in b for b in server.bodies)
+
     server.bodies.clear()
     asyncio.run(serve.run_benchmark(config_for(server, ignore_eos="none", warmup=0)))
     assert all("ignore_eos" not in b and "min_tokens" not in b for b in server.bodies)
+
+    server.bodies.clear()
+    sampled = config_for(server, warmup=0, temperature=0.8, top_p=0.95, top_k=40)
+    asyncio.run(serve.run_benchmark(sampled))
+    assert [(b["temperature"], b["top_p"], b["top_k"]) for b in server.bodies] == [
+        (0.8, 0.95, 40)
+    ] * 4
 
 
 def test_chat_endpoint_without_usage_counts_chunks(fake_server):
@@ -377,7 +386,14 @@ def test_allow_remote_lifts_the_guard():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("endpoint", "embeddings"), ("dataset", "sonnet"), ("num_prompts", 0), ("request_rate", 0)],
+    [
+        ("endpoint", "embeddings"),
+        ("dataset", "sonnet"),
+        ("num_prompts", 0),
+        ("request_rate", 0),
+        ("temperature", -0.5),
+        ("top_p", 1.5),
+    ],
 )
 def test_bad_options_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
