@@ -20,8 +20,8 @@ top_p, plus every token tied with that last one; min_p keeps tokens with prob >=
 Removed tokens get logit -inf, hence probability exactly 0, and can never win the race.
 
 Seeded rows reproduce whatever batch they are in: each one draws its noise from a generator reseeded
-with `seeded_generator_seed(seed, output_index)` every step, so the draw depends on nothing else.
-Unseeded rows share one generator.
+with `seeded_generator_seed(seed, output_index)` every step (with the native CPU kernels, from a
+hash keyed by that value), so the draw depends on nothing else. Unseeded rows share one generator.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ import torch
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk, TokenLogprobs
 
+if TYPE_CHECKING:
+    from aioinfer.model.kernels.cpu_native import NativeKernels
+
 MAX_LOGPROBS = 20
 # (logits [B, V], top_p [B, 1]) -> threshold [B, 1]: the nucleus is the logits >= it.
 TopPThresholds = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-if TYPE_CHECKING:
-    from aioinfer.model.kernels.cpu_native import NativeKernels
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 # Rows of prompt logits turned into logprobs at a time; bounds the extra [rows, V] buffers.
