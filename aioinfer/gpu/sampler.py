@@ -20,8 +20,8 @@ top_p, plus every token tied with that last one; min_p keeps tokens with prob >=
 Removed tokens get logit -inf, hence probability exactly 0, and can never win the race.
 
 Seeded rows reproduce whatever batch they are in: each one draws its noise from a generator reseeded
-with `seeded_generator_seed(seed, output_index)` every step (with the native CPU kernels, from a
-hash keyed by that value), so the draw depends on nothing else. Unseeded rows share one generator.
+with `seeded_generator_seed(seed, output_index)` every step (the native CPU race hashes its noise
+from that value), so the draw depends on nothing else. Unseeded rows share one generator.
 """
 
 from __future__ import annotations
@@ -210,9 +210,9 @@ class Sampler:
         max_logprobs: int = MAX_LOGPROBS,
         cpu_kernels: NativeKernels | None = None,
     ) -> None:
-        """With `cpu_kernels` on the CPU, the noise of the race and the top_p thresholds come
-        from native kernels (the noise then depends on the seed alone, as with torch's
-        generators, but draws other values); else from torch ops."""
+        """With `cpu_kernels` on the CPU, the race and the top_p thresholds run as native
+        kernels (a seeded row's draw then depends on its seed alone, as with torch's
+        generators, but draws other values); else as torch ops."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
@@ -368,30 +368,34 @@ class Sampler:
         greedy_ids = argmax(logits) if batch.greedy is not None else None
         kernels = self.cpu_kernels
         truncate_logits(logits, batch, kernels.top_p_thresholds if kernels else None)
-        probs = logits.softmax(dim=-1)
-        # Exp(1) noise can round to 0; keep it positive so masked tokens stay at exactly 0.
-        noise = self._noise(probs, batch).clamp_(min=torch.finfo(probs.dtype).tiny)
-        token_ids = argmax(probs.div_(noise))
+        if kernels is not None:
+            token_ids = kernels.race_argmax(logits, self._race_keys(batch))
+        else:
+            probs = logits.softmax(dim=-1)
+            # Exp(1) noise can round to 0; keep it positive so masked tokens stay at exactly 0.
+            noise = self._noise(probs, batch).clamp_(min=torch.finfo(probs.dtype).tiny)
+            token_ids = argmax(probs.div_(noise))
         if greedy_ids is not None and batch.greedy is not None:
             token_ids = torch.where(batch.greedy, greedy_ids, token_ids)
         return token_ids
 
     def _noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty_like(probs)
-        kernels = self.cpu_kernels
         if batch.any_unseeded_random:
-            if kernels is not None:
-                key = int(torch.randint(0, 2**62, (), generator=self._generator))
-                kernels.exponential_(noise, key)
-            else:
-                exponential_(noise, self._generator)
+            exponential_(noise, self._generator)
         for row, seed in batch.seeded_rows:
-            if kernels is not None:
-                kernels.exponential_(noise[row], seed)
-            else:
-                self._seeded_generator.manual_seed(seed)
-                exponential_(noise[row], self._seeded_generator)
+            self._seeded_generator.manual_seed(seed)
+            exponential_(noise[row], self._seeded_generator)
         return noise
+
+    def _race_keys(self, batch: SamplingBatch) -> list[int]:
+        """The native race's key of each row: the seeded rows' own, the others derived from
+        one draw of the shared generator."""
+        base = int(torch.randint(0, 2**62, (), generator=self._generator))
+        keys = [seeded_generator_seed(base, row) for row in range(batch.size)]
+        for row, seed in batch.seeded_rows:
+            keys[row] = seed
+        return keys
 
 
 def exponential_(out: torch.Tensor, generator: torch.Generator) -> None:

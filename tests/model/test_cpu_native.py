@@ -572,26 +572,47 @@ def _mix32(x: int) -> int:
     return x ^ x >> 16
 
 
-def test_exponential_noise_is_its_hash(kernels: cpu_native.NativeKernels) -> None:
-    """Element i of key k is -log(u) for u from two rounds of the mixer over (k, i): the same
-    draws from either build, vector lanes and the scalar tail alike."""
-    key = 0x1234_5678_9ABC_DEF0
-    out = kernels.exponential_(torch.empty(1000 + 7), key)
-    lo, hi = key & 0xFFFFFFFF, key >> 32
-    expected = []
-    for i in range(out.numel()):
-        h = _mix32((_mix32(i ^ lo) + hi) & 0xFFFFFFFF)
-        expected.append(-math.log(((h >> 9) + 0.5) / 2**23))
-    torch.testing.assert_close(out, torch.tensor(expected), rtol=2e-6, atol=0)
+def reference_race(logits: torch.Tensor, keys: list[int]) -> list[int]:
+    """The race in float64 with the kernel's noise: E_i = -log((k + 1/2) / 2^23), k the top 23
+    bits of two mixer rounds over (key, i); the first index of the largest exp(l - max) / E."""
+    winners = []
+    for row, key in zip(logits.double().tolist(), keys, strict=True):
+        lo, hi = key & 0xFFFFFFFF, key >> 32 & 0xFFFFFFFF
+        top = max(x for x in row if x == x)  # NaN never the max
+        scores = []
+        for i, x in enumerate(row):
+            h = _mix32((_mix32(i ^ lo) + hi) & 0xFFFFFFFF)
+            noise = -math.log(((h >> 9) + 0.5) / 2**23)
+            scores.append(math.exp(x - top) / noise if x > -math.inf else -1.0)
+        winners.append(max(range(len(row)), key=lambda i: (scores[i], -i)))
+    return winners
 
 
-def test_exponential_noise_is_never_zero(kernels: cpu_native.NativeKernels) -> None:
-    """A zero would win the race for its token whatever its probability: the largest uniform
-    draw (hit about eight times in these 2^26 draws) must stay below 1."""
-    out = torch.empty(1 << 24)
-    for key in range(4):
-        kernels.exponential_(out, key)
-        assert float(out.min()) > 5e-8 and bool(torch.isfinite(out).all())
+@pytest.mark.parametrize("vocab", [1, 15, 16, 33, 500])
+def test_race_argmax_is_the_race_of_its_hash(kernels: cpu_native.NativeKernels, vocab: int) -> None:
+    """Every row, vector lanes and the padded tail alike, removed tokens never drawn; keys past
+    2^63 (two's complement on the way to C)."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    logits[torch.rand(6, vocab, generator=gen) < 0.3] = float("-inf")
+    logits[:, 0] = torch.where(torch.isinf(logits[:, 0]), 0.0, logits[:, 0])  # one left per row
+    keys = [0, 1, 2**32 + 7, 2**63 + 5, 2**64 - 1, 0x1234_5678_9ABC_DEF0]
+    got = kernels.race_argmax(logits, keys).tolist()
+    assert got == reference_race(logits, keys)
+    assert all(logits[r, i] > -math.inf for r, i in enumerate(got))
+
+
+def test_race_argmax_draws_from_the_softmax(kernels: cpu_native.NativeKernels) -> None:
+    """Frequencies over many keys follow softmax(logits); a removed token is never drawn."""
+    logits = torch.tensor([1.0, 0.4, 0.2, -0.3, float("-inf"), -1.2])
+    n = 40_000
+    drawn = kernels.race_argmax(logits.expand(n, -1), list(range(n)))
+    counts = torch.bincount(drawn, minlength=6).double()
+    probs = logits.double().softmax(-1)
+    assert counts[4] == 0
+    kept = probs > 0
+    chi_square = float(((counts[kept] - n * probs[kept]) ** 2 / (n * probs[kept])).sum())
+    assert chi_square < 30.0  # 4 degrees of freedom: p < 1e-5
 
 
 def test_top_p_thresholds_survive_nan_and_inf(kernels: cpu_native.NativeKernels) -> None:

@@ -301,15 +301,10 @@ def test_sampling_distribution_matches_softmax(
     assert chi_square(counts, probs, n) < 30.0
 
 
-@pytest.mark.parametrize("ops", ["torch", "native"])
-def test_exponential_noise_is_exp1_and_positive(ops: str) -> None:
-    """The race's noise: mean 1, variance 1, P(E > 3) = e^-3, never 0 or inf."""
+def test_exponential_noise_is_exp1_and_positive() -> None:
+    """The race's noise on the torch path: mean 1, variance 1, P(E > 3) = e^-3, never 0 or inf."""
     out = torch.empty(400_000)
-    kernels = sampler_kernels(ops)
-    if kernels is None:
-        exponential_(out, torch.Generator().manual_seed(7))
-    else:
-        kernels.exponential_(out, 7)
+    exponential_(out, torch.Generator().manual_seed(7))
     assert bool(torch.isfinite(out).all()) and float(out.min()) > 0
     assert abs(float(out.mean()) - 1.0) < 0.01
     assert abs(float(out.var()) - 1.0) < 0.02

@@ -838,14 +838,17 @@ void top_p_thresholds(const float *logits, long rows, long V, const float *top_p
     }
 }
 
-/* ------------------------------------------------------------------ exponential noise
+/* ------------------------------------------------------------------ race sampling
  *
- * out[i] = -log(u_i), i < n: Exp(1) draws for the sampler's exponential race, where torch's
- * generators take 2.8 ns (uniform) to 17 ns (exponential) an element. u_i = (k + 1/2) / 2^23
- * for a 23-bit k hashed from (key, i) alone, so the draws of a row with its own key are the
- * same in any batch. Never 0 or 1 (24 bits would round the top value to 1.0f: a draw of 0
- * that wins the race for its token whatever its probability). The hash is two rounds of a
- * 32-bit integer mixer (lowbias32) with the key's two halves folded in.
+ * For each row of logits [rows, V] (temperature applied, -inf where removed), the index of the
+ * largest exp(logit - max) / E_i: the exponential race, a draw from softmax(logits), in one
+ * pass after the row's max instead of a softmax, a noise tensor, a division and an argmax over
+ * [rows, V] (torch's generators alone take 2.8 ns an element, `exponential_` 17). E_i = -log(u)
+ * with u = (k + 1/2) / 2^23 for a 23-bit k hashed from (keys[r], i) alone, so a row's draw
+ * depends on its key and logits only, whatever the batch; u is never 0 or 1 (24 bits would
+ * round the top value to 1.0f, a zero E that wins for its token whatever its probability). The
+ * hash is two rounds of a 32-bit integer mixer (lowbias32) with the key's halves folded in.
+ * The first index on ties; index 0 when every token is removed.
  */
 typedef unsigned vu __attribute__((vector_size(LANES * 4)));
 
@@ -882,20 +885,44 @@ static inline vf log_v(vf x) {
     return f + y + ef * 0.693359375f;
 }
 
-void exponential_noise(float *out, long n, unsigned long long key, int num_threads) {
+/* Exp(1) draws of the LANES indices `index` under the key (lo, hi). */
+static inline vf race_noise(vu index, unsigned lo, unsigned hi) {
+    vu h = mix32(mix32(index ^ lo) + hi);
+    vf u = (__builtin_convertvector(h >> 9, vf) + 0.5f) * (1.0f / 8388608);
+    return -log_v(u);
+}
+
+static long race_row(const float *logits, long V, unsigned long long key) {
     const unsigned lo = (unsigned)key, hi = (unsigned)(key >> 32);
-    vu lane;
-    for (int i = 0; i < LANES; i++) lane[i] = i;
-    const long full = n / LANES * LANES;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (n > 65536)
-    for (long i = 0; i < full; i += LANES) {
-        vu h = mix32(mix32((lane + (unsigned)i) ^ lo) + hi);
-        vf u = (__builtin_convertvector(h >> 9, vf) + 0.5f) * (1.0f / 8388608);
-        store(out + i, -log_v(u));
+    const long full = V / LANES * LANES;
+    float tail[LANES]; /* the last partial vector, padded with removed tokens */
+    vi lane;
+    for (int i = 0; i < LANES; i++) {
+        lane[i] = i;
+        tail[i] = full + i < V ? logits[full + i] : -INFINITY;
     }
-    for (long i = full; i < n; i++) {
-        vu h = mix32(mix32((vu){0} + ((unsigned)i ^ lo)) + hi);
-        float u = ((float)(h[0] >> 9) + 0.5f) * (1.0f / 8388608);
-        out[i] = -logf(u);
+    vf vmax = load(tail); /* NaN (a broken model's logits) never becomes the max */
+    for (long i = 0; i < full; i += LANES) vmax = max_v(load(logits + i), vmax);
+    const float max = max_lanes(vmax);
+    vf best = splat(-1.0f);
+    vi best_index = lane - lane;
+    for (long i = 0; i < V; i += LANES) {
+        vf l = i < full ? load(logits + i) : load(tail);
+        vf noise = race_noise((vu)(lane + (int)i), lo, hi);
+        vf score = select_v(l > splat(-INFINITY), exp_v(l - max) / noise, splat(-1.0f));
+        vi better = score > best; /* strict: a lane keeps its first index on ties */
+        best = select_v(better, score, best);
+        best_index = (better & (lane + (int)i)) | (~better & best_index);
     }
+    const float top = max_lanes(best);
+    long index = V;
+    for (int i = 0; i < LANES; i++)
+        if (best[i] == top && best_index[i] < index) index = best_index[i];
+    return index < V ? index : 0;
+}
+
+void race_argmax(const float *logits, long rows, long V, const unsigned long long *keys,
+                 long *out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (long r = 0; r < rows; r++) out[r] = race_row(logits + r * V, V, keys[r]);
 }

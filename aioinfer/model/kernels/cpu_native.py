@@ -35,6 +35,7 @@ MARCH_ENV = "AIOINFER_CPU_MARCH"
 # Output columns per packed strip; must match STRIP in cpu_kernels.c.
 STRIP = 16
 BUILD_TIMEOUT_S = 120
+_MASK64 = (1 << 64) - 1
 
 _c_float_p = ctypes.c_void_p
 
@@ -60,7 +61,7 @@ class NativeKernels:
         self._silu_mul = _bind(lib.silu_mul, P, P, L, P, I)
         self._rotary = _bind(lib.rotary, P, L, L, L, P, P, P, I)
         self._top_p_thresholds = _bind(lib.top_p_thresholds, P, L, L, P, P, I)
-        self._exponential_noise = _bind(lib.exponential_noise, P, L, ctypes.c_ulonglong, I)
+        self._race_argmax = _bind(lib.race_argmax, P, L, L, V, V, I)
         self._decoder_layers = _bind(
             lib.decoder_layers, V, V, L, P, L, P, P, V, V, L, V, V, L, L, L, P, I
         )
@@ -204,13 +205,23 @@ class NativeKernels:
         )  # fmt: skip
         return out
 
-    def exponential_(self, out: torch.Tensor, key: int) -> torch.Tensor:
-        """Fill float32 `out` with Exp(1) draws that depend only on `key` (64 bits) and each
-        element's index: a row filled with its own key draws the same in any batch."""
-        _check(out)
-        self._exponential_noise(
-            out.data_ptr(), out.numel(), key & (1 << 64) - 1, torch.get_num_threads()
-        )
+    def race_argmax(self, logits: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
+        """A draw from softmax(logits [B, V]) per row (float32, temperature applied, -inf where
+        removed): the exponential race with noise hashed from keys[r] (64 bits) and each
+        token's index, so a row's draw depends on its key and logits only. -> [B] int64."""
+        logits = logits.contiguous()
+        _check(logits)
+        rows, vocab = logits.shape
+        if len(keys) != rows:
+            raise ValueError(f"need one key per row: {rows} rows, {len(keys)} keys")
+        # Two's complement of each 64-bit key, read back as unsigned by the kernel.
+        signed = [k & _MASK64 if k & _MASK64 < 1 << 63 else (k & _MASK64) - (1 << 64) for k in keys]
+        key_tensor = torch.tensor(signed, dtype=torch.int64)
+        out = torch.empty(rows, dtype=torch.int64)
+        self._race_argmax(
+            logits.data_ptr(), rows, vocab, key_tensor.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out
 
     def decoder_layers(
