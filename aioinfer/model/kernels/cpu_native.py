@@ -214,8 +214,8 @@ class NativeKernels:
         rows, vocab = logits.shape
         if len(keys) != rows:
             raise ValueError(f"need one key per row: {rows} rows, {len(keys)} keys")
-        # Two's complement of each 64-bit key, read back as unsigned by the kernel.
-        signed = [k & _MASK64 if k & _MASK64 < 1 << 63 else (k & _MASK64) - (1 << 64) for k in keys]
+        # Each key mod 2^64 as int64 (two's complement), read back as unsigned by the kernel.
+        signed = [((k + (1 << 63)) & _MASK64) - (1 << 63) for k in keys]
         key_tensor = torch.tensor(signed, dtype=torch.int64)
         out = torch.empty(rows, dtype=torch.int64)
         self._race_argmax(
