@@ -1,15 +1,22 @@
 """Suite-wide rules: tests marked `gpu` skip cleanly where CUDA is absent; converted models are
-cached in a folder of this test session, never in the user's cache."""
+cached in a folder of this test session, never in the user's cache, and the folder is removed when
+the session ends (a converted SmolLM2 is about 500 MB, so a folder left per run fills the disk)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
 
-# Set before any test runs, so subprocesses (`aioinfer serve` in tests) inherit it too.
-os.environ.setdefault("AIOINFER_CACHE", tempfile.mkdtemp(prefix="aioinfer-test-cache-"))
+# Set before any test runs, so subprocesses (`aioinfer serve` in tests) inherit it too. A cache
+# named by the caller is theirs to keep.
+if "AIOINFER_CACHE" not in os.environ:
+    _session_cache = tempfile.mkdtemp(prefix="aioinfer-test-cache-")
+    os.environ["AIOINFER_CACHE"] = _session_cache
+    atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
 
 def _cuda_available() -> bool:
