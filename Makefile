@@ -13,3 +13,5 @@ test: setup
 
 lint: setup
 	.venv/bin/ruff check aioinfer tests
+	.venv/bin/ruff format --check aioinfer tests
+	.venv/bin/mypy aioinfer

@@ -47,7 +47,7 @@ def _flag(name: str) -> str:
 
 def _config_fields() -> list[tuple[type, dataclasses.Field[Any], Any]]:
     """(config class, field, resolved type) for every flag, in group order."""
-    out = []
+    out: list[tuple[type, dataclasses.Field[Any], Any]] = []
     for cls in CONFIG_CLASSES:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):

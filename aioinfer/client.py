@@ -18,7 +18,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from http.client import HTTPException, HTTPResponse
 from typing import Any, TextIO
@@ -83,7 +83,7 @@ class Client:
 
     def stream_chat(
         self, model: str, messages: list[dict[str, str]], options: dict[str, Any]
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         """The text deltas of a streamed chat completion."""
         body = {"model": model, "messages": messages, "stream": True, **options}
         for event in self._stream("/v1/chat/completions", body):
@@ -92,7 +92,9 @@ class Client:
                 if text:
                     yield text
 
-    def stream_completion(self, model: str, prompt: str, options: dict[str, Any]) -> Iterator[str]:
+    def stream_completion(
+        self, model: str, prompt: str, options: dict[str, Any]
+    ) -> Generator[str, None, None]:
         """The text deltas of a streamed (plain) completion."""
         body = {"model": model, "prompt": prompt, "stream": True, **options}
         for event in self._stream("/v1/completions", body):

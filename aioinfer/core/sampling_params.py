@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 # Below this temperature sampling is greedy (vLLM's threshold).
 _GREEDY_EPS = 1e-5
@@ -73,7 +74,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    def clone(self, **changes: object) -> SamplingParams:
+    def clone(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
 
     def _check_types(self) -> None:

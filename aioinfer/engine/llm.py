@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.outputs import OutputAccumulator, RequestOutput
@@ -89,7 +89,7 @@ class LLM:
         from aioinfer.engine.tokenizer import apply_chat_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = []
+        encoded: list[tuple[str | None, list[int]]] = []
         for conversation in conversations:
             ids = apply_chat_template(
                 self.engine.tokenizer,
@@ -125,14 +125,15 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             return [prompts]
         if prompts and all(isinstance(t, int) for t in prompts):
-            return [list(prompts)]  # type: ignore[arg-type]
-        return list(prompts)
+            return [cast(list[int], list(prompts))]  # one prompt of token ids
+        return list(cast(Sequence[Prompt], prompts))
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
+            text: str = prompt["prompt"]
+            return text, self.engine.tokenizer.encode(text)
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt)
         return None, list(prompt)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from aioinfer.gpu.forward_context import forward_context
-from aioinfer.model.layers.attention import AttentionMetadata
+from aioinfer.model.layers.attention import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class CudaGraphRunner:
         self,
         model: nn.Module,
         kv_caches: list[torch.Tensor],
-        attn_backend: object,
+        attn_backend: AttentionBackend | None,
         max_num_seqs: int,
         max_blocks_per_seq: int,
         max_model_len: int,

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from aioinfer.core.outputs import RequestOutput
-from aioinfer.engine.stream import EngineDeadError, QueueTimeoutError
 from aioinfer.server.bodies import json_response, parse_request
 from aioinfer.server.errors import APIError, InternalServerError, error_body
 from aioinfer.server.generation import Generation, admit, generation_error, start_generation
@@ -187,8 +186,11 @@ async def collect(
         reason = exc.reason
         logger.info("client left; aborted %s", generation.streams[0].request_id)
         return None
-    except (EngineDeadError, QueueTimeoutError) as exc:
-        raise generation_error(exc) from None
+    except Exception as exc:
+        error = generation_error(exc)
+        if error is None:
+            raise
+        raise error from None
     finally:
         generation.abort_unfinished(reason)
     for prompt_index, final in enumerate(finals):
