@@ -12,18 +12,25 @@ the front of the queue by `allocate`, which then drops its hash.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 NULL_BLOCK = 0
 
+BlockHash = bytes
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+
+def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """Hash of a full block: it chains the parent's hash, so equal hashes mean equal prefixes.
 
-    Python's hash of a tuple of ints is deterministic across processes (no hash randomisation).
+    SHA-256, because a cache hit trusts the hash alone: Python's own tuple hash is unkeyed and a
+    client can craft two blocks that share it in seconds, then be served another prompt's KV.
     """
-    return hash((parent_hash, tuple(token_ids)))
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockPool:
@@ -32,8 +39,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 2 (one is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # block hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.ref_counts[NULL_BLOCK] = 1  # never freed, never evicted
 
@@ -82,10 +89,10 @@ class BlockPool:
                 if self.block_hashes[block] is None:
                     self.free_queue.move_to_end(block, last=False)
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: BlockHash) -> int | None:
         return self.cached.get(block_hash)
 
-    def cache(self, block: int, block_hash: int) -> None:
+    def cache(self, block: int, block_hash: BlockHash) -> None:
         """Record that a full block holds the tokens behind block_hash. A hash that another
         block already holds keeps its first block (the duplicate just stays uncached)."""
         if self.block_hashes[block] is not None or block_hash in self.cached:

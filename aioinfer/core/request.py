@@ -11,6 +11,7 @@ from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 
 if TYPE_CHECKING:
+    from aioinfer.core.block_pool import BlockHash
     from aioinfer.core.detokenizer import IncrementalDetokenizer
 
 
@@ -68,7 +69,7 @@ class Request:
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0
-        self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
+        self.block_hashes: list[BlockHash] = []  # hashes of this request's full blocks, in order
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,15 +109,24 @@ class Request:
             banned |= self.eos_token_ids
         return tuple(sorted(banned))
 
+    def is_stop_token(self, token_id: int) -> bool:
+        """Whether the just appended `token_id` ends the request: EOS or one of stop_token_ids,
+        once min_tokens are out."""
+        params = self.sampling_params
+        if self.num_output_tokens < params.min_tokens:
+            return False
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return True
+        return token_id in (params.stop_token_ids or ())
+
     def check_stop(self, token_id: int, stop_string: str | None) -> RequestStatus | None:
         """The finishing status after `token_id` was appended, or None to go on."""
         params = self.sampling_params
+        if self.is_stop_token(token_id):
+            if params.ignore_eos or token_id not in self.eos_token_ids:
+                self.stop_reason = token_id  # one of stop_token_ids; EOS leaves stop_reason None
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in (params.stop_token_ids or ()):
-                self.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
             if stop_string is not None:
                 self.stop_reason = stop_string
                 return RequestStatus.FINISHED_STOPPED

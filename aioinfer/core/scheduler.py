@@ -217,8 +217,11 @@ class Scheduler:
             update.new_logprobs.append(logprobs)
         stop_string = None
         detokenizer = request.detokenizer
-        if detokenizer is not None:
-            check_stops = request.num_output_tokens >= request.sampling_params.min_tokens
+        params = request.sampling_params
+        # A stop token ends the text without its own text (as OpenAI and vLLM), unless asked for.
+        text_of_token = params.include_stop_str_in_output or not request.is_stop_token(token_id)
+        if detokenizer is not None and text_of_token:
+            check_stops = request.num_output_tokens >= params.min_tokens
             stop_string = detokenizer.update([token_id], check_stop=check_stops)
         status = request.check_stop(token_id, stop_string)
         if status is not None:

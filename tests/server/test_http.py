@@ -205,12 +205,16 @@ async def test_stop_strings(client):
 async def test_stop_token_ids(client):
     prompt = [12, 13, 14]
     out_ids, _ = expected_output(prompt, 10)
-    body = {"prompt": prompt, "max_tokens": 10, "stop_token_ids": [out_ids[3]]}
-    _, raw = await post(client, "/v1/completions", body)
-    choice = orjson.loads(raw)["choices"][0]
-    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == out_ids[3]
     first = out_ids.index(out_ids[3])
-    assert choice["text"] == make_tokenizer().decode(out_ids[: first + 1])
+    # The stop token's own text is left out of the output unless asked for, as in vLLM.
+    for include in (False, True):
+        body = {"prompt": prompt, "max_tokens": 10, "stop_token_ids": [out_ids[3]],
+                "include_stop_str_in_output": include}  # fmt: skip
+        _, raw = await post(client, "/v1/completions", body)
+        choice = orjson.loads(raw)["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == out_ids[3]
+        end = first + 1 if include else first
+        assert choice["text"] == make_tokenizer().decode(out_ids[:end])
 
 
 async def test_model_defaults_apply_to_unset_fields(client, engine, monkeypatch):

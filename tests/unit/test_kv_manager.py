@@ -121,3 +121,22 @@ def test_random_operations_keep_the_pool_consistent(ops, block_size, num_blocks)
     kv.check_integrity()
     assert kv.pool.num_free_blocks == num_blocks - 1
     assert kv.usage == 0.0
+
+
+# Two 16-token blocks whose Python tuple hashes are equal, found by a birthday search on CPython's
+# unkeyed tuple hash (about 20 s on two cores): a cache keyed by that hash served B's request
+# with A's KV.
+COLLIDING_A = [23815, 622, *range(1074, 1519, 37), 100]
+COLLIDING_B = [14513, 34, *range(1074, 1519, 37), 8825]
+
+
+def test_crafted_tuple_hash_collision_is_not_a_prefix_hit():
+    assert hash(tuple(COLLIDING_A)) == hash(tuple(COLLIDING_B))  # the attack's precondition
+    kv = KVCacheManager(num_blocks=8, block_size=16)
+    a = make_request("a", [*COLLIDING_A, 1, 2])
+    assert admit(kv, a) is not None
+    b = make_request("b", [*COLLIDING_B, 1, 2])
+    cached, num_hit = kv.find_cached_prefix(b)
+    assert (cached, num_hit) == ([], 0)
+    same = make_request("c", [*COLLIDING_A, 3])
+    assert kv.find_cached_prefix(same)[1] == 16  # the real prefix still hits
