@@ -126,10 +126,9 @@ class Request:
             if params.ignore_eos or token_id not in self.eos_token_ids:
                 self.stop_reason = token_id  # one of stop_token_ids; EOS leaves stop_reason None
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= params.min_tokens:
-            if stop_string is not None:
-                self.stop_reason = stop_string
-                return RequestStatus.FINISHED_STOPPED
+        if stop_string is not None and self.num_output_tokens >= params.min_tokens:
+            self.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
