@@ -147,6 +147,12 @@ class AsyncEngine:
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop.run())
         self.ready = True
 
+    def _check_running(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        if not self.ready:
+            raise EngineDeadError("the engine is not running: not started yet, or shut down")
+
     async def shutdown(self) -> None:
         """Abort whatever runs, stop the step loop and the GPU thread."""
         self.abort_all("shutdown")
@@ -236,8 +242,7 @@ class AsyncEngine:
         `num_sequences` more waiting sequences would exceed --max-queued-requests, ValueError
         when they never could. It only reads counters, so callers run it before any
         tokenization; with no await between it and add_request the two are one atomic step."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        self._check_running()
         limit = self.scheduler_config.max_queued_requests
         if limit is None or self.scheduler is None:
             return
@@ -262,22 +267,22 @@ class AsyncEngine:
         prompt: str | None = None,
     ) -> RequestStream:
         """Admit one request (all n sequences) to the scheduler; raises ValueError for what
-        does not fit this model, EngineDeadError once the engine died."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
-        assert self.scheduler is not None, "engine not started"
+        does not fit this model, EngineDeadError once the engine died or was shut down."""
+        self._check_running()
+        assert self.scheduler is not None
         max_tokens = self.validate_prompt(prompt_token_ids, params)
         self._check_params(params)
         request_id = request_id or self.make_request_id()
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        child_ids = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]
+        # Checked before anything is added, so that a refused request leaves nothing behind.
+        for rid in {request_id, *child_ids}:
+            if rid in self._parents or rid in self._children or rid in self.scheduler.requests:
+                raise ValueError(f"request id {rid!r} is already in use")
         stream = RequestStream(request_id, prompt, list(prompt_token_ids), params.n)
-        child_ids = []
-        for index in range(params.n):
+        for index, child_id in enumerate(child_ids):
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + index)
-            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
             request = Request(
                 child_id,
                 prompt_token_ids,
@@ -288,7 +293,6 @@ class AsyncEngine:
             )
             self.scheduler.add(request)
             self._children[child_id] = _Child(stream, index)
-            child_ids.append(child_id)
         self._parents[request_id] = _Parent(stream, child_ids)
         self.stats.prompt_tokens += len(prompt_token_ids) * params.n
         assert self._step_loop is not None

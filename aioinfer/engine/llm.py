@@ -18,6 +18,7 @@ from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.outputs import OutputAccumulator, RequestOutput
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.engine.async_engine import AsyncEngine
+from aioinfer.engine.stream import RequestStream
 
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
@@ -155,7 +156,17 @@ class LLM:
                     f"sampling_params must be one or one per prompt ({len(encoded)}), "
                     f"got {len(params_list)}"
                 )
-        return self._loop.run_until_complete(self._generate_all(encoded, params_list, use_tqdm))
+        task = self._loop.create_task(self._generate_all(encoded, params_list, use_tqdm))
+        try:
+            return self._loop.run_until_complete(task)
+        except BaseException:
+            # A Ctrl-C raised in the loop's own wait leaves the batch's task pending: cancel it,
+            # so that its requests are aborted and free their KV blocks before we return.
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    self._loop.run_until_complete(task)
+            raise
 
     async def _generate_all(
         self,
@@ -163,14 +174,10 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        # Every request is validated and queued before the first step runs.
-        streams = [
-            self.engine.add_request(ids, params, prompt=text)
-            for (text, ids), params in zip(encoded, params_list, strict=True)
-        ]
-        progress = _Progress(len(streams), self.engine) if use_tqdm else None
+        streams: list[RequestStream] = []
+        progress: _Progress | None = None
 
-        async def collect(stream: Any, n: int) -> RequestOutput:
+        async def collect(stream: RequestStream, n: int) -> RequestOutput:
             acc = OutputAccumulator(n)
             while True:
                 output = await stream.get()
@@ -181,6 +188,12 @@ class LLM:
                     return acc.result()
 
         try:
+            # Every request is validated and queued before the first step runs; one that fails
+            # validation aborts those queued before it.
+            for (text, ids), params in zip(encoded, params_list, strict=True):
+                streams.append(self.engine.add_request(ids, params, prompt=text))
+            if use_tqdm:
+                progress = _Progress(len(streams), self.engine)
             return list(
                 await asyncio.gather(
                     *(collect(s, p.n) for s, p in zip(streams, params_list, strict=True))

@@ -102,7 +102,8 @@ def expected_choices(case: Case) -> dict[int, tuple[str, str]]:
     for p, prompt in enumerate(case.prompts):
         ids = reference_output(prompt, case.body["max_tokens"], stop_ids)
         reason = "stop" if ids and ids[-1] in stop_ids else "length"
-        text = _tokenizer().decode(ids, skip_special_tokens=True)
+        # The stop token's own text is not part of the output.
+        text = _tokenizer().decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
         for i in range(n):
             out[p * n + i] = (text, reason)
     return out

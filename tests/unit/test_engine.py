@@ -3,7 +3,10 @@ detokenizer and streams, with a model stand-in that checks the KV bookkeeping.""
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -175,5 +178,78 @@ def test_offline_llm_returns_outputs_in_input_order():
         assert text_out[0].prompt == "hello world"
         with pytest.raises(TypeError, match="unknown LLM options"):
             LLM("fake", not_an_option=1)
+    finally:
+        llm.shutdown()
+
+
+def _assert_idle(engine: AsyncEngine) -> None:
+    """Nothing left in the engine: no request, no stream, every KV block free."""
+    assert engine.num_unfinished == 0 and not engine.scheduler.requests
+    assert not engine._parents and not engine._children
+    assert engine.scheduler.kv.usage == 0.0
+
+
+async def test_a_refused_request_id_leaves_nothing_behind():
+    engine = await make_engine(max_num_seqs=1)
+    try:
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        running = asyncio.ensure_future(collect(engine, [5, 6], params, request_id="a-1"))
+        await asyncio.sleep(0)
+        # Its second sequence would be "a-1": refused before the first one is queued.
+        with pytest.raises(ValueError, match="'a-1' is already in use"):
+            engine.add_request([7, 8], SamplingParams(n=2, max_tokens=4), request_id="a")
+        assert set(engine.scheduler.requests) == {"a-1"}
+        _, tokens, _ = await running
+        assert tokens[0] == reference_output([5, 6], 20)
+        _assert_idle(engine)
+    finally:
+        await engine.shutdown()
+
+
+async def test_requests_after_shutdown_are_refused():
+    engine = await make_engine()
+    await engine.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.add_request([5], SamplingParams(max_tokens=2))
+
+
+class SlowRunnerFactory(FakeRunnerFactory):
+    """A step takes a few milliseconds, so a batch is still running when it is interrupted."""
+
+    def __call__(self, *args):
+        runner = super().__call__(*args)
+        execute = runner.execute
+
+        def slow_execute(plan):
+            time.sleep(0.005)
+            return execute(plan)
+
+        runner.execute = slow_execute
+        return runner
+
+
+def test_offline_llm_aborts_its_batch_on_a_refused_prompt_and_on_ctrl_c():
+    llm = LLM(
+        "fake",
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=64,
+        runner_factory=SlowRunnerFactory(),
+        tokenizer_object=make_tokenizer(),
+    )
+    try:
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        with pytest.raises(ValueError, match=r"max_model_len|maximum context"):
+            llm.generate([[5, 6, 7], [8] * 200], params, use_tqdm=False)  # the second is too long
+        _assert_idle(llm.engine)
+
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5] * 10] * 8, params, use_tqdm=False)
+        timer.join()
+        _assert_idle(llm.engine)
+        # The engine goes on serving.
+        out = llm.generate([[7, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == reference_output([7, 7], 3)
     finally:
         llm.shutdown()
