@@ -85,6 +85,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with the chat template."""
         from aioinfer.engine.tokenizer import apply_chat_template
@@ -97,6 +98,7 @@ class LLM:
                 conversation,  # type: ignore[arg-type]
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template or self.engine.model_config.chat_template,
+                continue_final_message=continue_final_message,
             )
             encoded.append((None, ids))
         return self._run(encoded, sampling_params, use_tqdm)

@@ -171,12 +171,16 @@ def apply_chat_template(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Render `messages` with the chat template and tokenize the text.
 
     `chat_template` (Jinja text or a path) overrides the tokenizer's own for this call. The
-    template writes its own special tokens (BOS included), so none are added on top.
+    template writes its own special tokens (BOS included), so none are added on top. With
+    `continue_final_message` the last message is left open, for the model to go on with it.
     """
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     template = read_chat_template(chat_template)
     if template is None and not tokenizer.chat_template:
         raise ValueError("the model's tokenizer has no chat template; pass one (--chat-template)")
@@ -184,6 +188,7 @@ def apply_chat_template(
         messages,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
         chat_template=template,
     )
     return list(tokenizer.encode(str(text), add_special_tokens=False))

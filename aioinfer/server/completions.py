@@ -119,7 +119,9 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     # From here to the engine's admission there is no await: the admission check holds.
     add_generation_prompt = req.add_generation_prompt is not False
     messages = req.template_messages()
-    ids = render_chat(engine.tokenizer, messages, add_generation_prompt)
+    ids = render_chat(
+        engine.tokenizer, messages, add_generation_prompt, bool(req.continue_final_message)
+    )
     ctx = _response_context("chatcmpl", state, engine, [Prompt(ids)], params.n)
     generation = start_generation(
         state, engine, ctx, params, clamp_max_tokens=not req.max_tokens_given, what="messages"

@@ -34,7 +34,10 @@ def encode_prompts(
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Prompt token ids of chat messages, through the model's chat template."""
     import jinja2
@@ -43,7 +46,10 @@ def render_chat(
 
     try:
         return apply_chat_template(
-            tokenizer, list(messages), add_generation_prompt=add_generation_prompt
+            tokenizer,
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise BadRequestError(f"The chat template failed: {exc}", param="messages") from None

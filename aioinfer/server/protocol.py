@@ -209,7 +209,8 @@ class TextPart(OpenAIRequest):
 
 
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "user", "assistant"]
+    # "developer" is OpenAI's newer name for system instructions; templates see it as given.
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = Field(
         None, description="A string or a list of text parts."
     )
@@ -257,6 +258,11 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool | None = Field(
         True, description="End the prompt with the assistant header."
     )
+    continue_final_message: bool | None = Field(
+        False,
+        description="Leave the last message open for the model to continue (set "
+        "add_generation_prompt to false).",
+    )
     tools: list[Any] | None = Field(None, description="Not supported: refused unless empty.")
     tool_choice: Any = Field(None, description="Not supported: refused unless 'none'.")
     functions: list[Any] | None = Field(None, description="Not supported.")
@@ -282,6 +288,7 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestValidationError("top_logprobs needs logprobs to be true", "top_logprobs")
+        _check_chat_flags(self.add_generation_prompt, self.continue_final_message)
 
     @property
     def max_tokens_given(self) -> bool:
@@ -310,12 +317,14 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = Field(True, description="For prompt: add BOS etc.")
     add_generation_prompt: bool | None = Field(True, description="For messages.")
+    continue_final_message: bool | None = Field(False, description="For messages.")
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestValidationError(
                 "give exactly one of prompt and messages", "prompt" if self.prompt else "messages"
             )
+        _check_chat_flags(self.add_generation_prompt, self.continue_final_message)
 
 
 class DetokenizeRequest(OpenAIRequest):
@@ -326,6 +335,17 @@ class DetokenizeRequest(OpenAIRequest):
 
 
 # --------------------------------------------------------------------------- validation helpers
+
+
+def _check_chat_flags(
+    add_generation_prompt: bool | None, continue_final_message: bool | None
+) -> None:
+    if add_generation_prompt is not False and continue_final_message:
+        raise RequestValidationError(
+            "continue_final_message and add_generation_prompt cannot both be true: set "
+            "add_generation_prompt to false to continue the last message",
+            "continue_final_message",
+        )
 
 
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:

@@ -71,7 +71,12 @@ async def tokenize(request: web.Request) -> web.Response:
     engine, req = await parse_request(request, TokenizeRequest)
     if req.messages is not None:
         messages = [m.to_template() for m in req.messages]
-        ids = render_chat(engine.tokenizer, messages, req.add_generation_prompt is not False)
+        ids = render_chat(
+            engine.tokenizer,
+            messages,
+            req.add_generation_prompt is not False,
+            bool(req.continue_final_message),
+        )
     else:
         special = req.add_special_tokens is not False
         ids = list(engine.tokenizer(req.prompt, add_special_tokens=special)["input_ids"])

@@ -61,6 +61,22 @@ def test_chat_answers_sensibly(llm):
     assert out.finish_reason == "stop"  # ended by <|im_end|>, not by the length limit
 
 
+def test_chat_continues_the_final_message(llm):
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    kwargs = {"add_generation_prompt": False, "use_tqdm": False}
+    closed = llm.chat(messages, params, **kwargs)[0]
+    opened = llm.chat(messages, params, continue_final_message=True, **kwargs)[0]
+    # The open prompt is the closed one without the template's end of turn.
+    prefix = opened.prompt_token_ids
+    assert closed.prompt_token_ids[: len(prefix)] == prefix
+    assert len(prefix) < len(closed.prompt_token_ids)
+    assert opened.outputs[0].text.strip().startswith("Paris")
+
+
 def test_long_prompts_in_chunks_and_from_the_prefix_cache_equal_transformers(hf_same_weights):
     """Prompts of hundreds of tokens prefilled in 96-token chunks beside other requests' decodes,
     then one that shares a cached prefix: on the CPU each chunk's tokens attend through the

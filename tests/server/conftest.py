@@ -170,11 +170,11 @@ async def oai(live: LiveServer) -> AsyncIterator[openai.AsyncOpenAI]:
 
 
 def chat_prompt_ids(
-    messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
 ) -> list[int]:
     """The reference prompt of a chat: Hugging Face's own template rendering."""
     ids = make_tokenizer().apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs
     )
     if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]

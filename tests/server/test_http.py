@@ -176,18 +176,6 @@ async def test_chat_matches_the_reference_and_fills_the_context(client):
     assert orjson.loads(raw)["usage"]["completion_tokens"] == MAX_MODEL_LEN - len(ids)
 
 
-async def test_chat_without_generation_prompt_and_with_text_parts(client):
-    parts = [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "world"}]
-    body = {
-        "messages": [{"role": "user", "content": parts}],
-        "add_generation_prompt": False,
-        "max_completion_tokens": 3,
-    }
-    _, raw = await post(client, "/v1/chat/completions", body)
-    ids = chat_prompt_ids([{"role": "user", "content": "Hello,\nworld"}], False)
-    assert orjson.loads(raw)["choices"][0]["message"]["content"] == expected_output(ids, 3)[1]
-
-
 async def test_stop_strings(client):
     prompt = [12, 13, 14]
     _, full = expected_output(prompt, 24)

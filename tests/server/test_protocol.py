@@ -82,7 +82,7 @@ def test_missing_fields():
 def test_chat_message_errors_point_into_the_list():
     error = refused(chat, messages=[{"role": "user", "content": "a"}, {"role": "tool"}])
     assert error.param == "messages[1].role"
-    assert "'system', 'user' or 'assistant'" in error.message
+    assert "'system', 'developer', 'user' or 'assistant'" in error.message
     image = {"type": "image_url", "image_url": {"url": "http://x"}}
     error = refused(chat, messages=[{"role": "user", "content": [image]}])
     assert error.param == "messages[0].content"

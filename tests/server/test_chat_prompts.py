@@ -1,0 +1,57 @@
+"""How chat messages become the prompt: the model's template as Hugging Face renders it, with
+add_generation_prompt, continue_final_message, text parts and the developer role, for
+/v1/chat/completions and /tokenize alike."""
+
+from __future__ import annotations
+
+import orjson
+
+from tests.server.conftest import chat_prompt_ids, expected_output
+from tests.server.test_http import error_of, post
+
+CONTINUED = [
+    {"role": "user", "content": "Name a primary colour."},
+    {"role": "assistant", "content": "The colour is"},
+]
+
+
+async def test_chat_without_generation_prompt_and_with_text_parts(client):
+    parts = [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "world"}]
+    body = {
+        "messages": [{"role": "user", "content": parts}],
+        "add_generation_prompt": False,
+        "max_completion_tokens": 3,
+    }
+    _, raw = await post(client, "/v1/chat/completions", body)
+    ids = chat_prompt_ids([{"role": "user", "content": "Hello,\nworld"}], False)
+    assert orjson.loads(raw)["choices"][0]["message"]["content"] == expected_output(ids, 3)[1]
+
+
+async def test_continue_final_message_leaves_the_last_message_open(client):
+    ids = chat_prompt_ids(CONTINUED, False, continue_final_message=True)
+    assert ids != chat_prompt_ids(CONTINUED, False)  # the template's end of turn is gone
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    _, raw = await post(client, "/tokenize", {"messages": CONTINUED, **flags})
+    assert orjson.loads(raw)["tokens"] == ids
+    body = {"messages": CONTINUED, "max_tokens": 4, **flags}
+    _, raw = await post(client, "/v1/chat/completions", body)
+    reply = orjson.loads(raw)
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    assert reply["choices"][0]["message"]["content"] == expected_output(ids, 4)[1]
+
+
+async def test_continue_final_message_needs_add_generation_prompt_off(client):
+    # add_generation_prompt is true unless set otherwise, as in vLLM.
+    for path in ("/v1/chat/completions", "/tokenize"):
+        _, raw = await post(client, path, {"messages": CONTINUED, "continue_final_message": True})
+        error = error_of(raw, 400)
+        assert error["param"] == "continue_final_message"
+        assert "add_generation_prompt" in error["message"]
+
+
+async def test_the_developer_role_reaches_the_template(client):
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    _, raw = await post(client, "/tokenize", {"messages": messages})
+    assert orjson.loads(raw)["tokens"] == chat_prompt_ids(messages)
+    _, raw = await post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(chat_prompt_ids(messages))
