@@ -95,7 +95,12 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
         echo_texts = [ctx.prompt_text(i, decode) for i in range(len(prompts))]
     want_logprobs = req.logprobs is not None
     generation = start_generation(
-        state, engine, ctx, params, clamp_max_tokens=not req.max_tokens_given
+        state,
+        engine,
+        ctx,
+        params,
+        clamp_max_tokens=not req.max_tokens_given,
+        prompt_only=req.prompt_only,
     )
     record.start(ctx, [p.text for p in prompts])
     chunks: CompletionChunks | None = None

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-from aioinfer.core.outputs import OutputAccumulator, RequestOutput
+from aioinfer.core.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.engine.stream import (
     EngineDeadError,
@@ -60,14 +61,22 @@ class Generation:
     """The engine requests of one HTTP request (one per prompt) and their merged outputs.
 
     Whoever iterates it must call `abort_unfinished(reason)` when done (a finally block): that
-    is the HTTP side of the one abort path, and a no-op once every request finished."""
+    is the HTTP side of the one abort path, and a no-op once every request finished.
+
+    `prompt_only` (echo with max_tokens 0, for scoring a prompt) hides the one token the engine
+    must sample: the client sees the prompt's logprobs and no output."""
 
     def __init__(
-        self, engine: AsyncEngine, streams: list[RequestStream], timers: list[RequestTimer]
+        self,
+        engine: AsyncEngine,
+        streams: list[RequestStream],
+        timers: list[RequestTimer],
+        prompt_only: bool = False,
     ) -> None:
         self.engine = engine
         self.streams = streams
         self.timers = timers
+        self.prompt_only = prompt_only
 
     def deltas(self, idle: float = 0.0) -> AsyncGenerator[tuple[int, RequestOutput] | None, None]:
         """(prompt index, delta) as they arrive, and None whenever `idle` seconds pass without
@@ -86,7 +95,7 @@ class Generation:
                 yield None
                 continue
             timer.observe(output)
-            yield 0, output
+            yield 0, self._shown(output)
             if output.finished:
                 return
 
@@ -106,7 +115,7 @@ class Generation:
                     index = pending.pop(future)
                     output = future.result()
                     self.timers[index].observe(output)
-                    yield index, output
+                    yield index, self._shown(output)
                     if not output.finished:
                         pending[asyncio.ensure_future(self.streams[index].get())] = index
         finally:
@@ -116,6 +125,24 @@ class Generation:
                         future.exception()  # retrieved: no "never retrieved" warning
                 else:
                     future.cancel()
+
+    def _shown(self, output: RequestOutput) -> RequestOutput:
+        if not self.prompt_only:
+            return output
+        hidden = [
+            CompletionOutput(
+                seq.index,
+                "",
+                [],
+                logprobs=[] if seq.logprobs is not None else None,
+                # The one sampled token is the limit reached, whatever it was.
+                finish_reason="length"
+                if seq.finish_reason in ("stop", "length")
+                else seq.finish_reason,
+            )
+            for seq in output.outputs
+        ]
+        return dataclasses.replace(output, outputs=hidden)
 
     async def finals(self) -> list[RequestOutput]:
         accumulators = [OutputAccumulator(s.n) for s in self.streams]
@@ -139,6 +166,7 @@ def start_generation(
     *,
     clamp_max_tokens: bool,
     what: str = "prompt",
+    prompt_only: bool = False,
 ) -> Generation:
     """Admit one engine request per prompt, all or none. A default max_tokens (not the
     client's) shrinks to what the context leaves."""
@@ -162,7 +190,7 @@ def start_generation(
             raise BadRequestError(str(exc), param=_engine_param(str(exc), what)) from None
         raise
     timers = [state.metrics.timer(engine.model_name) for _ in streams]
-    return Generation(engine, streams, timers)
+    return Generation(engine, streams, timers, prompt_only)
 
 
 def generation_error(exc: BaseException) -> APIError | None:

@@ -155,7 +155,11 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="A text, a list of texts, a list of token ids or a list of such lists."
     )
-    echo: bool | None = Field(False, description="Prepend the prompt to each completion.")
+    echo: bool | None = Field(
+        False,
+        description="Prepend the prompt to each completion; with max_tokens 0, return only the "
+        "prompt (and its logprobs), to score it.",
+    )
     logprobs: int | None = Field(None, description="Top logprobs per token (0: the chosen one).")
     suffix: str | None = Field(None, description="Not supported: refused unless empty.")
     best_of: int | None = Field(None, description="Not supported: refused unless 1.")
@@ -188,6 +192,11 @@ class CompletionRequest(_GenerationRequest):
     def max_tokens_given(self) -> bool:
         return self.max_tokens is not None
 
+    @property
+    def prompt_only(self) -> bool:
+        """Echo with max_tokens 0: score the prompt (its logprobs), generate nothing."""
+        return bool(self.echo) and self.max_tokens == 0
+
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """The request's SamplingParams: request values, then the model's defaults, then
         OpenAI's (max_tokens 16)."""
@@ -195,7 +204,8 @@ class CompletionRequest(_GenerationRequest):
         limit = self.max_tokens
         if limit is None:
             limit = defaults.get("max_tokens", COMPLETION_MAX_TOKENS_DEFAULT)
-        values["max_tokens"] = limit
+        # The engine samples at least one token; the handler hides it (see `prompt_only`).
+        values["max_tokens"] = 1 if self.prompt_only else limit
         if self.logprobs is not None:
             values["logprobs"] = self.logprobs
             if self.echo:
