@@ -158,14 +158,18 @@ async def test_engine_fault_fails_every_request_and_refuses_new_ones():
         await engine.shutdown()
 
 
-def test_offline_llm_returns_outputs_in_input_order():
-    llm = LLM(
+def fake_llm(factory: FakeRunnerFactory, max_num_batched_tokens: int) -> LLM:
+    return LLM(
         "fake",
         block_size=BLOCK_SIZE,
-        max_num_batched_tokens=16,
-        runner_factory=FakeRunnerFactory(),
+        max_num_batched_tokens=max_num_batched_tokens,
+        runner_factory=factory,
         tokenizer_object=make_tokenizer(),
     )
+
+
+def test_offline_llm_returns_outputs_in_input_order():
+    llm = fake_llm(FakeRunnerFactory(), max_num_batched_tokens=16)
     try:
         prompts = [[7] * n for n in (30, 1, 12, 5)]
         params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 9, 1, 6)]
@@ -229,13 +233,7 @@ class SlowRunnerFactory(FakeRunnerFactory):
 
 
 def test_offline_llm_aborts_its_batch_on_a_refused_prompt_and_on_ctrl_c():
-    llm = LLM(
-        "fake",
-        block_size=BLOCK_SIZE,
-        max_num_batched_tokens=64,
-        runner_factory=SlowRunnerFactory(),
-        tokenizer_object=make_tokenizer(),
-    )
+    llm = fake_llm(SlowRunnerFactory(), max_num_batched_tokens=64)
     try:
         params = SamplingParams(max_tokens=100, ignore_eos=True)
         with pytest.raises(ValueError, match=r"max_model_len|maximum context"):
