@@ -25,6 +25,7 @@ from aiohttp.typedefs import Middleware
 from aioinfer.config import ServerConfig
 from aioinfer.server.auth import make_auth_middleware
 from aioinfer.server.bodies import MAX_BODY_BYTES
+from aioinfer.server.completions import REQUEST_ID_HEADER
 from aioinfer.server.errors import error_middleware
 from aioinfer.server.routes import setup_routes
 from aioinfer.server.sse import WATCH_INTERVAL, DisconnectWatcher
@@ -75,7 +76,15 @@ def create_app(
     app.cleanup_ctx.append(_engine_context(factory, owns, on_fatal))
     app.cleanup_ctx.append(_watcher_context)
     app.on_shutdown.append(_start_draining)
+    app.on_response_prepare.append(_echo_request_id)
     return app
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """A client's X-Request-Id comes back on every answer (errors too), for its tracing."""
+    request_id = request.headers.get(REQUEST_ID_HEADER)
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
 
 
 async def wait_for_engine(app: web.Application) -> AsyncEngine:

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+# A client's own id for a request: it names the response and comes back as a header.
+REQUEST_ID_HEADER = "X-Request-Id"
 
 BodyBuilder = Callable[[list[RequestOutput]], Mapping[str, Any]]
 
@@ -88,7 +90,7 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
     admit(engine, count_prompts(req.prompt), params.n)
     # From here to the engine's admission there is no await: the admission check holds.
     prompts = encode_prompts(engine.tokenizer, req.prompt)
-    ctx = _response_context("cmpl", state, engine, prompts, params.n)
+    ctx = _response_context("cmpl", request, engine, prompts, params.n)
     echo_texts = None
     if req.echo:
         decode = engine.tokenizer.decode
@@ -127,7 +129,7 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     ids = render_chat(
         engine.tokenizer, messages, add_generation_prompt, bool(req.continue_final_message)
     )
-    ctx = _response_context("chatcmpl", state, engine, [Prompt(ids)], params.n)
+    ctx = _response_context("chatcmpl", request, engine, [Prompt(ids)], params.n)
     generation = start_generation(
         state, engine, ctx, params, clamp_max_tokens=not req.max_tokens_given, what="messages"
     )
@@ -144,15 +146,20 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
 
 
 def _response_context(
-    prefix: str, state: ServerState, engine: AsyncEngine, prompts: list[Prompt], n: int
+    prefix: str, request: web.Request, engine: AsyncEngine, prompts: list[Prompt], n: int
 ) -> ResponseContext:
-    """A fresh response id (`prefix`-<hex>, as OpenAI's) and what all its responses share."""
+    """The response id (`prefix`-<hex> as OpenAI's, or `prefix`-<the client's X-Request-Id> as
+    vLLM's) and what all its responses share. Engine ids stay unique whatever clients send."""
+    unique = uuid.uuid4().hex
+    client_id = request.headers.get(REQUEST_ID_HEADER)
+    response_id = f"{prefix}-{client_id or unique}"
     return ResponseContext(
-        f"{prefix}-{uuid.uuid4().hex}",
+        response_id,
         engine.model_name,
         prompts,
         n,
-        state.token_text(engine.tokenizer),
+        request.app[STATE].token_text(engine.tokenizer),
+        engine_id=f"{response_id}-{unique[:8]}" if client_id else response_id,
     )
 
 

@@ -177,7 +177,8 @@ def start_generation(
             room = engine.max_model_len - len(prompt.token_ids)
             if clamp_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
                 prompt_params = params.clone(max_tokens=room)
-            request_id = ctx.response_id if len(ctx.prompts) == 1 else f"{ctx.response_id}-{index}"
+            base = ctx.engine_id or ctx.response_id
+            request_id = base if len(ctx.prompts) == 1 else f"{base}-{index}"
             streams.append(
                 engine.add_request(prompt.token_ids, prompt_params, request_id, prompt.text)
             )

@@ -124,6 +124,7 @@ class ResponseContext:
     prompts: list[Prompt]
     n: int
     token_text: TokenText
+    engine_id: str = ""  # the engine's request id (base); the response id where empty
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
