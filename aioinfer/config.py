@@ -27,7 +27,9 @@ class ModelConfig:
     )
     served_model_name: str | None = _opt(None, "Model name in the API (default: from the model).")
     tokenizer: str | None = _opt(None, "Tokenizer hub id or folder (default: the model's).")
-    dtype: str = _opt("auto", "auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16.")
+    dtype: str = _opt(
+        "auto", "auto (bfloat16 on GPU, float32 on CPU), float32 (float), bfloat16, float16 (half)."
+    )
     load_format: str = _opt("auto", "auto (safetensors or gguf) or dummy (random weights).")
     max_model_len: int | None = _opt(None, "Longest prompt plus output (default: the model's).")
     device: str = _opt("auto", "auto (cuda if available), cuda or cpu.")
@@ -51,6 +53,9 @@ class ModelConfig:
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit).")
 
     def __post_init__(self) -> None:
+        # vLLM's (and torch's) other names for the same types.
+        aliases = {"half": "float16", "float": "float32"}
+        object.__setattr__(self, "dtype", aliases.get(self.dtype, self.dtype))
         allowed = {
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "load_format": ("auto", "safetensors", "gguf", "dummy"),

@@ -22,8 +22,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
-    @property
-    def finished(self) -> bool:
+    def finished(self) -> bool:  # a method, as vLLM's
         return self.finish_reason is not None
 
 

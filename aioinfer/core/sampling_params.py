@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 # Below this temperature sampling is greedy (vLLM's threshold).
@@ -44,16 +44,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
-    # Derived: the stop strings as a list (never None).
-    stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_types()
         self._check_ranges()
-        if isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        else:
-            self.stop_strings = list(self.stop or [])
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.top_k == -1:
@@ -61,6 +55,14 @@ class SamplingParams:
         if self.is_greedy:
             # Greedy ignores the truncation knobs; normalise them so the sampler can skip work.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list; read when a request starts, so a `stop` set after
+        construction (as vLLM scripts do) counts."""
+        if isinstance(self.stop, str):
+            return [self.stop]
+        return list(self.stop or [])
 
     @property
     def is_greedy(self) -> bool:

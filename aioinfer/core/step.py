@@ -12,6 +12,7 @@ Positions of one request's chunk, with block size 4 and a chunk that starts at p
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from aioinfer.core.sampling_params import SamplingParams
@@ -79,13 +80,46 @@ class StepPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """Log-probability of one chosen token and the most likely alternatives at its position."""
+class Logprob:
+    """vLLM's per-token entry: the log-probability, its rank (1 = most likely) and the text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs(Mapping[int, Logprob]):
+    """Log-probability of one chosen token and the most likely alternatives at its position.
+
+    It is also the `{token_id: Logprob}` dict that vLLM hands out per position (the chosen token
+    first, then the alternatives), so scripts written for vLLM read it unchanged; the offline
+    LLM fills `decoded` for each entry's `decoded_token`.
+    """
 
     token_id: int
     logprob: float
     rank: int  # 1 = the most likely token
     top: tuple[tuple[int, float], ...] = ()  # the N most likely (token id, logprob), best first
+    decoded: Mapping[int, str] | None = field(default=None, compare=False)
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        text = self.decoded.get(token_id) if self.decoded is not None else None
+        if token_id == self.token_id:
+            return Logprob(self.logprob, self.rank, text)
+        for rank, (top_id, logprob) in enumerate(self.top, start=1):
+            if top_id == token_id:
+                return Logprob(logprob, rank, text)
+        raise KeyError(token_id)
+
+    def __iter__(self) -> Iterator[int]:
+        yield self.token_id
+        for top_id, _ in self.top:
+            if top_id != self.token_id:
+                yield top_id
+
+    def __len__(self) -> int:
+        return 1 + sum(1 for top_id, _ in self.top if top_id != self.token_id)
 
 
 @dataclass(slots=True)

@@ -17,11 +17,34 @@ from typing import Any, cast
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.outputs import OutputAccumulator, RequestOutput
 from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.engine.stream import RequestStream
 
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
+
+
+# vLLM's LLM options that change nothing for one model on one device: accepted, so that vLLM
+# scripts run unchanged. (No model code is ever run from a repository, whatever
+# trust_remote_code says; preempted requests are recomputed, so there is no swap space.)
+_IGNORED_VLLM_OPTIONS = ("trust_remote_code", "disable_log_stats", "swap_space")
+# vLLM's options that only have one value here.
+_FIXED_VLLM_OPTIONS: dict[str, Any] = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "quantization": None,
+    "tokenizer_mode": "auto",
+}
+
+
+def _drop_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
+    kept = {k: v for k, v in options.items() if k not in _IGNORED_VLLM_OPTIONS}
+    for name, only in _FIXED_VLLM_OPTIONS.items():
+        value = kept.pop(name, only)
+        if value != only:
+            raise ValueError(f"{name} must be {only!r} (one model on one device), got {value!r}")
+    return kept
 
 
 def split_options(**options: Any) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
@@ -47,8 +70,10 @@ class LLM:
     def __init__(self, model: str = "", **options: Any) -> None:
         runner_factory = options.pop("runner_factory", None)
         tokenizer = options.pop("tokenizer_object", None)
+        options = _drop_vllm_options(options)
         model_config, cache_config, scheduler_config = split_options(model=model, **options)
         self._loop = asyncio.new_event_loop()
+        self._token_texts: dict[int, str] = {}
         self.engine = self._loop.run_until_complete(
             AsyncEngine.create(
                 model_config,
@@ -86,21 +111,27 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; rendered with the chat template."""
-        from aioinfer.engine.tokenizer import apply_chat_template
+        """One conversation (a list of messages) or several; rendered with the chat template.
+        A message's content is a string or a list of text parts."""
+        from aioinfer.engine.tokenizer import chat_prompt_text, encode_rendered_chat
 
+        if tools:
+            raise ValueError("tools are not supported (no function calling)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded: list[tuple[str | None, list[int]]] = []
         for conversation in conversations:
-            ids = apply_chat_template(
+            text = chat_prompt_text(
                 self.engine.tokenizer,
-                conversation,  # type: ignore[arg-type]
+                [_template_message(m) for m in cast(list[Message], conversation)],
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template or self.engine.model_config.chat_template,
                 continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
             )
-            encoded.append((None, ids))
+            encoded.append((text, encode_rendered_chat(self.engine.tokenizer, text)))
         return self._run(encoded, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
@@ -134,12 +165,17 @@ class LLM:
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+            if not isinstance(prompt.get("prompt"), str):
+                raise ValueError(
+                    f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys "
+                    f"{sorted(prompt)}"
+                )
             text: str = prompt["prompt"]
             return text, self.engine.tokenizer.encode(text)
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt)
-        return None, list(prompt)
+        return None, _token_ids(prompt)
 
     def _run(
         self,
@@ -147,6 +183,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
+        if self._loop.is_closed():
+            raise RuntimeError("this LLM was shut down")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -193,14 +231,14 @@ class LLM:
             # Every request is validated and queued before the first step runs; one that fails
             # validation aborts those queued before it.
             for (text, ids), params in zip(encoded, params_list, strict=True):
+                params = self._fit_max_tokens(ids, params)
                 streams.append(self.engine.add_request(ids, params, prompt=text))
             if use_tqdm:
                 progress = _Progress(len(streams), self.engine)
-            return list(
-                await asyncio.gather(
-                    *(collect(s, p.n) for s, p in zip(streams, params_list, strict=True))
-                )
+            outputs = await asyncio.gather(
+                *(collect(s, p.n) for s, p in zip(streams, params_list, strict=True))
             )
+            return [self._with_decoded_logprobs(output) for output in outputs]
         except BaseException:
             for stream in streams:
                 self.engine.abort(stream.request_id)
@@ -208,6 +246,60 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
+
+    def _fit_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """As vLLM's offline engine: output stops at the context's end ("length") rather than
+        the request failing when prompt + max_tokens exceed it."""
+        room = self.engine.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None and 1 <= room < params.max_tokens:
+            return params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
+        return params
+
+    def _with_decoded_logprobs(self, output: RequestOutput) -> RequestOutput:
+        """Logprob entries with their tokens' text (vLLM's `Logprob.decoded_token`)."""
+
+        def decoded(entry: TokenLogprobs) -> TokenLogprobs:
+            return dataclasses.replace(entry, decoded={t: self._token_text(t) for t in entry})
+
+        for seq in output.outputs:
+            if seq.logprobs:
+                seq.logprobs = [decoded(entry) for entry in seq.logprobs]
+        if output.prompt_logprobs:
+            output.prompt_logprobs = [
+                None if entry is None else decoded(entry) for entry in output.prompt_logprobs
+            ]
+        return output
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.engine.tokenizer
+            text = self._token_texts[token_id] = tokenizer.decode([token_id])
+        return text
+
+
+def _token_ids(value: Any) -> list[int]:
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise ValueError(
+            f"a prompt is a text, a list of int token ids or a dict with 'prompt' or "
+            f"'prompt_token_ids'; got {value!r:.80}"
+        )
+    return list(value)
+
+
+def _template_message(message: Message) -> Message:
+    """A message with its list of text parts joined (as the server does), for the template."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            raise ValueError(f"only text content parts are supported, got {part!r:.80}")
+        texts.append(str(part.get("text", "")))
+    return {**message, "content": "\n".join(texts)}
 
 
 class _Progress:

@@ -172,12 +172,38 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Render `messages` with the chat template and tokenize the text.
+    """Render `messages` with the chat template and tokenize the text (see `chat_prompt_text`)."""
+    text = chat_prompt_text(
+        tokenizer,
+        messages,
+        add_generation_prompt,
+        chat_template,
+        continue_final_message,
+        chat_template_kwargs,
+    )
+    return encode_rendered_chat(tokenizer, text)
 
-    `chat_template` (Jinja text or a path) overrides the tokenizer's own for this call. The
-    template writes its own special tokens (BOS included), so none are added on top. With
+
+def encode_rendered_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    # The template writes its own special tokens (BOS included), so none are added on top.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_prompt_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of `messages` through the chat template.
+
+    `chat_template` (Jinja text or a path) overrides the tokenizer's own for this call. With
     `continue_final_message` the last message is left open, for the model to go on with it.
+    `chat_template_kwargs` become variables of the template (e.g. enable_thinking).
     """
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
@@ -190,8 +216,9 @@ def apply_chat_template(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         chat_template=template,
+        **(chat_template_kwargs or {}),
     )
-    return list(tokenizer.encode(str(text), add_special_tokens=False))
+    return str(text)
 
 
 def fallback_tokenizer(hf_config: Any) -> PreTrainedTokenizerFast:

@@ -14,17 +14,6 @@ from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    hf = make_variant("llama")
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=128)
-    yield llm, hf
-    llm.shutdown()
-
-
 def random_prompts(seed: int, n: int, vocab: int = 500) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 40))] for _ in range(n)]

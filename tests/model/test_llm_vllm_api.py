@@ -1,0 +1,116 @@
+"""Scripts written for vLLM's offline API run unchanged but for the import: its option names,
+its logprobs shape ({token_id: Logprob} per position), chat arguments, max_tokens that run
+into the context's end, and clear errors for what it would refuse too."""
+
+from __future__ import annotations
+
+import pytest
+
+from aioinfer import LLM, SamplingParams
+from aioinfer.core.step import Logprob
+
+
+def test_logprobs_are_dicts_of_token_id_to_logprob(tiny):
+    llm, _ = tiny
+    prompt = [5, 17, 99, 250, 31]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    seq = out.outputs[0]
+    for token_id, position in zip(seq.token_ids, seq.logprobs, strict=True):
+        chosen = position[token_id]
+        assert isinstance(chosen, Logprob)
+        assert chosen.logprob == position.logprob and chosen.rank == position.rank
+        assert chosen.decoded_token == tok.decode([token_id])
+        assert next(iter(position)) == token_id  # the chosen token first, as in vLLM
+        assert len(position) in (3, 4)  # the top 3, and the chosen one where it is not among them
+        ranked = sorted((entry.rank, entry.logprob) for entry in position.values())
+        top = [logprob for rank, logprob in ranked if rank <= 3]
+        assert top == sorted(top, reverse=True)
+        assert dict(position.items()).keys() == set(position)
+    assert out.prompt_logprobs[0] is None
+    for token_id, position in zip(prompt[1:], out.prompt_logprobs[1:], strict=True):
+        assert position[token_id].decoded_token == tok.decode([token_id])
+        with pytest.raises(KeyError):
+            position[-1]
+    assert seq.finished() is True
+
+
+def test_prompt_and_max_tokens_past_the_context_stop_at_its_end(tiny):
+    llm, _ = tiny  # context 128
+    prompt = list(range(5, 105))  # 100 tokens
+    out = llm.generate([prompt], SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    seq = out[0].outputs[0]
+    assert seq.finish_reason == "length" and len(seq.token_ids) == 28
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([list(range(5, 133))], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_stop_set_after_construction_counts(tiny):
+    llm, _ = tiny
+    prompt = [7, 8, 9, 10]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    free = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    assert stop.strip()
+    params.stop = [stop]
+    cut = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == free[: free.index(stop)]
+
+
+def test_chat_text_parts_template_kwargs_and_the_rendered_prompt(tiny):
+    llm, _ = tiny
+    parts = [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "world"}]
+    params = SamplingParams(max_tokens=2)
+    out = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0]
+    assert out.prompt == "<|im_start|>user\nHello,\nworld<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt)
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    out = llm.chat(
+        [{"role": "user", "content": "there"}],
+        params,
+        use_tqdm=False,
+        chat_template=template,
+        chat_template_kwargs={"greeting": "Hi "},
+    )[0]
+    assert out.prompt == "Hi there"
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat([{"role": "user", "content": "x"}], params, tools=[{"type": "function"}])
+    with pytest.raises(ValueError, match="text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
+
+
+@pytest.mark.parametrize(
+    "prompt", [[None], ["a", 5], [1.0, 2.0], {"text": "x"}, [[1, True]]], ids=repr
+)
+def test_bad_prompts_are_refused_by_name_and_leave_nothing_behind(tiny, prompt):
+    llm, _ = tiny
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.engine.num_unfinished == 0 and llm.engine.scheduler.kv.usage == 0.0
+
+
+def test_vllm_options(tiny, tmp_path):
+    llm, _ = tiny
+    path = llm.engine.model_config.model
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        LLM(path, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(path, quantization="awq")
+    other = LLM(
+        path,
+        dtype="float",  # vLLM's name for float32
+        trust_remote_code=True,
+        tensor_parallel_size=1,
+        disable_log_stats=True,
+        kv_cache_memory=0.01,
+        max_model_len=64,
+    )
+    try:
+        assert other.engine.model_config.dtype == "float32"
+        out = other.generate([[5, 6]], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        other.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        other.generate([[5, 6]], use_tqdm=False)
