@@ -66,6 +66,17 @@ def _count(counter: dict[str, int], key: str) -> None:
     counter[key] = counter.get(key, 0) + 1
 
 
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index`'s params: a seeded request's sequences draw from seeds seed, seed + 1,
+    ..., wrapped into the 64-bit range a seed may take."""
+    if params.n == 1 or params.seed is None:
+        return params
+    seed = params.seed + index
+    if seed >= 2**64:
+        seed -= 2**64
+    return params.clone(seed=seed)
+
+
 class AsyncEngine:
     """Build with `await AsyncEngine.create(...)` on the loop that will serve it."""
 
@@ -278,21 +289,22 @@ class AsyncEngine:
         for rid in {request_id, *child_ids}:
             if rid in self._parents or rid in self._children or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-        stream = RequestStream(request_id, prompt, list(prompt_token_ids), params.n)
-        for index, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = params.clone(seed=params.seed + index)
-            request = Request(
+        # Every sequence is built before any is queued, for the same reason.
+        requests = [
+            Request(
                 child_id,
                 prompt_token_ids,
-                child_params,
+                _child_params(params, index),
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 detokenizer=self._make_detokenizer(prompt_token_ids, params),
             )
+            for index, child_id in enumerate(child_ids)
+        ]
+        stream = RequestStream(request_id, prompt, list(prompt_token_ids), params.n)
+        for index, request in enumerate(requests):
             self.scheduler.add(request)
-            self._children[child_id] = _Child(stream, index)
+            self._children[request.request_id] = _Child(stream, index)
         self._parents[request_id] = _Parent(stream, child_ids)
         self.stats.prompt_tokens += len(prompt_token_ids) * params.n
         assert self._step_loop is not None

@@ -13,7 +13,7 @@ import pytest
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.sampling_params import SamplingParams
-from aioinfer.engine.async_engine import AsyncEngine
+from aioinfer.engine.async_engine import AsyncEngine, _child_params
 from aioinfer.engine.llm import LLM
 from aioinfer.engine.stream import EngineDeadError
 from tests.tokenizer_fixtures import make_tokenizer
@@ -251,3 +251,15 @@ def test_offline_llm_aborts_its_batch_on_a_refused_prompt_and_on_ctrl_c():
         assert out[0].outputs[0].token_ids == reference_output([7, 7], 3)
     finally:
         llm.shutdown()
+
+
+async def test_the_largest_seed_with_n_2_wraps_instead_of_failing_half_admitted():
+    engine = await make_engine(queue_timeout=5.0)
+    try:
+        params = SamplingParams(n=2, seed=2**64 - 1, max_tokens=3, ignore_eos=True)
+        _, tokens, last = await collect(engine, [5, 6], params)
+        assert sorted(tokens) == [0, 1] and last.finished
+        _assert_idle(engine)
+        assert [_child_params(params, i).seed for i in (0, 1)] == [2**64 - 1, 0]
+    finally:
+        await engine.shutdown()
