@@ -33,9 +33,12 @@ MiB = 1 << 20
 MIN_BODY_BYTES = 16 * MiB
 MAX_BODY_BYTES = 128 * MiB
 BODY_BYTES_PER_TOKEN = 64
-# Deeper JSON is refused before parsing: the JSON parser recurses per level (a body of a few MB
-# of brackets overflows its stack), and no request needs more than a handful of levels.
+# Deeper JSON is refused: no request needs more than a handful of levels, and what reads the
+# parsed body (validation, error messages) may recurse per level. orjson itself stops at 1024.
 MAX_JSON_DEPTH = 64
+_TOO_DEEP = (
+    f"The body is nested too deeply: more than {MAX_JSON_DEPTH} levels of arrays and objects"
+)
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _OPEN, _CLOSE = b"[{", b"]}"
 # Brackets become +1 / -1 (as signed bytes); every other byte is deleted.
@@ -80,15 +83,15 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     body = await request.read()
     if len(body) > limit:
         raise PayloadTooLargeError(_too_large(len(body), limit))
-    if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise BadRequestError(
-            f"The body is nested too deeply: more than {MAX_JSON_DEPTH} levels of arrays and "
-            "objects"
-        )
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if "depth limit" in str(exc):
+            raise BadRequestError(_TOO_DEEP) from None
         raise BadRequestError(f"The body is not valid JSON: {exc}") from None
+    # Measured on valid JSON only: there every string ends, so the scan is linear.
+    if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise BadRequestError(_TOO_DEEP)
     if not isinstance(data, dict):
         kind = "an array" if isinstance(data, list) else f"a {type(data).__name__}"
         raise BadRequestError(f"The body must be a JSON object, got {kind}")
@@ -96,9 +99,10 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
 
 
 def json_depth(body: bytes, at_least: int = 0) -> int:
-    """How deeply arrays and objects nest in a JSON text, without parsing it (and so without
-    recursion); brackets inside strings do not count. Bodies with at most `at_least` brackets
-    in all are answered with a cheap upper bound: their count."""
+    """How deeply arrays and objects nest in a valid JSON text, without recursion; brackets
+    inside strings do not count. Bodies with at most `at_least` brackets in all are answered
+    with a cheap upper bound: their count. (On invalid JSON an unterminated string makes the
+    scan quadratic: parse first.)"""
     num_brackets = sum(body.count(c) for c in (b"[", b"{"))
     if num_brackets <= at_least:
         return num_brackets
