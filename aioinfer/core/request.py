@@ -70,6 +70,12 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0
         self.block_hashes: list[BlockHash] = []  # hashes of this request's full blocks, in order
+        # Looked up for every token: a set, however long the client's list.
+        self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        banned = set(self._stop_token_ids)
+        if not sampling_params.ignore_eos:
+            banned |= self.eos_token_ids
+        self._banned_before_min_tokens = tuple(sorted(banned))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,13 +107,9 @@ class Request:
 
     def banned_token_ids(self) -> tuple[int, ...]:
         """Tokens that would stop the request before min_tokens: the sampler must skip them."""
-        params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        if self.num_output_tokens >= self.sampling_params.min_tokens:
             return ()
-        banned = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            banned |= self.eos_token_ids
-        return tuple(sorted(banned))
+        return self._banned_before_min_tokens
 
     def is_stop_token(self, token_id: int) -> bool:
         """Whether the just appended `token_id` ends the request: EOS or one of stop_token_ids,
@@ -117,7 +119,7 @@ class Request:
             return False
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return True
-        return token_id in (params.stop_token_ids or ())
+        return token_id in self._stop_token_ids
 
     def check_stop(self, token_id: int, stop_string: str | None) -> RequestStatus | None:
         """The finishing status after `token_id` was appended, or None to go on."""

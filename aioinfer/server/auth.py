@@ -21,7 +21,8 @@ _SCHEME = "bearer"
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8")).digest()
+    # A header's bytes that are not UTF-8 arrive as surrogates: they hash as those bytes.
+    return hashlib.sha256(key.encode("utf-8", errors="surrogateescape")).digest()
 
 
 def is_authorized(header: str | None, digests: Sequence[bytes]) -> bool:

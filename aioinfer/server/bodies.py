@@ -80,9 +80,13 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     length = request.content_length
     if length is not None and length > limit:
         raise PayloadTooLargeError(_too_large(length, limit))
-    body = await request.read()
-    if len(body) > limit:
-        raise PayloadTooLargeError(_too_large(len(body), limit))
+    # Read in pieces: a chunked body has no length to check up front, and must not be buffered
+    # whole (up to aiohttp's own cap) before it is refused.
+    body = bytearray()
+    async for piece in request.content.iter_chunked(1 << 16):
+        body += piece
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"Request body too large: over the limit of {limit} bytes")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -98,7 +102,7 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     return data
 
 
-def json_depth(body: bytes, at_least: int = 0) -> int:
+def json_depth(body: bytes | bytearray, at_least: int = 0) -> int:
     """How deeply arrays and objects nest in a valid JSON text, without recursion; brackets
     inside strings do not count. Bodies with at most `at_least` brackets in all are answered
     with a cheap upper bound: their count. (On invalid JSON an unterminated string makes the

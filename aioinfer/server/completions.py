@@ -91,10 +91,6 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
     # From here to the engine's admission there is no await: the admission check holds.
     prompts = encode_prompts(engine.tokenizer, req.prompt)
     ctx = _response_context("cmpl", request, engine, prompts, params.n)
-    echo_texts = None
-    if req.echo:
-        decode = engine.tokenizer.decode
-        echo_texts = [ctx.prompt_text(i, decode) for i in range(len(prompts))]
     want_logprobs = req.logprobs is not None
     generation = start_generation(
         state,
@@ -104,6 +100,10 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
         clamp_max_tokens=not req.max_tokens_given,
         prompt_only=req.prompt_only,
     )
+    echo_texts = None
+    if req.echo:  # after admission, which checked the prompts' token ids
+        decode = engine.tokenizer.decode
+        echo_texts = [ctx.prompt_text(i, decode) for i in range(len(prompts))]
     record.start(ctx, [p.text for p in prompts])
     chunks: CompletionChunks | None = None
     if req.stream:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import time
 
 from aiohttp import web
@@ -35,6 +37,23 @@ logger = logging.getLogger("aioinfer")
 
 # aiohttp's own shutdown wait, after the drain: only handlers that ignored the abort are left.
 RUNNER_SHUTDOWN_TIMEOUT = 2.0
+# Seconds an idle keep-alive connection stays open (aiohttp's default is an hour: idle clients
+# would hold file descriptors that long). nginx's default.
+KEEPALIVE_TIMEOUT = 75.0
+
+
+def _claim_unix_socket(path: str) -> None:
+    """Refuse a socket path that another live server listens on; a stale file is replaced."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # nobody listens: the file is left over, and the new server replaces it
+    finally:
+        probe.close()
+    raise SystemExit(f"Another server listens on {path}; stop it or choose another --uds path")
 
 
 def server_address(config: ServerConfig) -> str:
@@ -93,8 +112,15 @@ async def _serve(
         exit_code = 1
         stop.set()
 
+    if server_config.uds:
+        _claim_unix_socket(server_config.uds)
     app = create_app(build_engine, server_config, on_fatal=on_fatal)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=RUNNER_SHUTDOWN_TIMEOUT)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        shutdown_timeout=RUNNER_SHUTDOWN_TIMEOUT,
+        keepalive_timeout=KEEPALIVE_TIMEOUT,
+    )
     await runner.setup()
     site: web.BaseSite
     if server_config.uds:
@@ -107,17 +133,32 @@ async def _serve(
         server_address(server_config),
     )
     loop = asyncio.get_running_loop()
+    draining: asyncio.Future[int] | None = None
+    forced = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set() and draining is not None and not draining.done():
+            logger.warning("Second signal: aborting the requests still running")
+            forced.set()
+            draining.cancel()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         await stop.wait()
         if exit_code == 0:
-            logger.info("Shutting down: draining in-flight requests (up to %g s)",
-                        server_config.shutdown_timeout)  # fmt: skip
-            aborted = await drain(app, server_config.shutdown_timeout)
+            logger.info("Shutting down: draining in-flight requests (up to %g s; a second "
+                        "signal aborts them)", server_config.shutdown_timeout)  # fmt: skip
+            draining = asyncio.ensure_future(drain(app, server_config.shutdown_timeout))
+            try:
+                aborted = await draining
+            except asyncio.CancelledError:
+                if not forced.is_set():
+                    raise
+                aborted = await drain(app, 0.0)
             if aborted:
-                logger.info("Aborted %d requests still running after %g s", aborted,
-                            server_config.shutdown_timeout)  # fmt: skip
+                logger.info("Aborted %d requests still running", aborted)
     finally:
         for task in background:
             task.cancel()
@@ -125,4 +166,7 @@ async def _serve(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await runner.cleanup()
+        if server_config.uds:
+            with contextlib.suppress(OSError):
+                os.unlink(server_config.uds)
     return exit_code

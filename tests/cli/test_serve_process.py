@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 from pathlib import Path
 
@@ -120,5 +122,10 @@ async def test_unix_socket(tiny_model_dir, tmp_path):
                 assert resp.status == 200
             async with session.get("http://localhost/v1/models") as resp:
                 assert (await resp.json())["data"][0]["max_model_len"] == 128
+        # A second server on the same path is refused instead of taking the socket over.
+        second = ServeProcess([str(tiny_model_dir), "--uds", sock])
+        code, _ = await asyncio.to_thread(second.wait_exit, 120)
+        assert code != 0 and "Another server listens on" in second.output
     finally:
         assert stop_server(proc) == 0
+    assert not os.path.exists(sock)  # removed on exit

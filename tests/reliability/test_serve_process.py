@@ -143,3 +143,26 @@ async def test_sigterm_under_load_drains_then_exits_zero(tiny_model_dir: Path):
     assert "Aborted 3 requests still running" in proc.output
     assert KEY not in proc.output and "Hello" not in proc.output  # no key, no prompt text
     assert "/v1/completions: status 200" in proc.output  # the request log was on
+
+
+async def test_a_second_signal_aborts_the_drain(tiny_model_dir: Path):
+    port = free_port()
+    proc = ServeProcess(serve_args(tiny_model_dir, port, "--shutdown-timeout", "120"))
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            started = asyncio.Event()
+            stream = asyncio.create_task(request(session, url, body, started))
+            await asyncio.wait_for(started.wait(), 60)
+            proc.proc.send_signal(signal.SIGINT)
+            await asyncio.sleep(0.5)
+            proc.proc.send_signal(signal.SIGINT)  # do not wait out the 120 s
+            status, raw = await asyncio.wait_for(stream, 30)
+        code, _ = await asyncio.to_thread(proc.wait_exit, 30)
+    finally:
+        proc.kill()
+    assert status == 200 and stream_result(raw)[1] == "abort"
+    assert code == 0, proc.output
+    assert "Second signal: aborting the requests still running" in proc.output
