@@ -21,7 +21,14 @@ from aioinfer.core.outputs import RequestOutput
 from aioinfer.server.bodies import json_response, parse_request
 from aioinfer.server.errors import APIError, InternalServerError, error_body
 from aioinfer.server.generation import Generation, admit, generation_error, start_generation
-from aioinfer.server.prompts import count_prompts, encode_prompts, render_chat
+from aioinfer.server.prompts import (
+    count_prompts,
+    encode_prompts,
+    message_chars,
+    num_chars,
+    off_loop_if_long,
+    render_chat,
+)
 from aioinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,8 +95,12 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
     engine, req = await parse_request(request, CompletionRequest)
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, count_prompts(req.prompt), params.n)
-    # From here to the engine's admission there is no await: the admission check holds.
-    prompts = encode_prompts(engine.tokenizer, req.prompt)
+    prompts = await off_loop_if_long(
+        num_chars(req.prompt), encode_prompts, engine.tokenizer, req.prompt
+    )
+    # Again: the queue may have filled while a long prompt was tokenized. From here to the
+    # engine's admission there is no await, so the check holds.
+    admit(engine, count_prompts(req.prompt), params.n)
     ctx = _response_context("cmpl", request, engine, prompts, params.n)
     want_logprobs = req.logprobs is not None
     generation = start_generation(
@@ -123,12 +134,17 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     engine, req = await parse_request(request, ChatCompletionRequest)
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, 1, params.n)
-    # From here to the engine's admission there is no await: the admission check holds.
     add_generation_prompt = req.add_generation_prompt is not False
     messages = req.template_messages()
-    ids = render_chat(
-        engine.tokenizer, messages, add_generation_prompt, bool(req.continue_final_message)
+    ids = await off_loop_if_long(
+        message_chars(messages),
+        render_chat,
+        engine.tokenizer,
+        messages,
+        add_generation_prompt,
+        bool(req.continue_final_message),
     )
+    admit(engine, 1, params.n)  # again, as for completions; no await from here on
     ctx = _response_context("chatcmpl", request, engine, [Prompt(ids)], params.n)
     generation = start_generation(
         state, engine, ctx, params, clamp_max_tokens=not req.max_tokens_given, what="messages"

@@ -3,11 +3,36 @@ chat template), refusing what cannot be rendered with a 400."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from aioinfer.server.errors import BadRequestError
 from aioinfer.server.render import Prompt
+
+_T = TypeVar("_T")
+
+# Texts longer than this are tokenized on a worker thread (tokenizers release the GIL): a
+# prompt of megabytes takes seconds, which on the event loop would stall every other stream.
+OFF_LOOP_CHARS = 16_384
+
+
+async def off_loop_if_long(num_chars: int, fn: Callable[..., _T], *args: Any) -> _T:
+    """fn(*args) at once for short texts, else on a worker thread."""
+    if num_chars <= OFF_LOOP_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def num_chars(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """Characters of text in a completions prompt (token ids count none)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
+
+
+def message_chars(messages: Sequence[dict[str, Any]]) -> int:
+    return sum(len(str(m.get("content") or "")) for m in messages)
 
 
 def count_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:

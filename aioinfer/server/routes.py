@@ -3,6 +3,8 @@ models, tokenize and detokenize. Generation lives in `completions`."""
 
 from __future__ import annotations
 
+import functools
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -10,7 +12,7 @@ from aioinfer import __version__
 from aioinfer.server.bodies import check_model, json_response, parse_request
 from aioinfer.server.completions import create_chat_completion, create_completion
 from aioinfer.server.errors import BadRequestError, ServiceUnavailableError
-from aioinfer.server.prompts import render_chat
+from aioinfer.server.prompts import message_chars, off_loop_if_long, render_chat
 from aioinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.render import model_card
 from aioinfer.server.responses import ModelCard
@@ -71,7 +73,9 @@ async def tokenize(request: web.Request) -> web.Response:
     engine, req = await parse_request(request, TokenizeRequest)
     if req.messages is not None:
         messages = [m.to_template() for m in req.messages]
-        ids = render_chat(
+        ids = await off_loop_if_long(
+            message_chars(messages),
+            render_chat,
             engine.tokenizer,
             messages,
             req.add_generation_prompt is not False,
@@ -79,7 +83,10 @@ async def tokenize(request: web.Request) -> web.Response:
         )
     else:
         special = req.add_special_tokens is not False
-        ids = list(engine.tokenizer(req.prompt, add_special_tokens=special)["input_ids"])
+        text = req.prompt or ""
+        tokenize_text = functools.partial(engine.tokenizer, add_special_tokens=special)
+        encoded = await off_loop_if_long(len(text), tokenize_text, text)
+        ids = list(encoded["input_ids"])
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
 
