@@ -167,23 +167,10 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    chat_template: str | None = None,
-    continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], **options: Any
 ) -> list[int]:
-    """Render `messages` with the chat template and tokenize the text (see `chat_prompt_text`)."""
-    text = chat_prompt_text(
-        tokenizer,
-        messages,
-        add_generation_prompt,
-        chat_template,
-        continue_final_message,
-        chat_template_kwargs,
-    )
-    return encode_rendered_chat(tokenizer, text)
+    """`chat_prompt_text(tokenizer, messages, **options)`, tokenized."""
+    return encode_rendered_chat(tokenizer, chat_prompt_text(tokenizer, messages, **options))
 
 
 def encode_rendered_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
