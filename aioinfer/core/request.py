@@ -121,10 +121,13 @@ class Request:
             return True
         return token_id in self._stop_token_ids
 
-    def check_stop(self, token_id: int, stop_string: str | None) -> RequestStatus | None:
-        """The finishing status after `token_id` was appended, or None to go on."""
+    def check_stop(
+        self, token_id: int, stop_token: bool, stop_string: str | None
+    ) -> RequestStatus | None:
+        """The finishing status after `token_id` was appended (`stop_token`: what
+        `is_stop_token` said of it), or None to go on."""
         params = self.sampling_params
-        if self.is_stop_token(token_id):
+        if stop_token:
             if params.ignore_eos or token_id not in self.eos_token_ids:
                 self.stop_reason = token_id  # one of stop_token_ids; EOS leaves stop_reason None
             return RequestStatus.FINISHED_STOPPED

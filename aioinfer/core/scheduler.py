@@ -218,12 +218,12 @@ class Scheduler:
         stop_string = None
         detokenizer = request.detokenizer
         params = request.sampling_params
+        stop_token = request.is_stop_token(token_id)
         # A stop token ends the text without its own text (as OpenAI and vLLM), unless asked for.
-        text_of_token = params.include_stop_str_in_output or not request.is_stop_token(token_id)
-        if detokenizer is not None and text_of_token:
+        if detokenizer is not None and (params.include_stop_str_in_output or not stop_token):
             check_stops = request.num_output_tokens >= params.min_tokens
             stop_string = detokenizer.update([token_id], check_stop=check_stops)
-        status = request.check_stop(token_id, stop_string)
+        status = request.check_stop(token_id, stop_token, stop_string)
         if status is not None:
             self.running.remove(request)
             self._finish(request, status)
