@@ -178,6 +178,24 @@ def encode_rendered_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+# What chat_template_kwargs may not set: the rendering's own arguments (a client must not pick
+# the template, or turn rendering into something else) and the conversation itself.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+        "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+        "tokenizer_kwargs", "sanitize_control_tokens",
+    }
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+
+
 def chat_prompt_text(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
@@ -194,6 +212,7 @@ def chat_prompt_text(
     """
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    check_template_kwargs(chat_template_kwargs)
     template = read_chat_template(chat_template)
     if template is None and not tokenizer.chat_template:
         raise ValueError("the model's tokenizer has no chat template; pass one (--chat-template)")

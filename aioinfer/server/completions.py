@@ -134,15 +134,9 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     engine, req = await parse_request(request, ChatCompletionRequest)
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, 1, params.n)
-    add_generation_prompt = req.add_generation_prompt is not False
     messages = req.template_messages()
     ids = await off_loop_if_long(
-        message_chars(messages),
-        render_chat,
-        engine.tokenizer,
-        messages,
-        add_generation_prompt,
-        bool(req.continue_final_message),
+        message_chars(messages), render_chat, engine.tokenizer, messages, req.template_options()
     )
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
     ctx = _response_context("chatcmpl", request, engine, [Prompt(ids)], params.n)

@@ -59,22 +59,15 @@ def encode_prompts(
 
 
 def render_chat(
-    tokenizer: Any,
-    messages: Sequence[dict[str, Any]],
-    add_generation_prompt: bool,
-    continue_final_message: bool = False,
+    tokenizer: Any, messages: Sequence[dict[str, Any]], options: dict[str, Any]
 ) -> list[int]:
-    """Prompt token ids of chat messages, through the model's chat template."""
+    """Prompt token ids of chat messages through the model's chat template; `options` are
+    `apply_chat_template`'s (a request's `template_options()`)."""
     import jinja2
 
     from aioinfer.engine.tokenizer import apply_chat_template
 
     try:
-        return apply_chat_template(
-            tokenizer,
-            list(messages),
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
+        return apply_chat_template(tokenizer, list(messages), **options)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise BadRequestError(f"The chat template failed: {exc}", param="messages") from None

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.engine.tokenizer import check_template_kwargs
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 _MAX_REPORTED_ERRORS = 3
@@ -256,15 +257,9 @@ class ChatMessage(OpenAIRequest):
         return message
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    """POST /v1/chat/completions."""
+class _ChatTemplateOptions(OpenAIRequest):
+    """How chat messages are rendered through the model's template (as vLLM's fields)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(
-        None, description="Output limit (default: the rest of the context)."
-    )
-    logprobs: bool | None = Field(False, description="Return the chosen tokens' logprobs.")
-    top_logprobs: int | None = Field(None, description="Alternatives per token (needs logprobs).")
     add_generation_prompt: bool | None = Field(
         True, description="End the prompt with the assistant header."
     )
@@ -273,6 +268,40 @@ class ChatCompletionRequest(_GenerationRequest):
         description="Leave the last message open for the model to continue (set "
         "add_generation_prompt to false).",
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Variables for the chat template, e.g. {'enable_thinking': false}."
+    )
+
+    def check_template_options(self) -> None:
+        if self.add_generation_prompt is not False and self.continue_final_message:
+            raise RequestValidationError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the last message",
+                "continue_final_message",
+            )
+        try:
+            check_template_kwargs(self.chat_template_kwargs)
+        except ValueError as exc:
+            raise RequestValidationError(str(exc), "chat_template_kwargs") from None
+
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments of `apply_chat_template`."""
+        return {
+            "add_generation_prompt": self.add_generation_prompt is not False,
+            "continue_final_message": bool(self.continue_final_message),
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
+
+
+class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(
+        None, description="Output limit (default: the rest of the context)."
+    )
+    logprobs: bool | None = Field(False, description="Return the chosen tokens' logprobs.")
+    top_logprobs: int | None = Field(None, description="Alternatives per token (needs logprobs).")
     tools: list[Any] | None = Field(None, description="Not supported: refused unless empty.")
     tool_choice: Any = Field(None, description="Not supported: refused unless 'none'.")
     functions: list[Any] | None = Field(None, description="Not supported.")
@@ -298,7 +327,7 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestValidationError("top_logprobs needs logprobs to be true", "top_logprobs")
-        _check_chat_flags(self.add_generation_prompt, self.continue_final_message)
+        self.check_template_options()
 
     @property
     def max_tokens_given(self) -> bool:
@@ -319,22 +348,20 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._build(values)
 
 
-class TokenizeRequest(OpenAIRequest):
+class TokenizeRequest(_ChatTemplateOptions):
     """POST /tokenize: either a prompt or chat messages."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = Field(True, description="For prompt: add BOS etc.")
-    add_generation_prompt: bool | None = Field(True, description="For messages.")
-    continue_final_message: bool | None = Field(False, description="For messages.")
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestValidationError(
                 "give exactly one of prompt and messages", "prompt" if self.prompt else "messages"
             )
-        _check_chat_flags(self.add_generation_prompt, self.continue_final_message)
+        self.check_template_options()
 
 
 class DetokenizeRequest(OpenAIRequest):
@@ -345,17 +372,6 @@ class DetokenizeRequest(OpenAIRequest):
 
 
 # --------------------------------------------------------------------------- validation helpers
-
-
-def _check_chat_flags(
-    add_generation_prompt: bool | None, continue_final_message: bool | None
-) -> None:
-    if add_generation_prompt is not False and continue_final_message:
-        raise RequestValidationError(
-            "continue_final_message and add_generation_prompt cannot both be true: set "
-            "add_generation_prompt to false to continue the last message",
-            "continue_final_message",
-        )
 
 
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:

@@ -74,12 +74,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.messages is not None:
         messages = [m.to_template() for m in req.messages]
         ids = await off_loop_if_long(
-            message_chars(messages),
-            render_chat,
-            engine.tokenizer,
-            messages,
-            req.add_generation_prompt is not False,
-            bool(req.continue_final_message),
+            message_chars(messages), render_chat, engine.tokenizer, messages, req.template_options()
         )
     else:
         special = req.add_special_tokens is not False

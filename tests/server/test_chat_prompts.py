@@ -8,6 +8,7 @@ import orjson
 
 from tests.server.conftest import chat_prompt_ids, expected_output
 from tests.server.test_http import error_of, post
+from tests.tokenizer_fixtures import make_tokenizer
 
 CONTINUED = [
     {"role": "user", "content": "Name a primary colour."},
@@ -55,3 +56,29 @@ async def test_the_developer_role_reaches_the_template(client):
     assert orjson.loads(raw)["tokens"] == chat_prompt_ids(messages)
     _, raw = await post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
     assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(chat_prompt_ids(messages))
+
+
+async def test_chat_template_kwargs_reach_the_template_and_may_not_replace_it(
+    client, engine, monkeypatch
+):
+    template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}"
+    )
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
+    messages = [{"role": "user", "content": "Hi"}]
+    tok = make_tokenizer()
+    for kwargs, text in (({}, "Hi"), ({"enable_thinking": False}, "Hi /no_think")):
+        body = {"messages": messages, "chat_template_kwargs": kwargs}
+        _, raw = await post(client, "/tokenize", body)
+        assert orjson.loads(raw)["tokens"] == tok.encode(text, add_special_tokens=False)
+        _, raw = await post(client, "/v1/chat/completions", {**body, "max_tokens": 1})
+        assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(
+            tok.encode(text, add_special_tokens=False)
+        )
+    for reserved in ("chat_template", "tokenize", "messages"):
+        body = {"messages": messages, "chat_template_kwargs": {reserved: "{{ 7 * 7 }}"}}
+        for path in ("/v1/chat/completions", "/tokenize"):
+            _, raw = await post(client, path, body)
+            error = error_of(raw, 400)
+            assert error["param"] == "chat_template_kwargs" and reserved in error["message"]
