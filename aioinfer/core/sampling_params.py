@@ -43,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs of each sampled token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no text (and no stop strings)
     logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
@@ -90,7 +91,7 @@ class SamplingParams:
             "frequency_penalty",
             "repetition_penalty",
         )
-        bools = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+        bools = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize")
         for name in ints:
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
@@ -163,6 +164,8 @@ class SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop must not contain empty strings")
+        if stops and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True: they are matched in the text")
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
         if any(t < 0 for t in self.stop_token_ids or []):

@@ -375,7 +375,9 @@ class AsyncEngine:
 
     def _make_detokenizer(
         self, prompt_token_ids: list[int], params: SamplingParams
-    ) -> IncrementalDetokenizer:
+    ) -> IncrementalDetokenizer | None:
+        if not params.detokenize:
+            return None
         return IncrementalDetokenizer(
             self.tokenizer,
             prompt_token_ids,

@@ -114,3 +114,15 @@ def test_vllm_options(tiny, tmp_path):
         other.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         other.generate([[5, 6]], use_tqdm=False)
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(tiny):
+    llm, _ = tiny
+    prompt = [9, 8, 7, 6]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_text = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    ids_only = llm.generate([prompt], params.clone(detokenize=False), use_tqdm=False)[0]
+    assert ids_only.outputs[0].token_ids == with_text.token_ids and with_text.text
+    assert ids_only.outputs[0].text == "" and ids_only.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
