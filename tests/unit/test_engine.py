@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -240,11 +241,17 @@ def test_offline_llm_aborts_its_batch_on_a_refused_prompt_and_on_ctrl_c():
             llm.generate([[5, 6, 7], [8] * 200], params, use_tqdm=False)  # the second is too long
         _assert_idle(llm.engine)
 
+        # Python's own Ctrl-C handler, also where the shell started us with SIGINT ignored
+        # (a background job): interrupt_main does nothing without it.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         timer = threading.Timer(0.3, _thread.interrupt_main)
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate([[5] * 10] * 8, params, use_tqdm=False)
-        timer.join()
+        try:
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate([[5] * 10] * 8, params, use_tqdm=False)  # 118 steps of 5 ms
+            timer.join()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         _assert_idle(llm.engine)
         # The engine goes on serving.
         out = llm.generate([[7, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
