@@ -355,6 +355,9 @@ class TokenizeRequest(_ChatTemplateOptions):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = Field(True, description="For prompt: add BOS etc.")
+    return_token_strs: bool | None = Field(
+        False, description="Also return each token's string in the vocabulary (token_strs)."
+    )
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -144,6 +144,7 @@ class TokenizeResponse(TypedDict):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: NotRequired[list[str]]  # with return_token_strs: the vocabulary's strings
 
 
 class DetokenizeResponse(TypedDict):

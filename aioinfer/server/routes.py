@@ -15,7 +15,7 @@ from aioinfer.server.errors import BadRequestError, ServiceUnavailableError
 from aioinfer.server.prompts import message_chars, off_loop_if_long, render_chat
 from aioinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.render import model_card
-from aioinfer.server.responses import ModelCard
+from aioinfer.server.responses import ModelCard, TokenizeResponse
 from aioinfer.server.state import STATE
 
 
@@ -82,7 +82,14 @@ async def tokenize(request: web.Request) -> web.Response:
         tokenize_text = functools.partial(engine.tokenizer, add_special_tokens=special)
         encoded = await off_loop_if_long(len(text), tokenize_text, text)
         ids = list(encoded["input_ids"])
-    return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+    body: TokenizeResponse = {
+        "tokens": ids,
+        "count": len(ids),
+        "max_model_len": engine.max_model_len,
+    }
+    if req.return_token_strs:
+        body["token_strs"] = list(engine.tokenizer.convert_ids_to_tokens(ids))
+    return json_response(body)
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -82,3 +82,13 @@ async def test_chat_template_kwargs_reach_the_template_and_may_not_replace_it(
             _, raw = await post(client, path, body)
             error = error_of(raw, 400)
             assert error["param"] == "chat_template_kwargs" and reserved in error["message"]
+
+
+async def test_tokenize_returns_the_vocabulary_strings_when_asked(client):
+    tok = make_tokenizer()
+    for body in ({"prompt": "Hello, world!"}, {"messages": CONTINUED}):
+        _, raw = await post(client, "/tokenize", {**body, "return_token_strs": True})
+        reply = orjson.loads(raw)
+        assert reply["token_strs"] == tok.convert_ids_to_tokens(reply["tokens"])
+        _, raw = await post(client, "/tokenize", body)
+        assert "token_strs" not in orjson.loads(raw)
