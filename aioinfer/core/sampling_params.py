@@ -161,7 +161,7 @@ class SamplingParams:
                 raise bad(name, ">= 0")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "a 64-bit integer")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        stops = self.stop_strings
         if any(s == "" for s in stops):
             raise ValueError("stop must not contain empty strings")
         if stops and not self.detokenize:

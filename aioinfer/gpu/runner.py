@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from aioinfer.gpu.cuda_graphs import CudaGraphRunner
 from aioinfer.gpu.forward_context import forward_context
 from aioinfer.gpu.sampler import Sampler, compute_prompt_logprobs
 from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
+
+if TYPE_CHECKING:
+    from aioinfer.model.kernels.cpu_native import NativeKernels
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +373,7 @@ def select_cpu_kernels(
     return "native"
 
 
-def _native_kernels(cpu_kernels: str) -> Any:
+def _native_kernels(cpu_kernels: str) -> NativeKernels | None:
     """The native CPU kernels when they run the model (the sampler uses them too), else None."""
     if cpu_kernels != "native":
         return None
