@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 if TYPE_CHECKING:
-    from aioinfer.core.sampling_params import SamplingParams
+    from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
     from aioinfer.engine.llm import LLM
 
 
@@ -18,8 +18,8 @@ def __getattr__(name: str) -> Any:
         from aioinfer.engine.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from aioinfer.core.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from aioinfer.core import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(name)

@@ -11,7 +11,10 @@ from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from aioinfer.core.block_pool import BlockHash
+    from aioinfer.core.constraints import TokenConstraints
     from aioinfer.core.detokenizer import IncrementalDetokenizer
 
 
@@ -48,6 +51,7 @@ class Request:
         max_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
         detokenizer: IncrementalDetokenizer | None = None,
+        constraints: TokenConstraints | None = None,
         arrival_time: float | None = None,
     ) -> None:
         if not prompt_token_ids:
@@ -58,6 +62,7 @@ class Request:
         self.max_tokens = max_tokens  # resolved: never None here
         self.eos_token_ids = eos_token_ids
         self.detokenizer = detokenizer
+        self.constraints = constraints
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -104,12 +109,24 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.constraints is not None:
+            self.constraints.accept(token_id)
 
-    def banned_token_ids(self) -> tuple[int, ...]:
-        """Tokens that would stop the request before min_tokens: the sampler must skip them."""
+    def next_token_mask(self) -> np.ndarray | None:
+        """The bitmask of tokens the next sample may take (allowed_token_ids, a grammar), or
+        None for any."""
+        return None if self.constraints is None else self.constraints.next_mask()
+
+    def banned_token_ids(self, mask: np.ndarray | None = None) -> tuple[int, ...]:
+        """Tokens the sampler must skip: those that would stop the request before min_tokens,
+        and the ends of bad words. `mask` is what `next_token_mask` gave for the same step."""
         if self.num_output_tokens >= self.sampling_params.min_tokens:
-            return ()
-        return self._banned_before_min_tokens
+            before_min: tuple[int, ...] = ()
+        else:
+            before_min = self._banned_before_min_tokens
+        if self.constraints is None:
+            return before_min
+        return self.constraints.banned(self.output_token_ids, before_min, mask)
 
     def is_stop_token(self, token_id: int) -> bool:
         """Whether the just appended `token_id` ends the request: EOS or one of stop_token_ids,
@@ -127,6 +144,8 @@ class Request:
         """The finishing status after `token_id` was appended (`stop_token`: what
         `is_stop_token` said of it), or None to go on."""
         params = self.sampling_params
+        if self.constraints is not None and self.constraints.grammar_done and not stop_token:
+            return RequestStatus.FINISHED_STOPPED
         if stop_token:
             if params.ignore_eos or token_id not in self.eos_token_ids:
                 self.stop_reason = token_id  # one of stop_token_ids; EOS leaves stop_reason None

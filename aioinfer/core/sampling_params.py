@@ -9,6 +9,7 @@ from typing import Any
 # Below this temperature sampling is greedy (vLLM's threshold).
 _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 32
+MAX_BAD_WORDS = 128
 
 
 def _is_int(value: object) -> bool:
@@ -19,6 +20,50 @@ def _is_number(value: object) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(
         value
     )
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language; exactly one field is set (vLLM's names).
+
+    json: a JSON schema (a dict or its JSON text); json_object: any JSON object; regex: a
+    regular expression; choice: one of these strings; grammar: an EBNF grammar (GBNF style,
+    with a `root` rule)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema, got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and not (
+            isinstance(self.choice, list)
+            and self.choice
+            and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true when set")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -45,6 +90,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (and no stop strings)
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # words (one or more tokens) never generated
+    structured_outputs: StructuredOutputsParams | None = None
+    # Keep only the last k prompt tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -82,7 +132,13 @@ class SamplingParams:
 
     def _check_types(self) -> None:
         ints = ("n", "top_k", "min_tokens")
-        optional_ints = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+        optional_ints = (
+            "seed",
+            "max_tokens",
+            "logprobs",
+            "prompt_logprobs",
+            "truncate_prompt_tokens",
+        )
         numbers = (
             "temperature",
             "top_p",
@@ -116,6 +172,24 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+            )
+        if self.allowed_token_ids is not None and not (
+            isinstance(self.allowed_token_ids, list)
+            and all(_is_int(t) for t in self.allowed_token_ids)
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be a list of integers, got {self.allowed_token_ids!r}"
+            )
+        if self.bad_words is not None and not (
+            isinstance(self.bad_words, list) and all(isinstance(w, str) for w in self.bad_words)
+        ):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{self.structured_outputs!r}"
             )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -170,6 +244,22 @@ class SamplingParams:
             raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
         if any(t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "non-negative token ids")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "non-negative token ids")
+        if self.bad_words is not None:
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise ValueError(
+                    f"bad_words must hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}"
+                )
+            if any(not w.strip() for w in self.bad_words):
+                raise ValueError("bad_words must not contain empty words")
+        if self.truncate_prompt_tokens is not None and not (
+            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1
+        ):
+            raise bad("truncate_prompt_tokens", "-1 (the context length) or >= 1")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:
                 raise ValueError(f"logit_bias token ids must be >= 0, got {token}")

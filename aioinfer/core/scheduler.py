@@ -159,17 +159,20 @@ class Scheduler:
         end = start + num_new
         request.num_computed_tokens = end
         params = request.sampling_params
+        sample = end == request.num_tokens
+        mask = request.next_token_mask() if sample else None
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start:end]),
             start_pos=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
-            sample=end == request.num_tokens,
+            sample=sample,
             sampling_params=params,
             output_index=request.num_output_tokens,
             history=tuple(request.all_token_ids) if params.has_penalties else None,
             prompt_len=request.num_prompt_tokens,
-            banned_token_ids=request.banned_token_ids(),
+            banned_token_ids=request.banned_token_ids(mask),
+            allowed_token_mask=mask,
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
         )
 

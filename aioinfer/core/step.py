@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aioinfer.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,8 @@ class ScheduledChunk:
     prompt_len: int = 0
     # Token ids the sampler must not pick this step (EOS and stop ids before min_tokens).
     banned_token_ids: tuple[int, ...] = ()
+    # The tokens the sampler may pick, an int32 bitmask (see core/constraints.py); None: any.
+    allowed_token_mask: np.ndarray | None = None
     # When prompt logprobs are asked for: the prompt token that follows each fed token, i.e.
     # prompt[start_pos + 1 : start_pos + len + 1] (one shorter on the last prefill chunk).
     prompt_logprob_targets: tuple[int, ...] | None = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.core.constraints import ConstraintBuilder
 from aioinfer.core.detokenizer import IncrementalDetokenizer
 from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.outputs import RequestOutput
@@ -102,6 +103,7 @@ class AsyncEngine:
         self.stats = EngineStats()
         self.eos_token_ids: frozenset[int] = frozenset()
         self.default_sampling: dict[str, Any] = {}  # from the model's generation_config.json
+        self.constraints: ConstraintBuilder | None = None  # set at start()
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._died = asyncio.Event()
@@ -142,6 +144,9 @@ class AsyncEngine:
         self.info.init_seconds = time.perf_counter() - t0
         self.eos_token_ids = frozenset(self.info.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.default_sampling = dict(self.info.default_sampling)
+        self.constraints = ConstraintBuilder(
+            self.tokenizer, self.info.vocab_size, self.eos_token_ids
+        )
         kv = KVCacheManager(
             self.info.num_blocks,
             self.cache_config.block_size,
@@ -200,6 +205,22 @@ class AsyncEngine:
 
     def make_request_id(self) -> str:
         return f"req-{next(_request_counter)}"
+
+    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The last `truncate_prompt_tokens` tokens of the prompt (-1: as many as leave room
+        for max_tokens, or for one token); the prompt itself when it is shorter or no limit
+        is set."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        if keep > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens must be <= {self.max_model_len} (the maximum context "
+                f"length), got {keep}"
+            )
+        if keep == -1:
+            keep = max(1, self.max_model_len - (params.max_tokens or 1))
+        return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check the prompt against the model's limits; returns the resolved max_tokens.
@@ -280,9 +301,11 @@ class AsyncEngine:
         """Admit one request (all n sequences) to the scheduler; raises ValueError for what
         does not fit this model, EngineDeadError once the engine died or was shut down."""
         self._check_running()
-        assert self.scheduler is not None
+        assert self.scheduler is not None and self.constraints is not None
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         max_tokens = self.validate_prompt(prompt_token_ids, params)
         self._check_params(params)
+        make_constraints = self.constraints.prepare(params)
         request_id = request_id or self.make_request_id()
         child_ids = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]
         # Checked before anything is added, so that a refused request leaves nothing behind.
@@ -298,6 +321,7 @@ class AsyncEngine:
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 detokenizer=self._make_detokenizer(prompt_token_ids, params),
+                constraints=make_constraints() if make_constraints else None,
             )
             for index, child_id in enumerate(child_ids)
         ]

@@ -231,6 +231,8 @@ class LLM:
             # Every request is validated and queued before the first step runs; one that fails
             # validation aborts those queued before it.
             for (text, ids), params in zip(encoded, params_list, strict=True):
+                kept = self.engine.truncate_prompt(ids, params)
+                text, ids = (text, ids) if kept is ids else (None, kept)
                 params = self._fit_max_tokens(ids, params)
                 streams.append(self.engine.add_request(ids, params, prompt=text))
             if use_tqdm:

@@ -9,9 +9,11 @@ Semantics are vLLM's. Logprobs describe the raw model distribution (log_softmax 
 given), and a rank is the number of tokens at least as likely as the chosen one (1 = the best).
 The logits go through, in order:
 
-    logit_bias (added) -> banned ids (-inf) -> repetition penalty (HF: over prompt + output,
-    positive logits divided, negative multiplied) -> frequency / presence penalties (OpenAI: over
-    output only, logit -= freq * count + presence * (count > 0)) -> [greedy rows: argmax here]
+    logit_bias (added) -> banned ids and tokens outside the allowed mask (-inf; bitmasks of
+    allowed_token_ids and grammars, see core/constraints.py) -> repetition penalty (HF: over
+    prompt + output, positive logits divided, negative multiplied) -> frequency / presence
+    penalties (OpenAI: over output only, logit -= freq * count + presence * (count > 0)) ->
+    [greedy rows: argmax here]
     -> temperature -> min_p -> top_k -> top_p -> exponential race (argmax of probs / Exp(1))
 
 Truncation keeps ties: top_k keeps every token whose logit is >= the k-th largest one; top_p keeps
@@ -30,8 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from aioinfer.core.constraints import MASK_BITS
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk, TokenLogprobs
 
@@ -87,6 +91,14 @@ class TokenBias(TokenEntries):
 
 
 @dataclass(frozen=True, slots=True)
+class AllowedMasks:
+    """The rows that may sample only some tokens, and their int32 bitmasks."""
+
+    rows: torch.Tensor  # [R] int64
+    masks: torch.Tensor  # [R, ceil(V / 32)] int32
+
+
+@dataclass(frozen=True, slots=True)
 class Truncation:
     """Temperature and the truncation knobs; a field is None when no row uses it."""
 
@@ -129,6 +141,7 @@ class SamplingBatch:
     truncation: Truncation
     logit_bias: TokenBias | None
     banned: TokenEntries | None
+    allowed: AllowedMasks | None
     penalties: PenaltyBatch | None
     # (batch row, generator seed) per seeded random row; see seeded_generator_seed.
     seeded_rows: tuple[tuple[int, int], ...]
@@ -139,7 +152,7 @@ class SamplingBatch:
     def needs_processing(self) -> bool:
         """Whether any row changes its logits before the argmax or the race."""
         return not self.all_greedy or any(
-            x is not None for x in (self.logit_bias, self.banned, self.penalties)
+            x is not None for x in (self.logit_bias, self.banned, self.allowed, self.penalties)
         )
 
 
@@ -253,6 +266,7 @@ class Sampler:
             truncation=self._truncation(params, greedy),
             logit_bias=self._logit_bias(params),
             banned=self._banned(sampling),
+            allowed=self._allowed(sampling),
             penalties=self._penalties(sampling),
             seeded_rows=seeded,
             any_unseeded_random=len(seeded) < len(random_rows),
@@ -308,6 +322,15 @@ class Sampler:
         rows, cols = zip(*entries, strict=True)
         return TokenEntries(
             self._tensor(list(rows), torch.int64), self._tensor(list(cols), torch.int64)
+        )
+
+    def _allowed(self, chunks: list[ScheduledChunk]) -> AllowedMasks | None:
+        rows = [i for i, c in enumerate(chunks) if c.allowed_token_mask is not None]
+        if not rows:
+            return None
+        masks = np.stack([chunks[i].allowed_token_mask for i in rows])  # type: ignore[misc]
+        return AllowedMasks(
+            self._tensor(rows, torch.int64), torch.from_numpy(masks).to(self.device)
         )
 
     def _penalties(self, chunks: list[ScheduledChunk]) -> PenaltyBatch | None:
@@ -416,7 +439,8 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Apply logit_bias, banned ids and penalties to `logits` [B, V] float32 in place."""
+    """Apply logit_bias, banned ids, allowed masks and penalties to `logits` [B, V] float32
+    in place."""
     if batch.logit_bias is not None:
         bias = batch.logit_bias
         logits.index_put_((bias.rows, bias.cols), bias.values, accumulate=True)
@@ -425,11 +449,23 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # A device-side fill, not a host scalar: no copy to the device on this path.
         neg_inf = torch.full_like(banned.cols, float("-inf"), dtype=logits.dtype)
         logits.index_put_((banned.rows, banned.cols), neg_inf)
+    if batch.allowed is not None:
+        allowed = batch.allowed
+        rows = logits.index_select(0, allowed.rows)
+        rows.masked_fill_(~unpack_mask(allowed.masks, logits.shape[1]), float("-inf"))
+        logits.index_copy_(0, allowed.rows, rows)
     if batch.penalties is not None:
         pen = batch.penalties
         rows = logits.index_select(0, pen.rows)
         logits.index_copy_(0, pen.rows, _apply_penalties(rows, pen))
     return logits
+
+
+def unpack_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Int32 bitmasks [R, W] (bit i % 32 of word i // 32: token i) as bool [R, vocab_size]."""
+    shifts = torch.arange(MASK_BITS, dtype=torch.int32, device=mask.device)
+    bits = (mask.unsqueeze(-1) >> shifts) & 1  # an arithmetic shift: bit 31 still reads 1
+    return bits.flatten(-2)[..., :vocab_size].bool()
 
 
 def _apply_penalties(logits: torch.Tensor, pen: PenaltyBatch) -> torch.Tensor:

@@ -20,7 +20,14 @@ from aiohttp import web
 from aioinfer.core.outputs import RequestOutput
 from aioinfer.server.bodies import json_response, parse_request
 from aioinfer.server.errors import APIError, InternalServerError, error_body
-from aioinfer.server.generation import Generation, admit, generation_error, start_generation
+from aioinfer.server.generation import (
+    Generation,
+    admit,
+    compile_structured_outputs,
+    generation_error,
+    start_generation,
+    truncate_prompts,
+)
 from aioinfer.server.prompts import (
     count_prompts,
     encode_prompts,
@@ -95,9 +102,11 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
     engine, req = await parse_request(request, CompletionRequest)
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, count_prompts(req.prompt), params.n)
+    await compile_structured_outputs(engine, params, req.structured_param)
     prompts = await off_loop_if_long(
         num_chars(req.prompt), encode_prompts, engine.tokenizer, req.prompt
     )
+    prompts = truncate_prompts(engine, prompts, params)
     # Again: the queue may have filled while a long prompt was tokenized. From here to the
     # engine's admission there is no await, so the check holds.
     admit(engine, count_prompts(req.prompt), params.n)
@@ -134,12 +143,14 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     engine, req = await parse_request(request, ChatCompletionRequest)
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, 1, params.n)
+    await compile_structured_outputs(engine, params, req.structured_param)
     messages = req.template_messages()
     ids = await off_loop_if_long(
         message_chars(messages), render_chat, engine.tokenizer, messages, req.template_options()
     )
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
-    ctx = _response_context("chatcmpl", request, engine, [Prompt(ids)], params.n)
+    prompts = truncate_prompts(engine, [Prompt(ids)], params)
+    ctx = _response_context("chatcmpl", request, engine, prompts, params.n)
     generation = start_generation(
         state, engine, ctx, params, clamp_max_tokens=not req.max_tokens_given, what="messages"
     )

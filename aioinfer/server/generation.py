@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
+from aioinfer.core.constraints import InvalidGrammarError
 from aioinfer.core.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.engine.stream import (
@@ -25,7 +26,7 @@ from aioinfer.server.errors import (
     ServiceUnavailableError,
 )
 from aioinfer.server.metrics import RequestTimer
-from aioinfer.server.render import ResponseContext
+from aioinfer.server.render import Prompt, ResponseContext
 from aioinfer.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -55,6 +56,40 @@ def admit(engine: AsyncEngine, num_prompts: int, n: int) -> None:
         raise _engine_failed(exc) from None
     except ValueError as exc:
         raise BadRequestError(str(exc), param="n") from None
+
+
+async def compile_structured_outputs(
+    engine: AsyncEngine, params: SamplingParams, param: str | None
+) -> None:
+    """Compile the grammar of `response_format` or `structured_outputs` (`param`) on a worker
+    thread: a large schema does not hold up the event loop, and the engine's own compile when
+    the request is added finds it in the compiler's cache. 400 for a spec that does not
+    compile."""
+    if params.structured_outputs is None or engine.constraints is None:
+        return
+    try:
+        await asyncio.to_thread(engine.constraints.prepare, params)
+    except InvalidGrammarError as exc:
+        where = (
+            "response_format.json_schema.schema"
+            if param == "response_format"
+            else f"structured_outputs.{exc.kind}"
+        )
+        raise BadRequestError(f"{where} is invalid: {exc.detail}", param=param) from None
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param=_engine_param(str(exc), "prompt")) from None
+
+
+def truncate_prompts(
+    engine: AsyncEngine, prompts: list[Prompt], params: SamplingParams
+) -> list[Prompt]:
+    """The prompts as `truncate_prompt_tokens` leaves them: usage and echo count what the
+    model sees."""
+    try:
+        kept = [engine.truncate_prompt(p.token_ids, params) for p in prompts]
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="truncate_prompt_tokens") from None
+    return [p if ids is p.token_ids else Prompt(ids) for p, ids in zip(prompts, kept, strict=True)]
 
 
 class Generation:
@@ -221,6 +256,8 @@ _ENGINE_PARAMS = (
     "stop_token_ids",
     "min_tokens",
     "n",
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
 )
 
 

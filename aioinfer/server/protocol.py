@@ -2,8 +2,8 @@
 
 PURE: pydantic and the core package only (no torch, no asyncio). Requests are pydantic models with
 strict types: "10" or 1.5 is not an integer and 1 is not a boolean, while a JSON 1 is a valid
-float. Unknown fields are ignored; known fields the server does not support (tools,
-response_format, suffix, best_of > 1, ...) are refused with a message naming them. The response
+float. Unknown fields are ignored; known fields the server does not support (tools, suffix,
+best_of > 1, ...) are refused with a message naming them. The response
 shapes are in `responses`, their builders in `render`, the OpenAPI document in `openapi`.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
 from aioinfer.engine.tokenizer import check_template_kwargs
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
@@ -63,6 +63,32 @@ class StreamOptions(OpenAIRequest):
     continuous_usage_stats: bool | None = Field(None, description="Send the usage in each chunk.")
 
 
+class JsonSchemaFormat(OpenAIRequest):
+    name: str = Field(description="The schema's name.")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(
+        None, alias="schema", description="The JSON schema the output must follow."
+    )
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(OpenAIRequest):
+    """vLLM's structured outputs: exactly one field is set."""
+
+    json_value: dict[str, Any] | str | None = Field(
+        None, alias="json", description="A JSON schema the output must follow."
+    )
+    regex: str | None = None
+    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    grammar: str | None = Field(None, description="An EBNF grammar with a `root` rule.")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+
+
 class _GenerationRequest(OpenAIRequest):
     """Fields shared by completions and chat completions."""
 
@@ -83,6 +109,9 @@ class _GenerationRequest(OpenAIRequest):
         "min_tokens",
         "include_stop_str_in_output",
         "skip_special_tokens",
+        "allowed_token_ids",
+        "bad_words",
+        "truncate_prompt_tokens",
     )
 
     model: str | None = Field(None, description="The served model name (default: the only one).")
@@ -104,6 +133,15 @@ class _GenerationRequest(OpenAIRequest):
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = Field(None, description="Sample only these tokens.")
+    bad_words: list[str] | None = Field(None, description="Words the output never contains.")
+    truncate_prompt_tokens: int | None = Field(
+        None, description="Keep only the prompt's last k tokens (-1: what the context holds)."
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema (with json_schema.schema)."
+    )
+    structured_outputs: StructuredOutputs | None = None
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -123,6 +161,46 @@ class _GenerationRequest(OpenAIRequest):
             raise RequestValidationError(
                 "stream_options is only allowed when stream is true", "stream_options"
             )
+        if self.structured_outputs is not None and self.structured_param == "response_format":
+            raise RequestValidationError(
+                "response_format and structured_outputs cannot both constrain the output",
+                "structured_outputs",
+            )
+        self._structured_outputs()  # refuses a malformed spec at parse time
+
+    @property
+    def structured_param(self) -> str | None:
+        """The field that constrains the output to a language, if any."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return "structured_outputs" if self.structured_outputs is not None else None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        try:
+            if self.response_format is not None and self.response_format.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if self.response_format is not None and self.response_format.type == "json_schema":
+                schema = self.response_format.json_schema
+                if schema is None or schema.json_schema is None:
+                    raise RequestValidationError(
+                        "response_format of type json_schema needs json_schema.schema",
+                        "response_format",
+                    )
+                return StructuredOutputsParams(json=schema.json_schema)
+            spec = self.structured_outputs
+            if spec is None:
+                return None
+            return StructuredOutputsParams(
+                json=spec.json_value,
+                regex=spec.regex,
+                choice=spec.choice,
+                grammar=spec.grammar,
+                json_object=spec.json_object,
+            )
+        except RequestValidationError:
+            raise
+        except ValueError as exc:
+            raise RequestValidationError(str(exc), "structured_outputs") from None
 
     @property
     def include_usage(self) -> bool:
@@ -141,6 +219,7 @@ class _GenerationRequest(OpenAIRequest):
             if value is not None:
                 values[name] = value
         values["logit_bias"] = _parse_logit_bias(self.logit_bias)
+        values["structured_outputs"] = self._structured_outputs()
         return values
 
     def _build(self, values: dict[str, Any]) -> SamplingParams:
@@ -306,7 +385,6 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
     tool_choice: Any = Field(None, description="Not supported: refused unless 'none'.")
     functions: list[Any] | None = Field(None, description="Not supported.")
     function_call: Any = Field(None, description="Not supported.")
-    response_format: Any = Field(None, description="Only {'type': 'text'} is supported.")
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -319,12 +397,6 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
         if self.functions or self.function_call is not None:
             param = "functions" if self.functions else "function_call"
             raise RequestValidationError(f"{param} is not supported (no function calling)", param)
-        if self.response_format not in (None, {"type": "text"}):
-            raise RequestValidationError(
-                "response_format must be {'type': 'text'} (or omitted): structured output is not "
-                "supported",
-                "response_format",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestValidationError("top_logprobs needs logprobs to be true", "top_logprobs")
         self.check_template_options()

@@ -7,12 +7,14 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from aioinfer.core.constraints import mask_allows, token_mask
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk
 from aioinfer.gpu.sampler import (
@@ -22,6 +24,7 @@ from aioinfer.gpu.sampler import (
     process_logits,
     seeded_generator_seed,
     truncate_logits,
+    unpack_mask,
 )
 from aioinfer.model.kernels import cpu_native
 
@@ -38,6 +41,8 @@ def chunk(
     banned: Sequence[int] = (),
     output_index: int = 0,
     sample: bool = True,
+    allowed: Sequence[int] | None = None,
+    vocab: int = 0,
 ) -> ScheduledChunk:
     return ScheduledChunk(
         request_id=request_id,
@@ -50,6 +55,7 @@ def chunk(
         history=None if history is None else tuple(history),
         prompt_len=prompt_len,
         banned_token_ids=tuple(banned),
+        allowed_token_mask=None if allowed is None else token_mask(allowed, vocab),
     )
 
 
@@ -380,6 +386,35 @@ def test_bias_and_banned_tokens_steer_random_sampling() -> None:
     drawn = set(sample_ids(sampler, logits.expand(2000, -1).contiguous(), rows))
     assert not drawn & set(banned)
     assert len(drawn) > 5
+
+
+@FAST
+@given(st.lists(st.sets(st.integers(0, 69), min_size=1), min_size=1, max_size=4))
+def test_unpacked_masks_allow_exactly_the_packed_tokens(rows: list[set[int]]) -> None:
+    masks = torch.from_numpy(np.stack([token_mask(ids, 70) for ids in rows]))
+    allowed = unpack_mask(masks, 70)
+    assert allowed.shape == (len(rows), 70)
+    for row, ids in zip(allowed, rows, strict=True):
+        assert row.nonzero().flatten().tolist() == sorted(ids)
+        assert mask_allows(token_mask(ids, 70), 70).tolist() == sorted(ids)
+
+
+def test_allowed_masks_limit_random_and_greedy_rows_and_leave_others_alone() -> None:
+    vocab = 70
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(9))
+    sampler = Sampler(vocab, CPU, seed=0)
+    allowed = [3, 31, 33, 64, 69]  # three words; bit 31 makes word 0 negative
+    best = max(allowed, key=lambda t: float(logits[t]))
+    rows = [
+        chunk(f"r{i}", SamplingParams(temperature=3.0), allowed=allowed, vocab=vocab)
+        for i in range(500)
+    ]
+    rows += [chunk("greedy", SamplingParams(temperature=0), allowed=allowed, vocab=vocab)]
+    rows += [chunk(f"free{i}", SamplingParams(temperature=3.0)) for i in range(500)]
+    drawn = sample_ids(sampler, logits.expand(len(rows), -1).contiguous(), rows)
+    assert set(drawn[:500]) == set(allowed)
+    assert drawn[500] == best
+    assert len(set(drawn[501:]) - set(allowed)) > 10
 
 
 # ---- logprobs -----------------------------------------------------------------------------------

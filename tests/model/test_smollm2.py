@@ -61,6 +61,27 @@ def test_chat_answers_sensibly(llm):
     assert out.finish_reason == "stop"  # ended by <|im_end|>, not by the length limit
 
 
+def test_json_schema_answer_is_valid_and_keeps_the_facts(llm):
+    import json
+
+    from aioinfer import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+        "required": ["country", "capital"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    out = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    answer = json.loads(out.text)
+    assert set(answer) == {"country", "capital"} and "Paris" in answer["capital"]
+
+
 def test_chat_continues_the_final_message(llm):
     messages = [
         {"role": "user", "content": "What is the capital of France?"},

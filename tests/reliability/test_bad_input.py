@@ -71,8 +71,8 @@ def nested(depth: int) -> bytes:
         (CHAT, {"messages": [{"content": "x"}]}, "messages[0].role", "required"),
         (CHAT, {"model": "x"}, "messages", "required"),
         # Known but unsupported.
-        (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format",
-         "not supported"),
+        (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, "response_format",
+         "needs json_schema.schema"),
         (CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice", "tools are not"),
         (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}},
          "stream_options", "only allowed when stream"),

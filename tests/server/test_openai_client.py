@@ -126,9 +126,11 @@ async def test_bad_input_raises_the_right_exception(oai):
         await oai.completions.create(model=MODEL, prompt="a", suffix="b")
     with pytest.raises(openai.BadRequestError, match="maximum context length is 128"):
         await oai.completions.create(model=MODEL, prompt=[5] * 200)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError, match="tools"):
         await oai.chat.completions.create(
-            model=MODEL, messages=MESSAGES, response_format={"type": "json_object"}
+            model=MODEL,
+            messages=MESSAGES,
+            tools=[{"type": "function", "function": {"name": "f"}}],
         )
     with pytest.raises(openai.NotFoundError) as info:
         await oai.chat.completions.create(model="not-a-model", messages=MESSAGES)

@@ -113,7 +113,8 @@ def test_text_parts_are_joined():
         (chat, {"tools": [{"type": "function"}]}, "tools"),
         (chat, {"tool_choice": "auto"}, "tool_choice"),
         (chat, {"functions": [{"name": "f"}]}, "functions"),
-        (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+        (chat, {"response_format": {"type": "xml"}}, "response_format.type"),
+        (completion, {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         (chat, {"top_logprobs": 2}, "top_logprobs"),
         (chat, {"stream_options": {"include_usage": True}}, "stream_options"),
     ],
@@ -122,6 +123,29 @@ def test_unsupported_fields_are_refused_by_name(factory, fields, param):
     error = refused(factory, **fields)
     assert error.param == param
     assert param in error.message
+
+
+def test_structured_outputs_become_sampling_params():
+    json_object = chat(response_format={"type": "json_object"}).to_sampling_params({})
+    assert json_object.structured_outputs is not None
+    assert json_object.structured_outputs.json_object is True
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    spec = completion(response_format=fmt).to_sampling_params({}).structured_outputs
+    assert spec is not None and spec.json == schema
+    spec = chat(structured_outputs={"choice": ["x", "y"]}).to_sampling_params({}).structured_outputs
+    assert spec is not None and spec.choice == ["x", "y"] and spec.kind == "choice"
+    assert chat(response_format={"type": "text"}).to_sampling_params({}).structured_outputs is None
+    with pytest.raises(RequestValidationError) as info:
+        chat(response_format={"type": "json_schema"}).to_sampling_params({})
+    assert info.value.param == "response_format"
+    extras = completion(allowed_token_ids=[1, 2], bad_words=["no"], truncate_prompt_tokens=5)
+    params = extras.to_sampling_params({})
+    assert (params.allowed_token_ids, params.bad_words, params.truncate_prompt_tokens) == (
+        [1, 2],
+        ["no"],
+        5,
+    )
 
 
 def test_no_op_values_of_unsupported_fields_pass():

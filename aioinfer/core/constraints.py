@@ -1,0 +1,261 @@
+"""What a request may sample next: allowed_token_ids, bad_words and structured outputs.
+
+Masks are bitmasks, int32 [ceil(V / 32)] with bit i % 32 of word i // 32 set for an allowed
+token i (xgrammar's layout, so a grammar fills one in place). The scheduler asks each sampling
+request for `TokenConstraints.next_mask()` and `banned()` when it builds a step; the sampler
+turns the masks into -inf logits. Grammars advance in `accept()` when a token is appended.
+
+Bans (min_tokens, bad words) never leave a row with nothing to sample: where a mask allows
+only banned tokens (a finished JSON document allows only EOS), the mask wins. Structured
+outputs use xgrammar (imported on first use): JSON without free whitespace, so that a model
+cannot pad a document with spaces up to max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+MASK_BITS = 32
+
+
+def mask_width(vocab_size: int) -> int:
+    return (vocab_size + MASK_BITS - 1) // MASK_BITS
+
+
+def token_mask(token_ids: Iterable[int], vocab_size: int) -> np.ndarray:
+    """The int32 bitmask [W] that allows exactly `token_ids`."""
+    allowed = np.zeros(mask_width(vocab_size) * MASK_BITS, dtype=bool)
+    allowed[list(token_ids)] = True
+    return np.packbits(allowed, bitorder="little").view("<i4").astype(np.int32)
+
+
+def mask_allows(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The ids of the tokens an int32 bitmask [W] allows."""
+    bits = np.unpackbits(mask.astype("<i4").view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size])
+
+
+def allows_any_besides(mask: np.ndarray, banned: Sequence[int]) -> bool:
+    """Whether `mask` allows a token that is not in `banned`."""
+    remaining = mask.view(np.uint32).copy()
+    for token in banned:
+        word, bit = divmod(token, MASK_BITS)
+        if word < remaining.shape[0]:
+            remaining[word] &= np.uint32(0xFFFFFFFF ^ (1 << bit))
+    return bool(remaining.any())
+
+
+# ---------------------------------------------------------------------------- bad words
+
+
+def bad_words_token_ids(words: Sequence[str], tokenizer: Any) -> list[tuple[int, ...]]:
+    """Each word's tokens as it would start the text and, where that differs, after a space
+    (vLLM's rule: the spaced form counts when it is as long and starts with another token)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        sequences.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            sequences.append(spaced)
+    return [s for s in sequences if s]
+
+
+class BadWords:
+    """Bans the last token of a bad word once the output ends with the rest of it."""
+
+    def __init__(self, sequences: Sequence[tuple[int, ...]]) -> None:
+        self.single = tuple(sorted({s[0] for s in sequences if len(s) == 1}))
+        self.multi = [s for s in sequences if len(s) > 1]
+
+    def banned_after(self, output_ids: Sequence[int]) -> list[int]:
+        banned = list(self.single)
+        for seq in self.multi:
+            prefix = seq[:-1]
+            if len(output_ids) >= len(prefix) and tuple(output_ids[-len(prefix) :]) == prefix:
+                banned.append(seq[-1])
+        return banned
+
+
+# ---------------------------------------------------------------------------- grammars
+
+
+class InvalidGrammarError(ValueError):
+    """A structured-output spec that does not compile; `kind` names its field."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"structured_outputs.{kind} is invalid: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs for one tokenizer; compiled grammars are cached by
+    xgrammar, so repeated schemas cost nothing after the first."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        import xgrammar
+
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        self._lock = threading.Lock()  # the server compiles on worker threads
+
+    def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """Raises ValueError naming the field when the spec does not compile."""
+        try:
+            with self._lock:
+                return self._compile(spec)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            text = str(exc).strip()
+            # xgrammar prefixes its messages with a time and a source location.
+            detail = text.splitlines()[0].split(": ", 1)[-1] if text else repr(exc)
+            detail = detail.split(" is false: ", 1)[-1]  # a failed internal check's condition
+            raise InvalidGrammarError(spec.kind, detail) from None
+
+    def _compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        compiler = self._compiler
+        if spec.json is not None or spec.json_object:
+            schema = spec.json if spec.json is not None else {"type": "object"}
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            return compiler.compile_json_schema(text, any_whitespace=False)
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            alternatives = " | ".join(_ebnf_string(c) for c in spec.choice)
+            return compiler.compile_grammar(f"root ::= {alternatives}")
+        assert spec.grammar is not None
+        return compiler.compile_grammar(spec.grammar)
+
+    def state(self, compiled: xgrammar.CompiledGrammar) -> GrammarState:
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+def _ebnf_string(text: str) -> str:
+    """`text` as an EBNF string literal: JSON's escapes are a subset of the grammar's."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self.rejected = False
+
+    def next_mask(self) -> np.ndarray:
+        mask = np.zeros((1, mask_width(self.vocab_size)), dtype=np.int32)
+        self._matcher.fill_next_token_bitmask(mask, 0)
+        return mask[0]
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.accept_token(token_id):
+            self.rejected = True
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+# ---------------------------------------------------------------------------- per request
+
+
+class TokenConstraints:
+    """Everything that limits one sequence's next token besides the stop rules."""
+
+    def __init__(
+        self,
+        *,
+        allowed: np.ndarray | None = None,
+        bad_words: BadWords | None = None,
+        grammar: GrammarState | None = None,
+    ) -> None:
+        self.allowed = allowed
+        self.bad_words = bad_words
+        self.grammar = grammar
+
+    def next_mask(self) -> np.ndarray | None:
+        if self.grammar is None:
+            return self.allowed
+        mask = self.grammar.next_mask()
+        return mask if self.allowed is None else mask & self.allowed
+
+    def banned(
+        self, output_ids: Sequence[int], min_tokens_bans: Sequence[int], mask: np.ndarray | None
+    ) -> tuple[int, ...]:
+        banned = list(min_tokens_bans)
+        if self.bad_words is not None:
+            banned += self.bad_words.banned_after(output_ids)
+        if mask is not None and banned and not allows_any_besides(mask, banned):
+            return ()
+        return tuple(sorted(set(banned)))
+
+    def accept(self, token_id: int) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+
+    @property
+    def grammar_done(self) -> bool:
+        """The grammar is complete (its stop token taken) or cannot go on."""
+        return self.grammar is not None and (self.grammar.is_terminated or self.grammar.rejected)
+
+
+class ConstraintBuilder:
+    """Turns a request's allowed_token_ids, bad_words and structured_outputs into the
+    TokenConstraints of each of its sequences (they share all but the grammar's position)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._grammars: GrammarCompiler | None = None
+
+    def prepare(self, params: SamplingParams) -> Callable[[], TokenConstraints] | None:
+        """None when `params` constrain nothing; raises ValueError naming the field."""
+        spec = params.structured_outputs
+        if params.allowed_token_ids is None and not params.bad_words and spec is None:
+            return None
+        allowed = None
+        if params.allowed_token_ids is not None:
+            outside = [t for t in params.allowed_token_ids if t >= self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"allowed_token_ids must be in [0, {self.vocab_size}), got {outside[0]}"
+                )
+            allowed = token_mask(params.allowed_token_ids, self.vocab_size)
+        bad_words = None
+        if params.bad_words:
+            bad_words = BadWords(bad_words_token_ids(params.bad_words, self.tokenizer))
+        if spec is None:
+            return lambda: TokenConstraints(allowed=allowed, bad_words=bad_words)
+        grammars = self._grammar_compiler()
+        compiled = grammars.compile(spec)
+        return lambda: TokenConstraints(
+            allowed=allowed, bad_words=bad_words, grammar=grammars.state(compiled)
+        )
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            try:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
+            except ImportError:
+                raise ValueError(
+                    "structured_outputs needs the xgrammar package (pip install xgrammar)"
+                ) from None
+        return self._grammars

@@ -1,0 +1,213 @@
+"""response_format, structured_outputs, allowed_token_ids, bad_words and truncate_prompt_tokens
+over HTTP, with the official client, on a tiny random Llama (the fake runner of the other
+server tests ignores what the sampler is told)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import openai
+import orjson
+import pydantic
+import pytest
+
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.engine.async_engine import AsyncEngine
+from tests.model.tiny_models import make_variant
+from tests.server.conftest import LiveServer, assert_pool_free
+from tests.tokenizer_fixtures import make_tokenizer
+
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["Ada", "Alan", "Grace"]},
+        "age": {"type": "integer"},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+class Person(pydantic.BaseModel):
+    name: Literal["Ada", "Alan", "Grace"]
+    retired: bool
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-server")
+    make_variant("llama").save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+async def real_engine(tiny_path: Path) -> AsyncIterator[AsyncEngine]:
+    engine = await AsyncEngine.create(
+        ModelConfig(model=str(tiny_path), dtype="float32", max_model_len=128),
+        CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture
+async def real_oai(
+    live_factory: Callable[..., Any], real_engine: AsyncEngine
+) -> AsyncIterator[tuple[openai.AsyncOpenAI, LiveServer]]:
+    server = await live_factory(real_engine)
+    client = server.openai()
+    yield client, server
+    await client.close()
+
+
+async def test_json_schema_and_json_object_through_the_openai_client(real_oai, real_engine):
+    oai, _ = real_oai
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    reply = await oai.chat.completions.create(
+        model=real_engine.model_name,
+        messages=MESSAGES,
+        response_format=response_format,  # type: ignore[arg-type]
+        max_tokens=60,
+        n=3,
+        temperature=1.0,
+        seed=5,
+    )
+    finished = [c for c in reply.choices if c.finish_reason == "stop"]
+    assert finished
+    for choice in finished:
+        value = json.loads(choice.message.content or "")
+        assert value["name"] in ("Ada", "Alan", "Grace") and isinstance(value["age"], int)
+    # The client's own helper: a pydantic model in, a parsed instance out.
+    parsed = await oai.chat.completions.parse(
+        model=real_engine.model_name,
+        messages=MESSAGES,
+        response_format=Person,
+        max_tokens=60,
+        temperature=0,
+    )
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and person.name in ("Ada", "Alan", "Grace")
+    # Streamed, the deltas add up to one JSON object.
+    stream = await oai.chat.completions.create(
+        model=real_engine.model_name,
+        messages=MESSAGES,
+        response_format={"type": "json_object"},
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+    )
+    text, reasons = "", []
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            reasons.append(choice.finish_reason)
+    if "stop" in reasons:
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert text.startswith("{")
+    assert_pool_free(real_engine)
+
+
+async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_engine):
+    oai, _ = real_oai
+    model = real_engine.model_name
+    choices = ["red", "green", "blue"]
+    reply = await oai.completions.create(
+        model=model,
+        prompt="Pick a colour:",
+        max_tokens=10,
+        n=4,
+        temperature=1.0,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert {c.text for c in reply.choices} <= set(choices)
+    allowed = [100, 101, 102]
+    reply = await oai.completions.create(
+        model=model,
+        prompt="Hello",
+        max_tokens=8,
+        temperature=1.0,
+        logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )
+    tokenizer = make_tokenizer()
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and len(logprobs.tokens) == 8
+    assert set(logprobs.tokens) <= {tokenizer.decode([t]) for t in allowed}
+    prompt = list(range(10, 60))
+    greedy: dict[str, Any] = {"model": model, "max_tokens": 3, "temperature": 0}
+    reply = await oai.completions.create(
+        prompt=prompt, extra_body={"truncate_prompt_tokens": 7}, **greedy
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens == 7
+    same = await oai.completions.create(prompt=prompt[-7:], **greedy)
+    assert reply.choices[0].text == same.choices[0].text
+    greedy.update(max_tokens=8, logprobs=0, extra_body={"ignore_eos": True})
+    plain = await oai.completions.create(prompt=prompt, **greedy)
+    assert plain.choices[0].logprobs is not None
+    tokens = plain.choices[0].logprobs.tokens or []
+    word = next(
+        t for t in tokens if len(tokenizer.encode(t.lstrip(), add_special_tokens=False)) < 2
+    )
+    greedy["extra_body"] = {"ignore_eos": True, "bad_words": [word]}
+    banned = await oai.completions.create(prompt=prompt, **greedy)
+    assert banned.choices[0].logprobs is not None
+    kept = banned.choices[0].logprobs.tokens or []
+    assert len(kept) == 8 and word.lstrip() not in {t.lstrip() for t in kept}
+    assert_pool_free(real_engine)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            "needs json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "frobnicate"}},
+                }
+            },
+            "response_format",
+            "response_format.json_schema.schema is invalid",
+        ),
+        ({"structured_outputs": {"regex": "a("}}, "structured_outputs", "regex is invalid"),
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+        (
+            {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            "structured_outputs",
+            "cannot both",
+        ),
+        ({"allowed_token_ids": [10**7]}, "allowed_token_ids", "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
+        ({"truncate_prompt_tokens": 500}, "truncate_prompt_tokens", "<= 128"),
+        ({"bad_words": ["  "]}, "bad_words", "empty"),
+    ],
+)
+async def test_bad_constraints_are_a_400_naming_the_field(
+    real_oai, real_engine, body, param, fragment
+):
+    _, server = real_oai
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        for path, base in (
+            ("/v1/chat/completions", {"messages": MESSAGES}),
+            ("/v1/completions", {"prompt": "Hi"}),
+        ):
+            async with session.post(f"{server.url}{path}", json={**base, **body}) as response:
+                error = orjson.loads(await response.read())["error"]
+                assert response.status == 400, error
+                assert error["param"] == param and fragment in error["message"], error
+    assert_pool_free(real_engine)
