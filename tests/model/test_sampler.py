@@ -21,10 +21,10 @@ from aioinfer.gpu.sampler import (
     Sampler,
     compute_prompt_logprobs,
     exponential_,
+    mask_bias,
     process_logits,
     seeded_generator_seed,
     truncate_logits,
-    unpack_mask,
 )
 from aioinfer.model.kernels import cpu_native
 
@@ -390,12 +390,13 @@ def test_bias_and_banned_tokens_steer_random_sampling() -> None:
 
 @FAST
 @given(st.lists(st.sets(st.integers(0, 69), min_size=1), min_size=1, max_size=4))
-def test_unpacked_masks_allow_exactly_the_packed_tokens(rows: list[set[int]]) -> None:
+def test_mask_biases_allow_exactly_the_packed_tokens(rows: list[set[int]]) -> None:
     masks = torch.from_numpy(np.stack([token_mask(ids, 70) for ids in rows]))
-    allowed = unpack_mask(masks, 70)
-    assert allowed.shape == (len(rows), 70)
-    for row, ids in zip(allowed, rows, strict=True):
-        assert row.nonzero().flatten().tolist() == sorted(ids)
+    bias = mask_bias(masks, 70)
+    assert bias.shape == (len(rows), 70) and bias.dtype == torch.float32
+    for row, ids in zip(bias, rows, strict=True):
+        assert (row == 0).nonzero().flatten().tolist() == sorted(ids)
+        assert (row == float("-inf")).sum() == 70 - len(ids)
         assert mask_allows(token_mask(ids, 70), 70).tolist() == sorted(ids)
 
 
