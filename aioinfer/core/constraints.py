@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     import xgrammar
 
 MASK_BITS = 32
+GRAMMAR_CACHE_BYTES = 512 * 1024 * 1024  # vLLM's default for its xgrammar cache
+MAX_PATTERN_NESTING = 200
 
 
 def mask_width(vocab_size: int) -> int:
@@ -66,7 +68,7 @@ def bad_words_token_ids(words: Sequence[str], tokenizer: Any) -> list[tuple[int,
         plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         sequences.append(plain)
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+        if plain and len(spaced) == len(plain) and spaced[0] != plain[0]:
             sequences.append(spaced)
     return [s for s in sequences if s]
 
@@ -111,14 +113,18 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
         )
         self.vocab_size = vocab_size
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        self._lock = threading.Lock()  # the server compiles on worker threads
+        # Compiles may run at once on worker threads (as vLLM's do). The cache keeps each
+        # distinct spec's grammar; bounded, as a client may send endless distinct schemas.
+        self._compiler = xgrammar.GrammarCompiler(
+            info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+        )
 
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """Raises ValueError naming the field when the spec does not compile."""
+        """Raises InvalidGrammarError naming the field when the spec does not compile."""
+        if spec.json is not None and not isinstance(spec.json, str):
+            _check_patterns(spec.json)
         try:
-            with self._lock:
-                return self._compile(spec)
+            return self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             text = str(exc).strip()
             # xgrammar prefixes its messages with a time and a source location.
@@ -142,6 +148,34 @@ class GrammarCompiler:
 
     def state(self, compiled: xgrammar.CompiledGrammar) -> GrammarState:
         return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+def _check_patterns(schema: Any) -> None:
+    """Refuse schemas whose regular expressions nest too deeply: xgrammar converts a schema's
+    `pattern` recursively, and 30000 nested groups overflow the stack (the process dies),
+    where a regex spec of the same depth gets its own error."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str) and _nesting(node) > MAX_PATTERN_NESTING:
+            raise InvalidGrammarError(
+                "json", f"a string nests more than {MAX_PATTERN_NESTING} brackets deep"
+            )
+
+
+def _nesting(text: str) -> int:
+    depth = deepest = 0
+    for char in text:
+        if char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth = max(0, depth - 1)
+    return deepest
 
 
 def _ebnf_string(text: str) -> str:
@@ -214,6 +248,9 @@ class TokenConstraints:
         return self.grammar is not None and (self.grammar.is_terminated or self.grammar.rejected)
 
 
+ConstraintFactory = Callable[[], TokenConstraints]  # one call per sequence of a request
+
+
 class ConstraintBuilder:
     """Turns a request's allowed_token_ids, bad_words and structured_outputs into the
     TokenConstraints of each of its sequences (they share all but the grammar's position)."""
@@ -223,8 +260,9 @@ class ConstraintBuilder:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()  # the first compiles may come at once
 
-    def prepare(self, params: SamplingParams) -> Callable[[], TokenConstraints] | None:
+    def prepare(self, params: SamplingParams) -> ConstraintFactory | None:
         """None when `params` constrain nothing; raises ValueError naming the field."""
         spec = params.structured_outputs
         if params.allowed_token_ids is None and not params.bad_words and spec is None:
@@ -244,18 +282,27 @@ class ConstraintBuilder:
             return lambda: TokenConstraints(allowed=allowed, bad_words=bad_words)
         grammars = self._grammar_compiler()
         compiled = grammars.compile(spec)
-        return lambda: TokenConstraints(
-            allowed=allowed, bad_words=bad_words, grammar=grammars.state(compiled)
-        )
+
+        def make() -> TokenConstraints:
+            return TokenConstraints(
+                allowed=allowed, bad_words=bad_words, grammar=grammars.state(compiled)
+            )
+
+        first = make().next_mask()
+        if first is not None and not first.any():
+            among = " among allowed_token_ids" if allowed is not None else ""
+            raise InvalidGrammarError(spec.kind, f"it allows no output{among}")
+        return make
 
     def _grammar_compiler(self) -> GrammarCompiler:
-        if self._grammars is None:
-            try:
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids
-                )
-            except ImportError:
-                raise ValueError(
-                    "structured_outputs needs the xgrammar package (pip install xgrammar)"
-                ) from None
-        return self._grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    self._grammars = GrammarCompiler(
+                        self.tokenizer, self.vocab_size, self.eos_token_ids
+                    )
+                except ImportError:
+                    raise ValueError(
+                        "structured_outputs needs the xgrammar package (pip install xgrammar)"
+                    ) from None
+            return self._grammars

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
-from aioinfer.core.constraints import ConstraintBuilder
+from aioinfer.core.constraints import ConstraintBuilder, ConstraintFactory
 from aioinfer.core.detokenizer import IncrementalDetokenizer
 from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.outputs import RequestOutput
@@ -297,15 +297,18 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        constraints: ConstraintFactory | None = None,
     ) -> RequestStream:
         """Admit one request (all n sequences) to the scheduler; raises ValueError for what
-        does not fit this model, EngineDeadError once the engine died or was shut down."""
+        does not fit this model, EngineDeadError once the engine died or was shut down.
+        `constraints` is what `self.constraints.prepare(params)` gave, where the caller ran it
+        off the loop (a grammar compile, bad words to tokenize); else it runs here."""
         self._check_running()
         assert self.scheduler is not None and self.constraints is not None
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         max_tokens = self.validate_prompt(prompt_token_ids, params)
         self._check_params(params)
-        make_constraints = self.constraints.prepare(params)
+        make_constraints = constraints or self.constraints.prepare(params)
         request_id = request_id or self.make_request_id()
         child_ids = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]
         # Checked before anything is added, so that a refused request leaves nothing behind.

@@ -23,8 +23,8 @@ from aioinfer.server.errors import APIError, InternalServerError, error_body
 from aioinfer.server.generation import (
     Generation,
     admit,
-    compile_structured_outputs,
     generation_error,
+    prepare_constraints,
     start_generation,
     truncate_prompts,
 )
@@ -102,7 +102,7 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
     engine, req = await parse_request(request, CompletionRequest)
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, count_prompts(req.prompt), params.n)
-    await compile_structured_outputs(engine, params, req.structured_param)
+    constraints = await prepare_constraints(engine, params, req.structured_param)
     prompts = await off_loop_if_long(
         num_chars(req.prompt), encode_prompts, engine.tokenizer, req.prompt
     )
@@ -119,6 +119,7 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
         params,
         clamp_max_tokens=not req.max_tokens_given,
         prompt_only=req.prompt_only,
+        constraints=constraints,
     )
     echo_texts = None
     if req.echo:  # after admission, which checked the prompts' token ids
@@ -143,7 +144,7 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     engine, req = await parse_request(request, ChatCompletionRequest)
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, 1, params.n)
-    await compile_structured_outputs(engine, params, req.structured_param)
+    constraints = await prepare_constraints(engine, params, req.structured_param)
     messages = req.template_messages()
     ids = await off_loop_if_long(
         message_chars(messages), render_chat, engine.tokenizer, messages, req.template_options()
@@ -152,16 +153,25 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     prompts = truncate_prompts(engine, [Prompt(ids)], params)
     ctx = _response_context("chatcmpl", request, engine, prompts, params.n)
     generation = start_generation(
-        state, engine, ctx, params, clamp_max_tokens=not req.max_tokens_given, what="messages"
+        state,
+        engine,
+        ctx,
+        params,
+        clamp_max_tokens=not req.max_tokens_given,
+        what="messages",
+        constraints=constraints,
     )
     record.start(ctx, ["\n".join(str(m["content"]) for m in messages)])
     want_logprobs = bool(req.logprobs)
+    tool_mode = req.tool_mode
     chunks: ChatChunks | None = None
     if req.stream:
-        chunks = ChatChunks(ctx, _stream_options(req), want_logprobs=want_logprobs)
+        chunks = ChatChunks(
+            ctx, _stream_options(req), want_logprobs=want_logprobs, tool_mode=tool_mode
+        )
 
     def body(finals: list[RequestOutput]) -> Mapping[str, Any]:
-        return chat_response(ctx, finals[0], want_logprobs=want_logprobs)
+        return chat_response(ctx, finals[0], want_logprobs=want_logprobs, tool_mode=tool_mode)
 
     return await answer(request, state, generation, record, chunks, body)
 

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-from aioinfer.core.constraints import InvalidGrammarError
+from aioinfer.core.constraints import ConstraintFactory, InvalidGrammarError
 from aioinfer.core.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.engine.stream import (
@@ -58,23 +58,25 @@ def admit(engine: AsyncEngine, num_prompts: int, n: int) -> None:
         raise BadRequestError(str(exc), param="n") from None
 
 
-async def compile_structured_outputs(
+async def prepare_constraints(
     engine: AsyncEngine, params: SamplingParams, param: str | None
-) -> None:
-    """Compile the grammar of `response_format` or `structured_outputs` (`param`) on a worker
-    thread: a large schema does not hold up the event loop, and the engine's own compile when
-    the request is added finds it in the compiler's cache. 400 for a spec that does not
-    compile."""
-    if params.structured_outputs is None or engine.constraints is None:
-        return
+) -> ConstraintFactory | None:
+    """The request's token constraints, built on a worker thread: a grammar compile (of
+    `param`, the field that asked for it) or many bad words to tokenize do not hold up the
+    event loop. 400 for a spec that does not compile."""
+    if engine.constraints is None or not (
+        params.structured_outputs is not None
+        or params.bad_words
+        or params.allowed_token_ids is not None
+    ):
+        return None
     try:
-        await asyncio.to_thread(engine.constraints.prepare, params)
+        return await asyncio.to_thread(engine.constraints.prepare, params)
     except InvalidGrammarError as exc:
-        where = (
-            "response_format.json_schema.schema"
-            if param == "response_format"
-            else f"structured_outputs.{exc.kind}"
-        )
+        where = {
+            "response_format": "response_format.json_schema.schema",
+            "tools": "the parameters schema of a tool",
+        }.get(param or "", f"structured_outputs.{exc.kind}")
         raise BadRequestError(f"{where} is invalid: {exc.detail}", param=param) from None
     except ValueError as exc:
         raise BadRequestError(str(exc), param=_engine_param(str(exc), "prompt")) from None
@@ -202,9 +204,10 @@ def start_generation(
     clamp_max_tokens: bool,
     what: str = "prompt",
     prompt_only: bool = False,
+    constraints: ConstraintFactory | None = None,
 ) -> Generation:
     """Admit one engine request per prompt, all or none. A default max_tokens (not the
-    client's) shrinks to what the context leaves."""
+    client's) shrinks to what the context leaves. `constraints`: from `prepare_constraints`."""
     streams: list[RequestStream] = []
     try:
         for index, prompt in enumerate(ctx.prompts):
@@ -215,7 +218,9 @@ def start_generation(
             base = ctx.engine_id or ctx.response_id
             request_id = base if len(ctx.prompts) == 1 else f"{base}-{index}"
             streams.append(
-                engine.add_request(prompt.token_ids, prompt_params, request_id, prompt.text)
+                engine.add_request(
+                    prompt.token_ids, prompt_params, request_id, prompt.text, constraints
+                )
             )
     except BaseException as exc:
         for stream in streams:

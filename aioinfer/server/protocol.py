@@ -2,8 +2,8 @@
 
 PURE: pydantic and the core package only (no torch, no asyncio). Requests are pydantic models with
 strict types: "10" or 1.5 is not an integer and 1 is not a boolean, while a JSON 1 is a valid
-float. Unknown fields are ignored; known fields the server does not support (tools, suffix,
-best_of > 1, ...) are refused with a message naming them. The response
+float. Unknown fields are ignored; known fields the server does not support (tool_choice
+"auto", suffix, best_of > 1, ...) are refused with a message naming them. The response
 shapes are in `responses`, their builders in `render`, the OpenAPI document in `openapi`.
 """
 
@@ -17,6 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
 from aioinfer.engine.tokenizer import check_template_kwargs
+from aioinfer.server.tools import (
+    AssistantToolCall,
+    ChatTool,
+    NamedToolChoice,
+    ToolMode,
+    tool_constraint,
+)
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 _MAX_REPORTED_ERRORS = 3
@@ -142,6 +149,11 @@ class _GenerationRequest(OpenAIRequest):
         None, description="text, json_object or json_schema (with json_schema.schema)."
     )
     structured_outputs: StructuredOutputs | None = None
+    # vLLM before 0.12; it ignores them now, which silently drops the constraint.
+    guided_json: Any = Field(None, description="Refused: use structured_outputs.json.")
+    guided_regex: Any = Field(None, description="Refused: use structured_outputs.regex.")
+    guided_choice: Any = Field(None, description="Refused: use structured_outputs.choice.")
+    guided_grammar: Any = Field(None, description="Refused: use structured_outputs.grammar.")
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -167,10 +179,20 @@ class _GenerationRequest(OpenAIRequest):
                 "structured_outputs",
             )
         self._structured_outputs()  # refuses a malformed spec at parse time
+        for kind in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{kind}") is not None:
+                raise RequestValidationError(
+                    f"guided_{kind} is vLLM's old name (removed in 0.12): send "
+                    f"structured_outputs {{'{kind}': ...}} instead",
+                    f"guided_{kind}",
+                )
 
     @property
     def structured_param(self) -> str | None:
         """The field that constrains the output to a language, if any."""
+        return self._format_param()
+
+    def _format_param(self) -> str | None:
         if self.response_format is not None and self.response_format.type != "text":
             return "response_format"
         return "structured_outputs" if self.structured_outputs is not None else None
@@ -300,11 +322,15 @@ class TextPart(OpenAIRequest):
 
 class ChatMessage(OpenAIRequest):
     # "developer" is OpenAI's newer name for system instructions; templates see it as given.
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(
         None, description="A string or a list of text parts."
     )
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = Field(
+        None, description="An assistant message's tool calls."
+    )
+    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -333,6 +359,10 @@ class ChatMessage(OpenAIRequest):
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -381,18 +411,31 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
     )
     logprobs: bool | None = Field(False, description="Return the chosen tokens' logprobs.")
     top_logprobs: int | None = Field(None, description="Alternatives per token (needs logprobs).")
-    tools: list[Any] | None = Field(None, description="Not supported: refused unless empty.")
-    tool_choice: Any = Field(None, description="Not supported: refused unless 'none'.")
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description='"required" or a named function (the output is then the calls, as '
+        'JSON that follows the schemas); "auto" is not supported. Default: "none" without '
+        'tools, "auto" with them.',
+    )
+    parallel_tool_calls: bool | None = Field(
+        True, description='With tool_choice "required": whether more than one call may come.'
+    )
     functions: list[Any] | None = Field(None, description="Not supported.")
     function_call: Any = Field(None, description="Not supported.")
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise RequestValidationError("tools are not supported by this server", "tools")
-        if self.tool_choice not in (None, "none"):
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and message.tool_call_id is None:
+                raise RequestValidationError(
+                    "tool_call_id is required in a tool message: it names the call answered",
+                    f"messages[{i}].tool_call_id",
+                )
+        format_param = self._format_param()
+        if self.tool_call_constraint() is not None and format_param is not None:
             raise RequestValidationError(
-                "tool_choice must be 'none' (or omitted): tools are not supported", "tool_choice"
+                f"tool_choice and {format_param} cannot both constrain the output", "tool_choice"
             )
         if self.functions or self.function_call is not None:
             param = "functions" if self.functions else "function_call"
@@ -408,9 +451,37 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template() for message in self.messages]
 
+    def template_options(self) -> dict[str, Any]:
+        options = super().template_options()
+        if self.tools:
+            options["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return options
+
+    def tool_call_constraint(self) -> tuple[ToolMode, StructuredOutputsParams] | None:
+        """How tool_choice constrains the output; raises RequestValidationError."""
+        choice = self.tool_choice
+        if choice is None:
+            choice = "auto" if self.tools else "none"
+        try:
+            return tool_constraint(self.tools or [], choice, self.parallel_tool_calls is not False)
+        except ValueError as exc:
+            raise RequestValidationError(str(exc), "tool_choice") from None
+
+    @property
+    def structured_param(self) -> str | None:
+        return "tools" if self.tool_mode is not None else self._format_param()
+
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        constraint = self.tool_call_constraint()
+        return None if constraint is None else constraint[0]
+
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """The request's SamplingParams; max_tokens None means the rest of the context."""
         values = self._sampling_values(defaults)
+        constraint = self.tool_call_constraint()
+        if constraint is not None:
+            values["structured_outputs"] = constraint[1]
         limit = self.max_completion_tokens
         if limit is None:
             limit = self.max_tokens

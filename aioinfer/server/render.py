@@ -17,15 +17,19 @@ from aioinfer.server.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionResponse,
+    ChatDelta,
     ChatLogprob,
     ChatLogprobs,
+    ChatResponseMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     ModelCard,
+    ToolCallJson,
     TopLogprob,
     UsageInfo,
 )
+from aioinfer.server.tools import ToolMode, new_call_id
 
 TokenText = Callable[[int], str]
 
@@ -198,19 +202,29 @@ def _extend_logprobs(
 
 
 def chat_response(
-    ctx: ResponseContext, final: RequestOutput, *, want_logprobs: bool
+    ctx: ResponseContext,
+    final: RequestOutput,
+    *,
+    want_logprobs: bool,
+    tool_mode: ToolMode | None = None,
 ) -> ChatCompletionResponse:
     choices: list[ChatChoice] = []
     completion_tokens = 0
     for seq in final.outputs:
         completion_tokens += len(seq.token_ids)
         logprobs = chat_logprobs(seq.logprobs or [], ctx.token_text) if want_logprobs else None
+        message: ChatResponseMessage = {"role": "assistant", "content": seq.text}
+        finish_reason = seq.finish_reason
+        calls = _tool_calls(tool_mode, seq)
+        if calls is not None and tool_mode is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish_reason = tool_mode.finish_reason
         choices.append(
             {
                 "index": seq.index,
-                "message": {"role": "assistant", "content": seq.text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": seq.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": seq.stop_reason,
             }
         )
@@ -222,6 +236,15 @@ def chat_response(
         "choices": choices,
         "usage": usage(ctx.prompt_tokens, completion_tokens),
     }
+
+
+def _tool_calls(tool_mode: ToolMode | None, seq: CompletionOutput) -> list[ToolCallJson] | None:
+    """The tool calls of a finished output of a tool_choice request; None for plain text (no
+    tool_choice, or an output that max_tokens or a stop string cut short)."""
+    if tool_mode is None or seq.finish_reason != "stop":
+        return None
+    calls = tool_mode.calls(seq.text)
+    return None if calls is None else [call.to_json() for call in calls]
 
 
 @dataclass
@@ -342,10 +365,20 @@ class ChatChunks(_ChunkStream):
     object_name = "chat.completion.chunk"
 
     def __init__(
-        self, ctx: ResponseContext, options: StreamOptionsView, *, want_logprobs: bool
+        self,
+        ctx: ResponseContext,
+        options: StreamOptionsView,
+        *,
+        want_logprobs: bool,
+        tool_mode: ToolMode | None = None,
     ) -> None:
         super().__init__(ctx, options)
         self.want_logprobs = want_logprobs
+        self.tool_mode = tool_mode
+        # Named tool_choice: each choice's call id, set by its first delta. "required": each
+        # choice's text so far, which becomes calls once it is complete.
+        self._call_ids: dict[int, str] = {}
+        self._texts: dict[int, str] = {}
 
     def opening(self) -> list[dict[str, Any]]:
         return [
@@ -361,18 +394,45 @@ class ChatChunks(_ChunkStream):
             logprobs = None
             if self.want_logprobs and seq.token_ids:
                 logprobs = chat_logprobs(seq.logprobs or [], self.ctx.token_text)
-            if seq.text or logprobs is not None:
+            delta, finish_reason = self._content(seq)
+            if delta or logprobs is not None:
                 chunks.append(
-                    self._chunk({"index": seq.index, "delta": {"content": seq.text},
+                    self._chunk({"index": seq.index, "delta": delta,
                                  "logprobs": logprobs, "finish_reason": None})
                 )  # fmt: skip
-            if seq.finish_reason is not None:
+            if finish_reason is not None:
                 chunks.append(
                     self._chunk({"index": seq.index, "delta": {}, "logprobs": None,
-                                 "finish_reason": seq.finish_reason,
+                                 "finish_reason": finish_reason,
                                  "stop_reason": seq.stop_reason})
                 )  # fmt: skip
         return chunks
+
+    def _content(self, seq: CompletionOutput) -> tuple[ChatDelta, str | None]:
+        """The delta of one choice's new text, and its finish_reason once it finished."""
+        mode = self.tool_mode
+        if mode is None:
+            return ({"content": seq.text} if seq.text else {}), seq.finish_reason
+        if mode.named is not None:
+            # The text is the arguments: stream it as they come, under one call.
+            if not seq.text:
+                return {}, seq.finish_reason
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": seq.text}}
+            if seq.index not in self._call_ids:
+                self._call_ids[seq.index] = new_call_id()
+                call.update(id=self._call_ids[seq.index], type="function")
+                call["function"]["name"] = mode.named
+            return {"tool_calls": [call]}, seq.finish_reason
+        # "required": the calls are known once their JSON array is complete.
+        text = self._texts[seq.index] = self._texts.get(seq.index, "") + seq.text
+        if seq.finish_reason is None:
+            return {}, None
+        whole = CompletionOutput(seq.index, text, [], finish_reason=seq.finish_reason)
+        calls = _tool_calls(mode, whole)
+        if calls is None:
+            return ({"content": text} if text else {}), seq.finish_reason
+        deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+        return {"tool_calls": deltas}, mode.finish_reason
 
     def _chunk(self, choice: ChatChunkChoice) -> dict[str, Any]:
         return self._with_usage(self._envelope([choice]))

@@ -6,7 +6,7 @@ types give the response schemas of /openapi.json.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from typing_extensions import NotRequired, TypedDict
 
@@ -63,9 +63,21 @@ class ChatLogprobs(TypedDict):
     content: list[ChatLogprob]
 
 
+class ToolCallFunction(TypedDict):
+    name: str
+    arguments: str
+
+
+class ToolCallJson(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(TypedDict):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the message holds tool calls
+    tool_calls: NotRequired[list[ToolCallJson]]
 
 
 class ChatChoice(TypedDict):
@@ -88,6 +100,9 @@ class ChatCompletionResponse(TypedDict):
 class ChatDelta(TypedDict):
     role: NotRequired[Literal["assistant"]]
     content: NotRequired[str]
+    # Each entry: index, and on a call's first delta id, type and function.name; then
+    # function.arguments in pieces.
+    tool_calls: NotRequired[list[dict[str, Any]]]
 
 
 class ChatChunkChoice(TypedDict):

@@ -65,7 +65,9 @@ def nested(depth: int) -> bytes:
         (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "<= 20"),
         (COMPLETIONS, {"prompt": "a", "n": 10**9}, "n", "at most 4096"),
         # Chat roles and content parts.
-        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'user'"),
+        (CHAT, {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "'user'"),
+        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id",
+         "required"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content", "only text"),
         (CHAT, {"messages": [{"content": "x"}]}, "messages[0].role", "required"),
@@ -73,7 +75,7 @@ def nested(depth: int) -> bytes:
         # Known but unsupported.
         (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, "response_format",
          "needs json_schema.schema"),
-        (CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice", "tools are not"),
+        (CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice", "needs a parser"),
         (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}},
          "stream_options", "only allowed when stream"),
     ],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -16,6 +17,7 @@ from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerCon
 from aioinfer.core.step import StepPlan, StepResult, TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
+from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
 from tests.unit.fake_runner import VOCAB, reference_output
 from tests.unit.test_engine import FakeRunnerFactory
@@ -189,3 +191,36 @@ def expected_output(prompt_ids: list[int], max_tokens: int) -> tuple[list[int], 
     """Token ids and text the fake model produces for a prompt (it never emits EOS)."""
     ids = reference_output(prompt_ids, max_tokens)
     return ids, make_tokenizer().decode(ids, skip_special_tokens=True)
+
+
+# ---- a tiny random Llama behind the server, for what the fake runner cannot show (it ignores
+# what the sampler is told).
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-server")
+    make_variant("llama").save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+async def real_engine(tiny_path: Path) -> AsyncIterator[AsyncEngine]:
+    engine = await AsyncEngine.create(
+        ModelConfig(model=str(tiny_path), dtype="float32", max_model_len=128),
+        CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture
+async def real_oai(
+    live_factory: Callable[..., Any], real_engine: AsyncEngine
+) -> AsyncIterator[tuple[openai.AsyncOpenAI, LiveServer]]:
+    server = await live_factory(real_engine)
+    client = server.openai()
+    yield client, server
+    await client.close()

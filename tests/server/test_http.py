@@ -338,7 +338,12 @@ async def test_malformed_bodies_are_400(client, data, headers, fragment):
         ("/v1/completions", {"prompt": [5], "logit_bias": {"9999": 1}}, "logit_bias", "vocab"),
         ("/v1/completions", {"prompt": [5] * 120, "max_tokens": 10}, "max_tokens", "130"),
         ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{}]}, "tools", "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "tools": [{}]},
+            "tools[0].type",
+            "required",
+        ),
         ("/v1/chat/completions", {"messages": MESSAGES, "n": 0}, "n", ">= 1"),
     ],
 )

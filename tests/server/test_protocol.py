@@ -80,9 +80,11 @@ def test_missing_fields():
 
 
 def test_chat_message_errors_point_into_the_list():
-    error = refused(chat, messages=[{"role": "user", "content": "a"}, {"role": "tool"}])
+    error = refused(chat, messages=[{"role": "user", "content": "a"}, {"role": "function"}])
     assert error.param == "messages[1].role"
-    assert "'system', 'developer', 'user' or 'assistant'" in error.message
+    assert "'system', 'developer', 'user', 'assistant' or 'tool'" in error.message
+    error = refused(chat, messages=[{"role": "tool", "content": "3 C"}])
+    assert error.param == "messages[0].tool_call_id"
     image = {"type": "image_url", "image_url": {"url": "http://x"}}
     error = refused(chat, messages=[{"role": "user", "content": [image]}])
     assert error.param == "messages[0].content"
@@ -110,7 +112,9 @@ def test_text_parts_are_joined():
     [
         (completion, {"suffix": "tail"}, "suffix"),
         (completion, {"best_of": 2}, "best_of"),
-        (chat, {"tools": [{"type": "function"}]}, "tools"),
+        (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        (chat, {"guided_json": {"type": "object"}}, "guided_json"),
+        (completion, {"guided_choice": ["a", "b"]}, "guided_choice"),
         (chat, {"tool_choice": "auto"}, "tool_choice"),
         (chat, {"functions": [{"name": "f"}]}, "functions"),
         (chat, {"response_format": {"type": "xml"}}, "response_format.type"),

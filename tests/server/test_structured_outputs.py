@@ -5,19 +5,13 @@ server tests ignores what the sampler is told)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any, Literal
 
-import openai
 import orjson
 import pydantic
 import pytest
 
-from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
-from aioinfer.engine.async_engine import AsyncEngine
-from tests.model.tiny_models import make_variant
-from tests.server.conftest import LiveServer, assert_pool_free
+from tests.server.conftest import assert_pool_free
 from tests.tokenizer_fixtures import make_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -35,35 +29,6 @@ SCHEMA = {
 class Person(pydantic.BaseModel):
     name: Literal["Ada", "Alan", "Grace"]
     retired: bool
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama-server")
-    make_variant("llama").save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-async def real_engine(tiny_path: Path) -> AsyncIterator[AsyncEngine]:
-    engine = await AsyncEngine.create(
-        ModelConfig(model=str(tiny_path), dtype="float32", max_model_len=128),
-        CacheConfig(kv_cache_memory=0.01),
-        SchedulerConfig(),
-    )
-    yield engine
-    await engine.shutdown()
-
-
-@pytest.fixture
-async def real_oai(
-    live_factory: Callable[..., Any], real_engine: AsyncEngine
-) -> AsyncIterator[tuple[openai.AsyncOpenAI, LiveServer]]:
-    server = await live_factory(real_engine)
-    client = server.openai()
-    yield client, server
-    await client.close()
 
 
 async def test_json_schema_and_json_object_through_the_openai_client(real_oai, real_engine):
@@ -182,6 +147,26 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
             "response_format.json_schema.schema is invalid",
         ),
         ({"structured_outputs": {"regex": "a("}}, "structured_outputs", "regex is invalid"),
+        # Nesting that overflowed xgrammar's stack (the server died) as a schema's pattern.
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "string", "pattern": "(" * 30000 + "a" + ")" * 30000},
+                    },
+                }
+            },
+            "response_format",
+            "nests more than 200",
+        ),
+        ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", "no output"),
+        (
+            {"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": [3]},
+            "structured_outputs",
+            "no output among allowed_token_ids",
+        ),
         ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
         (
             {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
@@ -211,3 +196,34 @@ async def test_bad_constraints_are_a_400_naming_the_field(
                 assert response.status == 400, error
                 assert error["param"] == param and fragment in error["message"], error
     assert_pool_free(real_engine)
+
+
+async def test_constraints_are_built_once_and_off_the_event_loop(
+    real_oai, real_engine, monkeypatch
+):
+    """A grammar compile or thousands of bad words to tokenize would stall every stream."""
+    import threading
+
+    oai, _ = real_oai
+    prepare = real_engine.constraints.prepare
+    threads: list[str] = []
+
+    def recording(params):
+        threads.append(threading.current_thread().name)
+        return prepare(params)
+
+    monkeypatch.setattr(real_engine.constraints, "prepare", recording)
+    await oai.chat.completions.create(
+        model=real_engine.model_name,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        response_format={"type": "json_object"},
+        max_tokens=5,
+        n=2,
+    )
+    await oai.completions.create(
+        model=real_engine.model_name,
+        prompt=["a", "b"],
+        max_tokens=5,
+        extra_body={"bad_words": ["the"] * 100},
+    )
+    assert len(threads) == 2 and threading.main_thread().name not in threads

@@ -1,0 +1,211 @@
+"""Tool calling with tool_choice "required" or a named function, streamed and not, through the
+official client, on a tiny random Llama: the calls come out well formed whatever the model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from tests.server.conftest import assert_pool_free
+from tests.server.test_http import error_of, post
+from tests.tokenizer_fixtures import make_tokenizer
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                "unit": {"type": "string", "enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
+TOOLS: list[Any] = [WEATHER, TIME]
+
+
+def _check_weather(arguments: str) -> None:
+    value = json.loads(arguments)
+    assert value["city"] in ("Paris", "Oslo") and value["unit"] in ("C", "F")
+
+
+async def test_a_named_tool_choice_calls_that_function(real_oai, real_engine):
+    oai, _ = real_oai
+    reply = await oai.chat.completions.create(
+        model=real_engine.model_name,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=40,
+        n=2,
+        temperature=1.0,
+        seed=1,
+    )
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        (call,) = choice.message.tool_calls or []
+        assert call.type == "function" and call.function.name == "get_weather"
+        assert call.id.startswith("chatcmpl-tool-")
+        _check_weather(call.function.arguments)
+    assert reply.choices[0].message.tool_calls[0].id != reply.choices[1].message.tool_calls[0].id  # type: ignore[index]
+
+
+async def test_a_named_tool_choice_streams_its_arguments(real_oai, real_engine):
+    oai, _ = real_oai
+    stream = await oai.chat.completions.create(
+        model=real_engine.model_name,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+    )
+    heads, arguments, finish = [], "", None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            for call in choice.delta.tool_calls or []:
+                assert call.index == 0
+                if call.id is not None:
+                    heads.append((call.id, call.type, call.function and call.function.name))
+                arguments += (call.function and call.function.arguments) or ""
+            finish = choice.finish_reason or finish
+    assert len(heads) == 1 and heads[0][1:] == ("function", "get_weather")
+    assert finish == "stop"
+    _check_weather(arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_required_tool_choice_makes_calls_to_the_given_tools(real_oai, real_engine, stream):
+    oai, _ = real_oai
+    kwargs: dict[str, Any] = {
+        "model": real_engine.model_name,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "temperature": 0,
+        "parallel_tool_calls": False,  # the random model would go on calling to max_tokens
+    }
+    calls: list[tuple[str, str]] = []
+    if not stream:
+        reply = await oai.chat.completions.create(**kwargs)
+        (choice,) = reply.choices
+        finish = choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    else:
+        finish = None
+        async for chunk in await oai.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    assert call.function is not None and call.id
+                    calls.append((call.function.name or "", call.function.arguments or ""))
+                finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    for name, arguments in calls:
+        assert name in ("get_weather", "get_time")
+        if name == "get_weather":
+            _check_weather(arguments)
+        else:
+            assert isinstance(json.loads(arguments), dict)
+    assert_pool_free(real_engine)
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"tools": TOOLS}, '"auto" needs a parser'),
+        ({"tools": TOOLS, "tool_choice": "auto"}, '"auto" needs a parser'),
+        ({"tool_choice": "required"}, "needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not among the tools",
+        ),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot both",
+        ),
+    ],
+)
+async def test_tool_choice_that_cannot_be_served_is_a_400(real_oai, real_engine, body, fragment):
+    _, server = real_oai
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, **body}
+        ) as response,
+    ):
+        error = orjson.loads(await response.read())["error"]
+    assert response.status == 400 and error["param"] == "tool_choice", error
+    assert fragment in error["message"], error
+    assert_pool_free(real_engine)
+
+
+async def test_a_bad_parameters_schema_is_a_400_naming_tools(real_oai, real_engine):
+    oai, _ = real_oai
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        await oai.chat.completions.create(
+            model=real_engine.model_name,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            tools=[bad],  # type: ignore[list-item]
+            tool_choice="required",
+        )
+    assert info.value.body["param"] == "tools"  # type: ignore[index]
+    assert "parameters schema" in info.value.message
+
+
+async def test_tools_and_tool_messages_reach_the_template(client, engine, monkeypatch):
+    template = (
+        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments.city }}>"
+        "{% endfor %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %};{% endfor %}"
+    )
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
+    call = {
+        "id": "call-1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "-3 C"},
+    ]
+    _, raw = await post(
+        client,
+        "/v1/chat/completions",
+        {"messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 1},
+    )
+    expected = (
+        "[get_weather][get_time]user:What is the weather in Paris?;assistant:"
+        "<get_weather Oslo>;tool:-3 C#call-1;"
+    )
+    tokens = make_tokenizer().encode(expected, add_special_tokens=False)
+    assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(tokens)
+    bad_call = {**call, "function": {"name": "f"}}  # no arguments
+    _, raw = await post(
+        client,
+        "/v1/chat/completions",
+        {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [bad_call]}]},
+    )
+    assert "tool_calls" in error_of(raw, 400)["param"]

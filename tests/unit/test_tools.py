@@ -1,0 +1,69 @@
+"""Tool choice as an output constraint, and outputs back to tool calls, without a model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aioinfer.server.tools import ChatTool, NamedToolChoice, ToolMode, tool_constraint
+
+WEATHER = ChatTool.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+)
+TIME = ChatTool.model_validate({"type": "function", "function": {"name": "get_time"}})
+
+
+def named(name: str) -> NamedToolChoice:
+    return NamedToolChoice.model_validate({"type": "function", "function": {"name": name}})
+
+
+def test_a_named_choice_constrains_to_that_function_s_parameters():
+    constraint = tool_constraint([WEATHER, TIME], named("get_weather"), True)
+    assert constraint is not None
+    mode, spec = constraint
+    assert mode.named == "get_weather" and mode.finish_reason == "stop"
+    assert spec.json == WEATHER.function.parameters
+    _, spec = tool_constraint([WEATHER, TIME], named("get_time"), True)  # type: ignore[misc]
+    assert spec.json == {"type": "object"}  # no parameters: any object
+
+
+def test_required_is_an_array_of_calls_one_when_not_parallel():
+    mode, spec = tool_constraint([WEATHER, TIME], "required", False)  # type: ignore[misc]
+    assert mode.named is None and mode.finish_reason == "tool_calls"
+    assert isinstance(spec.json, dict)
+    assert spec.json["minItems"] == 1 and spec.json["maxItems"] == 1
+    names = [alt["properties"]["name"]["enum"] for alt in spec.json["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    _, spec = tool_constraint([WEATHER], "required", True)  # type: ignore[misc]
+    assert isinstance(spec.json, dict) and "maxItems" not in spec.json
+
+
+def test_none_constrains_nothing_and_auto_or_unknown_names_are_refused():
+    assert tool_constraint([WEATHER], "none", True) is None
+    with pytest.raises(ValueError, match="needs a parser"):
+        tool_constraint([WEATHER], "auto", True)
+    with pytest.raises(ValueError, match="not among the tools"):
+        tool_constraint([WEATHER], named("get_time"), True)
+    with pytest.raises(ValueError, match="needs tools"):
+        tool_constraint([], "required", True)
+
+
+def test_outputs_become_calls_or_none_when_they_do_not_parse():
+    (call,) = ToolMode(named="f").calls('{"a": 1}') or []
+    assert (call.name, call.arguments) == ("f", '{"a": 1}')
+    assert ToolMode(named="f").calls('{"a": ') is None
+    assert ToolMode(named="f").calls("[1]") is None
+    calls = ToolMode(named=None).calls(
+        '[{"name": "f", "parameters": {"x": "é"}}, {"name": "g", "parameters": {}}]'
+    )
+    assert calls is not None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": "é"}), ("g", {})]
+    assert len({c.id for c in calls}) == 2
+    assert ToolMode(named=None).calls('[{"name": "f"}]') is None
