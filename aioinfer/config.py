@@ -140,6 +140,14 @@ class ServerConfig:
         False,
         "With --log-requests, add the prompt and output text to the log (off: never logged).",
     )
+    tool_call_parser: str | None = _opt(
+        None,
+        "Read tool calls from the model's own text, so that tool_choice 'auto' works: hermes "
+        "(Qwen2.5, Qwen3, Hermes).",
+    )
+    enable_auto_tool_choice: bool = _opt(
+        False, "vLLM's switch for tool_choice 'auto'; here --tool-call-parser alone does it."
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -148,6 +156,10 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_positive(self, "stream_write_timeout")
+        if self.tool_call_parser not in (None, "hermes"):
+            raise ValueError(f"tool_call_parser must be hermes, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
 
 
 CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ServerConfig)

@@ -115,11 +115,10 @@ class LLM:
         tools: list[Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with the chat template.
-        A message's content is a string or a list of text parts."""
+        A message's content is a string or a list of text parts. `tools` (OpenAI function
+        tools) are the template's to show, as in vLLM; the calls stay in the output text."""
         from aioinfer.engine.tokenizer import chat_prompt_text, encode_rendered_chat
 
-        if tools:
-            raise ValueError("tools are not supported (no function calling)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded: list[tuple[str | None, list[int]]] = []
         for conversation in conversations:
@@ -130,6 +129,7 @@ class LLM:
                 chat_template=chat_template or self.engine.model_config.chat_template,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             encoded.append((text, encode_rendered_chat(self.engine.tokenizer, text)))
         return self._run(encoded, sampling_params, use_tqdm)

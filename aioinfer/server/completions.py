@@ -53,6 +53,8 @@ from aioinfer.server.render import (
 from aioinfer.server.request_log import RequestRecord
 from aioinfer.server.sse import ClientDisconnected, EventStream
 from aioinfer.server.state import STATE, ServerState
+from aioinfer.server.tool_parsers import make_tool_parser
+from aioinfer.server.tools import AUTO_NEEDS_PARSER
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
@@ -142,6 +144,9 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
 async def create_chat_completion(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     state = request.app[STATE]
     engine, req = await parse_request(request, ChatCompletionRequest)
+    tool_parser = make_tool_parser(state.config.tool_call_parser) if req.auto_tools else None
+    if req.auto_tools and tool_parser is None:
+        raise RequestValidationError(AUTO_NEEDS_PARSER, "tool_choice")
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, 1, params.n)
     constraints = await prepare_constraints(engine, params, req.structured_param)
@@ -167,11 +172,21 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     chunks: ChatChunks | None = None
     if req.stream:
         chunks = ChatChunks(
-            ctx, _stream_options(req), want_logprobs=want_logprobs, tool_mode=tool_mode
+            ctx,
+            _stream_options(req),
+            want_logprobs=want_logprobs,
+            tool_mode=tool_mode,
+            tool_parser=tool_parser,
         )
 
     def body(finals: list[RequestOutput]) -> Mapping[str, Any]:
-        return chat_response(ctx, finals[0], want_logprobs=want_logprobs, tool_mode=tool_mode)
+        return chat_response(
+            ctx,
+            finals[0],
+            want_logprobs=want_logprobs,
+            tool_mode=tool_mode,
+            tool_parser=tool_parser,
+        )
 
     return await answer(request, state, generation, record, chunks, body)
 

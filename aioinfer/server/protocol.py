@@ -13,10 +13,11 @@ import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
 from aioinfer.engine.tokenizer import check_template_kwargs
+from aioinfer.server.formats import ResponseFormat, StrictModel, StructuredOutputs
 from aioinfer.server.tools import (
     AssistantToolCall,
     ChatTool,
@@ -46,9 +47,7 @@ class RequestValidationError(ValueError):
 # --------------------------------------------------------------------------- requests
 
 
-class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class OpenAIRequest(StrictModel):
     @classmethod
     def parse(cls: type[_M], data: Mapping[str, Any]) -> _M:
         """Validate a decoded JSON object; raises RequestValidationError with a readable
@@ -68,32 +67,6 @@ class OpenAIRequest(BaseModel):
 class StreamOptions(OpenAIRequest):
     include_usage: bool | None = Field(None, description="Send a final chunk with the usage.")
     continuous_usage_stats: bool | None = Field(None, description="Send the usage in each chunk.")
-
-
-class JsonSchemaFormat(OpenAIRequest):
-    name: str = Field(description="The schema's name.")
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(
-        None, alias="schema", description="The JSON schema the output must follow."
-    )
-    strict: bool | None = None
-
-
-class ResponseFormat(OpenAIRequest):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputs(OpenAIRequest):
-    """vLLM's structured outputs: exactly one field is set."""
-
-    json_value: dict[str, Any] | str | None = Field(
-        None, alias="json", description="A JSON schema the output must follow."
-    )
-    regex: str | None = None
-    choice: list[str] | None = Field(None, description="The output is one of these strings.")
-    grammar: str | None = Field(None, description="An EBNF grammar with a `root` rule.")
-    json_object: bool | None = Field(None, description="Any JSON object.")
 
 
 class _GenerationRequest(OpenAIRequest):
@@ -456,6 +429,12 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
         if self.tools:
             options["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         return options
+
+    @property
+    def auto_tools(self) -> bool:
+        """Whether the model decides itself to call tools (tool_choice "auto", the default
+        with tools), which needs a parser of its tool-call text."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def tool_call_constraint(self) -> tuple[ToolMode, StructuredOutputsParams] | None:
         """How tool_choice constrains the output; raises RequestValidationError."""

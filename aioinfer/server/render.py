@@ -29,6 +29,7 @@ from aioinfer.server.responses import (
     TopLogprob,
     UsageInfo,
 )
+from aioinfer.server.tool_parsers import HermesStream, HermesToolParser
 from aioinfer.server.tools import ToolMode, new_call_id
 
 TokenText = Callable[[int], str]
@@ -207,7 +208,10 @@ def chat_response(
     *,
     want_logprobs: bool,
     tool_mode: ToolMode | None = None,
+    tool_parser: HermesToolParser | None = None,
 ) -> ChatCompletionResponse:
+    """`tool_mode`: tool_choice constrained the output to calls; `tool_parser`: tool_choice
+    "auto", calls are read from the text."""
     choices: list[ChatChoice] = []
     completion_tokens = 0
     for seq in final.outputs:
@@ -219,6 +223,15 @@ def chat_response(
         if calls is not None and tool_mode is not None:
             message = {"role": "assistant", "content": None, "tool_calls": calls}
             finish_reason = tool_mode.finish_reason
+        elif tool_parser is not None:
+            content, parsed = tool_parser.parse(seq.text)
+            if parsed:
+                message = {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": [call.to_json() for call in parsed],
+                }
+                finish_reason = _auto_finish(seq.finish_reason)
         choices.append(
             {
                 "index": seq.index,
@@ -245,6 +258,11 @@ def _tool_calls(tool_mode: ToolMode | None, seq: CompletionOutput) -> list[ToolC
         return None
     calls = tool_mode.calls(seq.text)
     return None if calls is None else [call.to_json() for call in calls]
+
+
+def _auto_finish(finish_reason: str | None) -> str | None:
+    # The model ended its turn after calling tools: OpenAI says "tool_calls".
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 @dataclass
@@ -371,10 +389,13 @@ class ChatChunks(_ChunkStream):
         *,
         want_logprobs: bool,
         tool_mode: ToolMode | None = None,
+        tool_parser: HermesToolParser | None = None,
     ) -> None:
         super().__init__(ctx, options)
         self.want_logprobs = want_logprobs
         self.tool_mode = tool_mode
+        self.tool_parser = tool_parser
+        self._parsing: dict[int, HermesStream] = {}  # tool_choice "auto": per choice
         # Named tool_choice: each choice's call id, set by its first delta. "required": each
         # choice's text so far, which becomes calls once it is complete.
         self._call_ids: dict[int, str] = {}
@@ -411,6 +432,8 @@ class ChatChunks(_ChunkStream):
     def _content(self, seq: CompletionOutput) -> tuple[ChatDelta, str | None]:
         """The delta of one choice's new text, and its finish_reason once it finished."""
         mode = self.tool_mode
+        if mode is None and self.tool_parser is not None:
+            return self._parsed_content(seq)
         if mode is None:
             return ({"content": seq.text} if seq.text else {}), seq.finish_reason
         if mode.named is not None:
@@ -433,6 +456,21 @@ class ChatChunks(_ChunkStream):
             return ({"content": text} if text else {}), seq.finish_reason
         deltas = [{"index": i, **call} for i, call in enumerate(calls)]
         return {"tool_calls": deltas}, mode.finish_reason
+
+    def _parsed_content(self, seq: CompletionOutput) -> tuple[ChatDelta, str | None]:
+        assert self.tool_parser is not None
+        stream = self._parsing.setdefault(seq.index, self.tool_parser.stream())
+        first = stream.num_calls
+        content, calls = stream.feed(seq.text, final=seq.finish_reason is not None)
+        delta: ChatDelta = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [
+                {"index": first + i, **call.to_json()} for i, call in enumerate(calls)
+            ]
+        finish = _auto_finish(seq.finish_reason) if stream.num_calls else seq.finish_reason
+        return delta, finish
 
     def _chunk(self, choice: ChatChunkChoice) -> dict[str, Any]:
         return self._with_usage(self._envelope([choice]))

@@ -5,8 +5,9 @@ its `parameters` schema. `"required"` makes it a JSON array of `{"name", "parame
 objects, one per call (a single one when `parallel_tool_calls` is false). The grammar
 guarantees that a finished output parses, so the response's `tool_calls` come from
 `json.loads`, never from guessing in free text. `"auto"` needs a parser of the model's own
-tool-call format; this server has none and refuses it, as vLLM does unless it is started with
-one (`--enable-auto-tool-choice --tool-call-parser ...`).
+tool-call format: without one the server refuses it, as vLLM does unless it is started with
+one (`--enable-auto-tool-choice --tool-call-parser ...`); with `--tool-call-parser`, the
+model's own tool-call text is read back (`tool_parsers`).
 
 PURE: no torch, no asyncio.
 """
@@ -18,47 +19,43 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from aioinfer.core.sampling_params import StructuredOutputsParams
+from aioinfer.server.formats import StrictModel
 from aioinfer.server.responses import ToolCallJson
 
 # Accepts any JSON object: what a function without a `parameters` schema takes.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-class _Strict(BaseModel):
-    # The request models' settings (protocol.OpenAIRequest), which imports these.
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="The function's name.")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of its arguments.")
     strict: bool | None = None
 
 
-class ChatTool(_Strict):
+class ChatTool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
 
-class CalledFunction(_Strict):
+class CalledFunction(StrictModel):
     name: str
     arguments: str = Field(description="The arguments as JSON text.")
 
 
-class AssistantToolCall(_Strict):
+class AssistantToolCall(StrictModel):
     """A tool call of an earlier assistant message, sent back in the history."""
 
     id: str
@@ -134,15 +131,9 @@ def tool_constraint(
     tools: list[ChatTool], tool_choice: str | NamedToolChoice, parallel_tool_calls: bool
 ) -> tuple[ToolMode, StructuredOutputsParams] | None:
     """The output constraint of a request's tools, or None when they do not constrain it
-    (tool_choice "none"). Raises ValueError naming what is wrong."""
-    if tool_choice == "none":
+    (tool_choice "none" or "auto"). Raises ValueError naming what is wrong."""
+    if tool_choice in ("none", "auto"):  # "auto": free text, read by a tool-call parser
         return None
-    if tool_choice == "auto":
-        raise ValueError(
-            'tool_choice "auto" needs a parser of the model\'s own tool-call format, which '
-            'this server does not have: use "required" or name a function (tool_choice '
-            '{"type": "function", "function": {"name": ...}}), or "none"'
-        )
     if not tools:
         raise ValueError("tool_choice needs tools to choose from")
     schemas = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in tools}
@@ -173,3 +164,11 @@ def tool_constraint(
             f"({', '.join(sorted(schemas))})"
         )
     return ToolMode(named=name), StructuredOutputsParams(json=schemas[name])
+
+
+AUTO_NEEDS_PARSER = (
+    'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s own '
+    "tool-call text: start the server with --tool-call-parser hermes (Qwen2.5, Qwen3, Hermes), "
+    'or send tool_choice "required", a named function ({"type": "function", "function": '
+    '{"name": ...}}) or "none"'
+)

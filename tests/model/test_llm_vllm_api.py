@@ -74,8 +74,16 @@ def test_chat_text_parts_template_kwargs_and_the_rendered_prompt(tiny):
         chat_template_kwargs={"greeting": "Hi "},
     )[0]
     assert out.prompt == "Hi there"
-    with pytest.raises(ValueError, match="tools"):
-        llm.chat([{"role": "user", "content": "x"}], params, tools=[{"type": "function"}])
+    tool = {"type": "function", "function": {"name": "get_time"}}
+    out = llm.chat(
+        [{"role": "user", "content": "Time?"}],
+        params,
+        use_tqdm=False,
+        chat_template="{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{{ messages[0].content }}",
+        tools=[tool],
+    )[0]
+    assert out.prompt == "[get_time]Time?"
     with pytest.raises(ValueError, match="text content parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
 

@@ -126,7 +126,7 @@ async def test_bad_input_raises_the_right_exception(oai):
         await oai.completions.create(model=MODEL, prompt="a", suffix="b")
     with pytest.raises(openai.BadRequestError, match="maximum context length is 128"):
         await oai.completions.create(model=MODEL, prompt=[5] * 200)
-    with pytest.raises(openai.BadRequestError, match="needs a parser"):
+    with pytest.raises(openai.BadRequestError, match="tool-call-parser"):
         await oai.chat.completions.create(
             model=MODEL,
             messages=MESSAGES,

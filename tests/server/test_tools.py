@@ -10,6 +10,7 @@ import openai
 import orjson
 import pytest
 
+from aioinfer.config import ServerConfig
 from tests.server.conftest import assert_pool_free
 from tests.server.test_http import error_of, post
 from tests.tokenizer_fixtures import make_tokenizer
@@ -126,8 +127,8 @@ async def test_required_tool_choice_makes_calls_to_the_given_tools(real_oai, rea
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
-        ({"tools": TOOLS}, '"auto" needs a parser'),
-        ({"tools": TOOLS, "tool_choice": "auto"}, '"auto" needs a parser'),
+        ({"tools": TOOLS}, "--tool-call-parser hermes"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "--tool-call-parser hermes"),
         ({"tool_choice": "required"}, "needs tools"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -209,3 +210,41 @@ async def test_tools_and_tool_messages_reach_the_template(client, engine, monkey
         {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [bad_call]}]},
     )
     assert "tool_calls" in error_of(raw, 400)["param"]
+
+
+HERMES_TEXT = (
+    'I will look it up.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+    '"unit": "C"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_auto_tool_choice_reads_the_model_s_hermes_calls(live_factory, real_engine, stream):
+    """The tiny model is made to write a Hermes call (a one-choice constraint), as Qwen does."""
+    server = await live_factory(real_engine, ServerConfig(tool_call_parser="hermes"))
+    oai = server.openai()
+    kwargs: dict[str, Any] = {
+        "model": real_engine.model_name,
+        "messages": [{"role": "user", "content": "Hi"}],  # leaves room for the call
+        "tools": TOOLS,
+        "extra_body": {"structured_outputs": {"choice": [HERMES_TEXT]}},
+    }
+    if not stream:
+        choice = (await oai.chat.completions.create(**kwargs)).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    else:
+        content, finish, calls = "", None, []
+        async for chunk in await oai.chat.completions.create(**kwargs, stream=True):
+            for delta_choice in chunk.choices:
+                content += delta_choice.delta.content or ""
+                for call in delta_choice.delta.tool_calls or []:
+                    assert call.index == len(calls) and call.id and call.function is not None
+                    calls.append((call.function.name, call.function.arguments))
+                finish = delta_choice.finish_reason or finish
+    await oai.close()
+    assert content == "I will look it up."
+    assert finish == "tool_calls"
+    assert [(name, json.loads(args or "")) for name, args in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "C"})
+    ]

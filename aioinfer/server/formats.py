@@ -1,0 +1,43 @@
+"""The request fields that constrain an output's format: OpenAI's `response_format` and vLLM's
+`structured_outputs`; and the base of every request model.
+
+PURE: pydantic only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StrictModel(BaseModel):
+    """Strict types ("10" is not an integer, 1 is not a boolean); unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = Field(description="The schema's name.")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(
+        None, alias="schema", description="The JSON schema the output must follow."
+    )
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's structured outputs: exactly one field is set."""
+
+    json_value: dict[str, Any] | str | None = Field(
+        None, alias="json", description="A JSON schema the output must follow."
+    )
+    regex: str | None = None
+    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    grammar: str | None = Field(None, description="An EBNF grammar with a `root` rule.")
+    json_object: bool | None = Field(None, description="Any JSON object.")

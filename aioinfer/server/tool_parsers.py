@@ -1,0 +1,111 @@
+"""Tool calls the model writes in its own text, for tool_choice "auto" (--tool-call-parser).
+
+`hermes`: Qwen2.5, Qwen3 and Hermes models write each call as
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+where `<tool_call>` and `</tool_call>` are added tokens that are not special, so they are in the
+decoded text. Text outside the blocks is the message's content. A block whose JSON does not
+parse as a call stays in the content as written: nothing is dropped or guessed.
+
+Streamed, a call goes out whole once its block closes (one delta with the name and all the
+arguments, which OpenAI's format allows); content goes out as it comes, except a tail that
+could be the start of `<tool_call>`, held until the next text tells.
+
+PURE: no torch, no asyncio.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aioinfer.server.tools import ToolCall, new_call_id
+
+
+class HermesToolParser:
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole output's content (None when only calls) and calls."""
+        stream = self.stream()
+        content, calls = stream.feed(text, final=True)
+        return (content.strip() or None) if calls else content, calls
+
+    def stream(self) -> HermesStream:
+        return HermesStream(self)
+
+
+class HermesStream:
+    """One choice's output, fed delta by delta."""
+
+    def __init__(self, parser: HermesToolParser) -> None:
+        self.parser = parser
+        self._pending = ""  # text not yet given out
+        self._in_call = False
+        self.num_calls = 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """The content to send now and the calls completed by `delta`; `final` once the
+        output ended (everything held back goes out)."""
+        self._pending += delta
+        start, end = self.parser.start, self.parser.end
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            if not self._in_call:
+                index = self._pending.find(start)
+                if index < 0:
+                    keep = 0 if final else _partial_suffix(self._pending, start)
+                    content.append(self._pending[: len(self._pending) - keep])
+                    self._pending = self._pending[len(self._pending) - keep :]
+                    break
+                content.append(self._pending[:index])
+                self._pending = self._pending[index + len(start) :]
+                self._in_call = True
+            index = self._pending.find(end)
+            if index < 0:
+                if final:  # an unterminated block: the text as written
+                    content.append(start + self._pending)
+                    self._pending = ""
+                break
+            body, self._pending = self._pending[:index], self._pending[index + len(end) :]
+            self._in_call = False
+            call = _call_of(body)
+            if call is None:
+                content.append(start + body + end)
+            else:
+                calls.append(call)
+                self.num_calls += 1
+        return "".join(content), calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker`."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _call_of(body: str) -> ToolCall | None:
+    try:
+        value: Any = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        text = arguments
+    else:
+        text = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(new_call_id(), value["name"], text)
+
+
+def make_tool_parser(name: str | None) -> HermesToolParser | None:
+    """The parser --tool-call-parser names (ServerConfig checked the name)."""
+    return None if name is None else HermesToolParser()

@@ -1,0 +1,59 @@
+"""The Hermes tool-call parser: whole outputs, and the same outputs streamed in any pieces."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aioinfer.server.tool_parsers import HermesToolParser
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+SECOND = '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
+BROKEN = "<tool_call>{not json}</tool_call>"
+
+
+def _calls(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_whole_outputs():
+    parser = HermesToolParser()
+    assert parser.parse("No tools needed.") == ("No tools needed.", [])
+    content, calls = parser.parse("Checking.\n" + CALL + "\n" + SECOND)
+    assert content == "Checking."
+    assert _calls(calls) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    content, calls = parser.parse(CALL)
+    assert content is None and len(calls) == 1
+    # What does not parse as a call stays as written.
+    assert parser.parse("a " + BROKEN) == ("a " + BROKEN, [])
+    assert parser.parse("a <tool_call>{") == ("a <tool_call>{", [])
+    content, calls = parser.parse(BROKEN + CALL)
+    assert content == BROKEN and _calls(calls) == [("get_weather", {"city": "Oslo"})]
+
+
+TEXTS = [
+    "Checking.\n" + CALL + "\n" + SECOND,
+    "plain text with < and <tool and </tool_call> but no call",
+    "x" + BROKEN + CALL + " tail <tool_ca",
+    CALL + "<tool_call>{unterminated",
+]
+
+
+@given(st.sampled_from(TEXTS), st.lists(st.integers(0, 200), max_size=12))
+def test_streaming_in_any_pieces_gives_the_whole_output(text, cuts):
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    stream = HermesToolParser().stream()
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        out, done = stream.feed(piece, final=i == len(pieces) - 1)
+        content += out
+        calls += done
+        # Nothing that could begin a call goes out before the text decides.
+        assert not out.endswith("<tool_cal")
+    whole_content, whole_calls = HermesToolParser().parse(text)
+    assert _calls(calls) == _calls(whole_calls)
+    assert content.strip() == (whole_content or "").strip()
+    assert stream.num_calls == len(whole_calls)
