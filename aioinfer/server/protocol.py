@@ -353,6 +353,9 @@ class _ChatTemplateOptions(OpenAIRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Variables for the chat template, e.g. {'enable_thinking': false}."
     )
+    tools: list[ChatTool] | None = Field(
+        None, description="Functions the model may call (shown by the template)."
+    )
 
     def check_template_options(self) -> None:
         if self.add_generation_prompt is not False and self.continue_final_message:
@@ -372,6 +375,7 @@ class _ChatTemplateOptions(OpenAIRequest):
             "add_generation_prompt": self.add_generation_prompt is not False,
             "continue_final_message": bool(self.continue_final_message),
             "chat_template_kwargs": self.chat_template_kwargs,
+            "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []] or None,
         }
 
 
@@ -384,7 +388,6 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
     )
     logprobs: bool | None = Field(False, description="Return the chosen tokens' logprobs.")
     top_logprobs: int | None = Field(None, description="Alternatives per token (needs logprobs).")
-    tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,
         description='"required" or a named function (the output is then the calls, as '
@@ -423,12 +426,6 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template() for message in self.messages]
-
-    def template_options(self) -> dict[str, Any]:
-        options = super().template_options()
-        if self.tools:
-            options["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
-        return options
 
     @property
     def auto_tools(self) -> bool:

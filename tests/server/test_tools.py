@@ -203,6 +203,8 @@ async def test_tools_and_tool_messages_reach_the_template(client, engine, monkey
     )
     tokens = make_tokenizer().encode(expected, add_special_tokens=False)
     assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(tokens)
+    _, raw = await post(client, "/tokenize", {"messages": messages, "tools": TOOLS})
+    assert orjson.loads(raw)["tokens"] == tokens
     bad_call = {**call, "function": {"name": "f"}}  # no arguments
     _, raw = await post(
         client,
