@@ -23,6 +23,7 @@ from aioinfer.server.tools import (
     ChatTool,
     NamedToolChoice,
     ToolMode,
+    ToolsError,
     tool_constraint,
 )
 
@@ -440,8 +441,8 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
             choice = "auto" if self.tools else "none"
         try:
             return tool_constraint(self.tools or [], choice, self.parallel_tool_calls is not False)
-        except ValueError as exc:
-            raise RequestValidationError(str(exc), "tool_choice") from None
+        except ToolsError as exc:
+            raise RequestValidationError(str(exc), exc.param) from None
 
     @property
     def structured_param(self) -> str | None:

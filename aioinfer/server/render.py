@@ -222,7 +222,8 @@ def chat_response(
         calls = _tool_calls(tool_mode, seq)
         if calls is not None and tool_mode is not None:
             message = {"role": "assistant", "content": None, "tool_calls": calls}
-            finish_reason = tool_mode.finish_reason
+            if finish_reason == "stop":
+                finish_reason = tool_mode.finish_reason
         elif tool_parser is not None:
             content, parsed = tool_parser.parse(seq.text)
             if parsed:
@@ -252,11 +253,11 @@ def chat_response(
 
 
 def _tool_calls(tool_mode: ToolMode | None, seq: CompletionOutput) -> list[ToolCallJson] | None:
-    """The tool calls of a finished output of a tool_choice request; None for plain text (no
-    tool_choice, or an output that max_tokens or a stop string cut short)."""
-    if tool_mode is None or seq.finish_reason != "stop":
+    """The tool calls of a tool_choice request's output; None for plain text (no
+    tool_choice, or a "required" array that max_tokens or a stop string cut short)."""
+    if tool_mode is None:
         return None
-    calls = tool_mode.calls(seq.text)
+    calls = tool_mode.calls(seq.text, finished=seq.finish_reason == "stop")
     return None if calls is None else [call.to_json() for call in calls]
 
 

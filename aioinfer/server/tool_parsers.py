@@ -20,9 +20,8 @@ PURE: no torch, no asyncio.
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from aioinfer.server.tools import ToolCall, new_call_id
+from aioinfer.server.tools import ToolCall, loads_or_none, new_call_id
 
 
 class HermesToolParser:
@@ -92,18 +91,19 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def _call_of(body: str) -> ToolCall | None:
-    try:
-        value: Any = json.loads(body)
-    except ValueError:
-        return None
+    """The call a block holds; None unless it is {"name": str, "arguments": an object}
+    (arguments may also be the object's JSON text, or absent or null for none)."""
+    value = loads_or_none(body)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):
-        text = arguments
-    else:
-        text = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(new_call_id(), value["name"], text)
+    arguments = value.get("arguments", value.get("parameters"))
+    if arguments is None:
+        arguments = {}
+    elif isinstance(arguments, str):
+        arguments = loads_or_none(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def make_tool_parser(name: str | None) -> HermesToolParser | None:

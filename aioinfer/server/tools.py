@@ -52,7 +52,9 @@ class NamedToolChoice(StrictModel):
 
 class CalledFunction(StrictModel):
     name: str
-    arguments: str = Field(description="The arguments as JSON text.")
+    arguments: str | dict[str, Any] | None = Field(
+        None, description="The arguments as JSON text (or the object itself)."
+    )
 
 
 class AssistantToolCall(StrictModel):
@@ -64,10 +66,10 @@ class AssistantToolCall(StrictModel):
 
     def to_template(self) -> dict[str, Any]:
         # Templates write the arguments with `tojson`: they want the object, not its text.
-        try:
-            arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = self.function.arguments
+        arguments: Any = self.function.arguments or {}
+        if isinstance(arguments, str):
+            parsed = loads_or_none(arguments)
+            arguments = parsed if parsed is not None else arguments
         return {
             "id": self.id,
             "type": "function",
@@ -102,21 +104,31 @@ class ToolMode:
         # "tool_calls".
         return "stop" if self.named is not None else "tool_calls"
 
-    def calls(self, text: str) -> list[ToolCall] | None:
-        """The tool calls of a finished output; None when it does not parse (an output cut
-        short by max_tokens or a stop string)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
+    def calls(self, text: str, finished: bool = True) -> list[ToolCall] | None:
+        """The tool calls of an output. A named call is the text, whatever it holds (as in
+        vLLM, and as it streams: cut short by max_tokens or a stop string, the arguments are
+        cut short too). "required" calls come from the finished JSON array; None when it does
+        not parse."""
         if self.named is not None:
-            return [ToolCall(new_call_id(), self.named, text)] if isinstance(value, dict) else None
+            return [ToolCall(new_call_id(), self.named, text)]
+        if not finished:
+            return None
+        value = loads_or_none(text)
         if not isinstance(value, list) or not all(_is_call(v) for v in value):
             return None
         return [
             ToolCall(new_call_id(), v["name"], json.dumps(v["parameters"], ensure_ascii=False))
             for v in value
         ]
+
+
+def loads_or_none(text: str) -> Any:
+    """`json.loads`, or None for text that is not JSON (or nests past Python's recursion
+    limit: a model can write a thousand "[")."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _is_call(value: Any) -> bool:
@@ -127,43 +139,97 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+class ToolsError(ValueError):
+    """What is wrong with a request's tools or tool_choice; `param` names the field."""
+
+    def __init__(self, message: str, param: str = "tool_choice") -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def tool_constraint(
     tools: list[ChatTool], tool_choice: str | NamedToolChoice, parallel_tool_calls: bool
 ) -> tuple[ToolMode, StructuredOutputsParams] | None:
     """The output constraint of a request's tools, or None when they do not constrain it
     (tool_choice "none" or "auto"). Raises ValueError naming what is wrong."""
-    if tool_choice in ("none", "auto"):  # "auto": free text, read by a tool-call parser
+    names = [tool.function.name for tool in tools]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ToolsError(f"tools must have distinct names; {', '.join(twice)} comes twice", "tools")
+    if tool_choice == "none":
         return None
     if not tools:
-        raise ValueError("tool_choice needs tools to choose from")
+        raise ToolsError("tool_choice is only allowed when tools are given")
+    if tool_choice == "auto":  # free text, read by a tool-call parser
+        return None
     schemas = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in tools}
+    for name, schema in schemas.items():
+        if schema.get("type", "object") != "object":
+            raise ToolsError(
+                f"the parameters schema of {name!r} must describe an object (its arguments), "
+                f"got type {schema.get('type')!r}",
+                "tools",
+            )
     if tool_choice == "required":
-        call = {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"type": "string", "enum": [name]},
-                        "parameters": schema,
-                    },
-                    "required": ["name", "parameters"],
-                    "additionalProperties": False,
-                }
-                for name, schema in schemas.items()
-            ]
-        }
-        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": call}
-        if not parallel_tool_calls:
-            array["maxItems"] = 1
-        return ToolMode(named=None), StructuredOutputsParams(json=array)
+        return ToolMode(named=None), StructuredOutputsParams(
+            json=_calls_schema(schemas, parallel_tool_calls)
+        )
     assert isinstance(tool_choice, NamedToolChoice)
     name = tool_choice.function.name
     if name not in schemas:
-        raise ValueError(
+        raise ToolsError(
             f"tool_choice names the function {name!r}, which is not among the tools "
             f"({', '.join(sorted(schemas))})"
         )
     return ToolMode(named=name), StructuredOutputsParams(json=schemas[name])
+
+
+def _calls_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A JSON array of {"name", "parameters"} calls to the functions of `schemas`. Each
+    schema's definitions ($defs, definitions) move to the array's top level, where their
+    "#/$defs/..." references then point."""
+    hoisted: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
+    alternatives = []
+    for name, schema in schemas.items():
+        if _refers_to_root(schema):
+            raise ToolsError(
+                f"the parameters schema of {name!r} refers to its own root ('#'), which "
+                'tool_choice "required" cannot nest: name the function instead'
+            )
+        schema = dict(schema)
+        for key, defs in hoisted.items():
+            for def_name, definition in (schema.pop(key, None) or {}).items():
+                if defs.setdefault(def_name, definition) != definition:
+                    raise ToolsError(
+                        f"tools define {key}/{def_name} in two different ways, which "
+                        'tool_choice "required" cannot combine'
+                    )
+        alternatives.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
+    if not parallel:
+        array["maxItems"] = 1
+    array.update({key: defs for key, defs in hoisted.items() if defs})
+    return array
+
+
+def _refers_to_root(schema: Any) -> bool:
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("$ref") == "#":
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 AUTO_NEEDS_PARSER = (

@@ -129,7 +129,8 @@ async def test_required_tool_choice_makes_calls_to_the_given_tools(real_oai, rea
     [
         ({"tools": TOOLS}, "--tool-call-parser hermes"),
         ({"tools": TOOLS, "tool_choice": "auto"}, "--tool-call-parser hermes"),
-        ({"tool_choice": "required"}, "needs tools"),
+        ({"tool_choice": "required"}, "only allowed when tools"),
+        ({"tool_choice": "auto"}, "only allowed when tools"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "not among the tools",
@@ -205,11 +206,23 @@ async def test_tools_and_tool_messages_reach_the_template(client, engine, monkey
     assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(tokens)
     _, raw = await post(client, "/tokenize", {"messages": messages, "tools": TOOLS})
     assert orjson.loads(raw)["tokens"] == tokens
-    bad_call = {**call, "function": {"name": "f"}}  # no arguments
+    # Arguments as an object or missing (vLLM takes both), for the template an object.
+    for function in ({"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "f"}):
+        history = [
+            *messages[:1],
+            {"role": "assistant", "tool_calls": [{**call, "function": function}]},
+        ]
+        _, raw = await post(client, "/tokenize", {"messages": history})
+        city = function.get("arguments", {}).get("city", "")  # type: ignore[union-attr]
+        text = f"user:What is the weather in Paris?;assistant:<{function['name']} {city}>;"
+        assert orjson.loads(raw)["tokens"] == make_tokenizer().encode(
+            text, add_special_tokens=False
+        )
+    no_function = {"id": "c", "type": "function"}
     _, raw = await post(
         client,
         "/v1/chat/completions",
-        {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [bad_call]}]},
+        {"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [no_function]}]},
     )
     assert "tool_calls" in error_of(raw, 400)["param"]
 
@@ -250,3 +263,66 @@ async def test_auto_tool_choice_reads_the_model_s_hermes_calls(live_factory, rea
     assert [(name, json.loads(args or "")) for name, args in calls] == [
         ("get_weather", {"city": "Oslo", "unit": "C"})
     ]
+
+
+async def test_required_takes_schemas_with_definitions_and_names_bad_tools(real_oai, real_engine):
+    """pydantic's schemas keep nested models under $defs, which "required" must hoist."""
+    oai, server = real_oai
+    loc = {"type": "object", "properties": {"city": {"enum": ["Oslo"]}}, "required": ["city"]}
+    nested = {
+        "type": "function",
+        "function": {
+            "name": "go",
+            "parameters": {
+                "type": "object",
+                "$defs": {"Loc": loc},
+                "properties": {"to": {"$ref": "#/$defs/Loc"}},
+                "required": ["to"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    reply = await oai.chat.completions.create(
+        model=real_engine.model_name,
+        messages=[{"role": "user", "content": "Go"}],
+        tools=[nested],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+    )
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert call.function.name == "go" and json.loads(call.function.arguments) == {
+        "to": {"city": "Oslo"}
+    }
+    import aiohttp
+
+    twice = {"messages": MESSAGES, "tools": [WEATHER, WEATHER], "tool_choice": "none"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{server.url}/v1/chat/completions", json=twice) as response,
+    ):
+        error = orjson.loads(await response.read())["error"]
+    assert response.status == 400 and error["param"] == "tools" and "distinct" in error["message"]
+
+
+async def test_a_named_call_cut_short_has_the_same_shape_streamed_or_not(real_oai, real_engine):
+    oai, _ = real_oai
+    kwargs: dict[str, Any] = {
+        "model": real_engine.model_name,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    choice = (await oai.chat.completions.create(**kwargs)).choices[0]
+    (call,) = choice.message.tool_calls or []
+    assert choice.finish_reason == "length" and choice.message.content is None
+    arguments, finish = "", None
+    async for chunk in await oai.chat.completions.create(**kwargs, stream=True):
+        for streamed in chunk.choices:
+            for delta in streamed.delta.tool_calls or []:
+                arguments += (delta.function and delta.function.arguments) or ""
+            finish = streamed.finish_reason or finish
+    assert finish == "length" and arguments == call.function.arguments
+    assert call.function.arguments.startswith('{"')

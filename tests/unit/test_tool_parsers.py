@@ -31,6 +31,25 @@ def test_whole_outputs():
     assert parser.parse("a <tool_call>{") == ("a <tool_call>{", [])
     content, calls = parser.parse(BROKEN + CALL)
     assert content == BROKEN and _calls(calls) == [("get_weather", {"city": "Oslo"})]
+    deep = "<tool_call>" + "[" * 5000 + "</tool_call>"
+    assert parser.parse(deep) == (deep, [])  # past the recursion limit: text, not a 500
+
+
+def test_arguments_are_always_an_object_s_json():
+    parser = HermesToolParser()
+
+    def arguments(value: str) -> list[str]:
+        _, calls = parser.parse('<tool_call>{"name": "f"' + value + "}</tool_call>")
+        return [c.arguments for c in calls]
+
+    assert arguments(', "arguments": {"x": 1}') == ['{"x": 1}']
+    assert arguments(', "arguments": "{\\"x\\": 1}"') == ['{"x": 1}']
+    assert arguments(', "arguments": null') == ["{}"]
+    assert arguments("") == ["{}"]
+    assert arguments(', "parameters": {"y": 2}') == ['{"y": 2}']
+    # Not an object: the block stays in the content, as written.
+    for value in (', "arguments": "Oslo"', ', "arguments": [1]', ', "arguments": 3'):
+        assert arguments(value) == []
 
 
 TEXTS = [

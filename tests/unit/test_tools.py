@@ -50,15 +50,55 @@ def test_none_and_auto_constrain_nothing_and_unknown_names_are_refused():
     assert tool_constraint([WEATHER], "auto", True) is None  # a tool-call parser reads the text
     with pytest.raises(ValueError, match="not among the tools"):
         tool_constraint([WEATHER], named("get_time"), True)
-    with pytest.raises(ValueError, match="needs tools"):
+    with pytest.raises(ValueError, match="only allowed when tools are given"):
         tool_constraint([], "required", True)
+    with pytest.raises(ValueError, match="only allowed when tools are given"):
+        tool_constraint([], "auto", True)
+    with pytest.raises(ValueError, match="distinct names; get_time comes twice"):
+        tool_constraint([WEATHER, TIME, TIME], "none", True)
+    string = tool("s", {"type": "string"})
+    with pytest.raises(ValueError, match="must describe an object"):
+        tool_constraint([string], named("s"), True)
+
+
+def tool(name, parameters):
+    return ChatTool.model_validate(
+        {"type": "function", "function": {"name": name, "parameters": parameters}}
+    )
+
+
+def test_required_moves_each_tool_s_definitions_to_the_top():
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}}
+    a = tool(
+        "a",
+        {"type": "object", "$defs": {"Loc": loc}, "properties": {"at": {"$ref": "#/$defs/Loc"}}},
+    )
+    b = tool(
+        "b",
+        {"type": "object", "$defs": {"Loc": loc}, "properties": {"to": {"$ref": "#/$defs/Loc"}}},
+    )
+    _, spec = tool_constraint([a, b], "required", True)  # type: ignore[misc]
+    assert isinstance(spec.json, dict) and spec.json["$defs"] == {"Loc": loc}
+    for alt in spec.json["items"]["anyOf"]:
+        assert "$defs" not in alt["properties"]["parameters"]
+    assert "$defs" in a.function.parameters  # the request's own schema is left as it was
+    other = tool("c", {"type": "object", "$defs": {"Loc": {"type": "string"}}})
+    with pytest.raises(ValueError, match=r"\$defs/Loc in two different ways"):
+        tool_constraint([a, other], "required", True)
+    tree = tool("t", {"type": "object", "properties": {"child": {"$ref": "#"}}})
+    with pytest.raises(ValueError, match="own root"):
+        tool_constraint([tree], "required", True)
+    assert tool_constraint([tree], named("t"), True) is not None  # its root is the output's
 
 
 def test_outputs_become_calls_or_none_when_they_do_not_parse():
     (call,) = ToolMode(named="f").calls('{"a": 1}') or []
     assert (call.name, call.arguments) == ("f", '{"a": 1}')
-    assert ToolMode(named="f").calls('{"a": ') is None
-    assert ToolMode(named="f").calls("[1]") is None
+    # A named call is its text, cut short or not (as it streams).
+    (call,) = ToolMode(named="f").calls('{"a": ', finished=False) or []
+    assert call.arguments == '{"a": '
+    assert ToolMode(named=None).calls('[{"name": "f", "parameters": {}}]', finished=False) is None
+    assert ToolMode(named=None).calls('{"a": ' + "[" * 5000) is None  # too deep: not JSON
     calls = ToolMode(named=None).calls(
         '[{"name": "f", "parameters": {"x": "é"}}, {"name": "g", "parameters": {}}]'
     )
