@@ -112,7 +112,7 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
     # Again: the queue may have filled while a long prompt was tokenized. From here to the
     # engine's admission there is no await, so the check holds.
     admit(engine, count_prompts(req.prompt), params.n)
-    ctx = _response_context("cmpl", request, engine, prompts, params.n)
+    ctx = _response_context("cmpl", request, engine, prompts, req, params.n)
     want_logprobs = req.logprobs is not None
     generation = start_generation(
         state,
@@ -156,7 +156,7 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     )
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
     prompts = truncate_prompts(engine, [Prompt(ids)], params)
-    ctx = _response_context("chatcmpl", request, engine, prompts, params.n)
+    ctx = _response_context("chatcmpl", request, engine, prompts, req, params.n)
     generation = start_generation(
         state,
         engine,
@@ -192,7 +192,12 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
 
 
 def _response_context(
-    prefix: str, request: web.Request, engine: AsyncEngine, prompts: list[Prompt], n: int
+    prefix: str,
+    request: web.Request,
+    engine: AsyncEngine,
+    prompts: list[Prompt],
+    req: CompletionRequest | ChatCompletionRequest,
+    n: int,
 ) -> ResponseContext:
     """The response id (`prefix`-<hex> as OpenAI's, or `prefix`-<the client's X-Request-Id> as
     vLLM's) and what all its responses share. Engine ids stay unique whatever clients send."""
@@ -206,6 +211,7 @@ def _response_context(
         n,
         request.app[STATE].token_text(engine.tokenizer),
         engine_id=f"{response_id}-{unique[:8]}" if client_id else response_id,
+        return_token_ids=bool(req.return_token_ids),
     )
 
 

@@ -128,6 +128,9 @@ class _GenerationRequest(OpenAIRequest):
     guided_regex: Any = Field(None, description="Refused: use structured_outputs.regex.")
     guided_choice: Any = Field(None, description="Refused: use structured_outputs.choice.")
     guided_grammar: Any = Field(None, description="Refused: use structured_outputs.grammar.")
+    return_token_ids: bool | None = Field(
+        None, description="Also return the prompt's and the output's token ids (vLLM's)."
+    )
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

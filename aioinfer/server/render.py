@@ -131,6 +131,7 @@ class ResponseContext:
     token_text: TokenText
     engine_id: str = ""  # the engine's request id (base); the response id where empty
     created: int = field(default_factory=lambda: int(time.time()))
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids as well
 
     @property
     def prompt_tokens(self) -> int:
@@ -164,15 +165,17 @@ def completion_response(
                 prompt_entries = final.prompt_logprobs if echo_texts is not None else None
                 logprobs = _echoed_prompt_logprobs(ctx, p, prompt_entries)
                 _extend_logprobs(logprobs, seq, ctx.token_text, _offset_of(logprobs, 0))
-            choices.append(
-                {
-                    "index": ctx.choice_index(p, seq.index),
-                    "text": echo + seq.text,
-                    "logprobs": logprobs,
-                    "finish_reason": seq.finish_reason,
-                    "stop_reason": seq.stop_reason,
-                }
-            )
+            choice: CompletionChoice = {
+                "index": ctx.choice_index(p, seq.index),
+                "text": echo + seq.text,
+                "logprobs": logprobs,
+                "finish_reason": seq.finish_reason,
+                "stop_reason": seq.stop_reason,
+            }
+            if ctx.return_token_ids:
+                choice["prompt_token_ids"] = ctx.prompts[p].token_ids
+                choice["token_ids"] = seq.token_ids
+            choices.append(choice)
     return {
         "id": ctx.response_id,
         "object": "text_completion",
@@ -233,16 +236,17 @@ def chat_response(
                     "tool_calls": [call.to_json() for call in parsed],
                 }
                 finish_reason = _auto_finish(seq.finish_reason)
-        choices.append(
-            {
-                "index": seq.index,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-                "stop_reason": seq.stop_reason,
-            }
-        )
-    return {
+        choice: ChatChoice = {
+            "index": seq.index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": seq.stop_reason,
+        }
+        if ctx.return_token_ids:
+            choice["token_ids"] = seq.token_ids
+        choices.append(choice)
+    response: ChatCompletionResponse = {
         "id": ctx.response_id,
         "object": "chat.completion",
         "created": ctx.created,
@@ -250,6 +254,9 @@ def chat_response(
         "choices": choices,
         "usage": usage(ctx.prompt_tokens, completion_tokens),
     }
+    if ctx.return_token_ids:
+        response["prompt_token_ids"] = ctx.prompts[0].token_ids
+    return response
 
 
 def _tool_calls(tool_mode: ToolMode | None, seq: CompletionOutput) -> list[ToolCallJson] | None:
@@ -337,9 +344,17 @@ class CompletionChunks(_ChunkStream):
         for seq in output.outputs:
             index = self.ctx.choice_index(prompt_index, seq.index)
             self.completion_tokens += len(seq.token_ids)
+            first = index not in self._started
             text, logprobs = self._content(prompt_index, index, seq)
-            if text or logprobs is not None:
-                chunks.append(self._chunk(index, text, logprobs, None, None))
+            ids = self.ctx.return_token_ids and bool(seq.token_ids)
+            if text or logprobs is not None or ids:
+                chunk = self._chunk(index, text, logprobs, None, None)
+                if self.ctx.return_token_ids:
+                    choice = chunk["choices"][0]
+                    if first:
+                        choice["prompt_token_ids"] = self.ctx.prompts[prompt_index].token_ids
+                    choice["token_ids"] = seq.token_ids
+                chunks.append(chunk)
             if seq.finish_reason is not None:
                 chunks.append(self._chunk(index, "", None, seq.finish_reason, seq.stop_reason))
         return chunks
@@ -403,11 +418,14 @@ class ChatChunks(_ChunkStream):
         self._texts: dict[int, str] = {}
 
     def opening(self) -> list[dict[str, Any]]:
-        return [
+        chunks = [
             self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None})
             for i in range(self.ctx.n)
         ]  # fmt: skip
+        if self.ctx.return_token_ids:
+            chunks[0]["prompt_token_ids"] = self.ctx.prompts[0].token_ids
+        return chunks
 
     def delta(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         chunks = []
@@ -417,11 +435,17 @@ class ChatChunks(_ChunkStream):
             if self.want_logprobs and seq.token_ids:
                 logprobs = chat_logprobs(seq.logprobs or [], self.ctx.token_text)
             delta, finish_reason = self._content(seq)
-            if delta or logprobs is not None:
-                chunks.append(
-                    self._chunk({"index": seq.index, "delta": delta,
-                                 "logprobs": logprobs, "finish_reason": None})
-                )  # fmt: skip
+            ids = self.ctx.return_token_ids and bool(seq.token_ids)
+            if delta or logprobs is not None or ids:
+                choice: ChatChunkChoice = {
+                    "index": seq.index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
+                if self.ctx.return_token_ids:
+                    choice["token_ids"] = seq.token_ids
+                chunks.append(self._chunk(choice))  # fmt: skip
             if finish_reason is not None:
                 chunks.append(
                     self._chunk({"index": seq.index, "delta": {}, "logprobs": None,

@@ -30,6 +30,9 @@ class CompletionChoice(TypedDict):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
+    # vLLM's return_token_ids: the prompt's ids (the first chunk of a stream) and the output's.
+    prompt_token_ids: NotRequired[list[int]]
+    token_ids: NotRequired[list[int]]
 
 
 class CompletionResponse(TypedDict):
@@ -86,6 +89,7 @@ class ChatChoice(TypedDict):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
+    token_ids: NotRequired[list[int]]  # return_token_ids
 
 
 class ChatCompletionResponse(TypedDict):
@@ -95,6 +99,7 @@ class ChatCompletionResponse(TypedDict):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: NotRequired[list[int]]  # return_token_ids
 
 
 class ChatDelta(TypedDict):
@@ -111,6 +116,7 @@ class ChatChunkChoice(TypedDict):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: NotRequired[int | str | None]
+    token_ids: NotRequired[list[int]]  # return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(TypedDict):
