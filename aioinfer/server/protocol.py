@@ -93,6 +93,7 @@ class _GenerationRequest(OpenAIRequest):
         "allowed_token_ids",
         "bad_words",
         "truncate_prompt_tokens",
+        "prompt_logprobs",
     )
 
     model: str | None = Field(None, description="The served model name (default: the only one).")
@@ -128,6 +129,9 @@ class _GenerationRequest(OpenAIRequest):
     guided_regex: Any = Field(None, description="Refused: use structured_outputs.regex.")
     guided_choice: Any = Field(None, description="Refused: use structured_outputs.choice.")
     guided_grammar: Any = Field(None, description="Refused: use structured_outputs.grammar.")
+    prompt_logprobs: int | None = Field(
+        None, description="Logprobs of each prompt token and its top alternatives (vLLM's)."
+    )
     return_token_ids: bool | None = Field(
         None, description="Also return the prompt's and the output's token ids (vLLM's)."
     )
@@ -149,6 +153,10 @@ class _GenerationRequest(OpenAIRequest):
         if self.stream_options is not None and not self.stream:
             raise RequestValidationError(
                 "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestValidationError(
+                "prompt_logprobs are not available when stream is true", "prompt_logprobs"
             )
         if self.structured_outputs is not None and self.structured_param == "response_format":
             raise RequestValidationError(
@@ -287,8 +295,8 @@ class CompletionRequest(_GenerationRequest):
         values["max_tokens"] = 1 if self.prompt_only else limit
         if self.logprobs is not None:
             values["logprobs"] = self.logprobs
-            if self.echo:
-                values["prompt_logprobs"] = self.logprobs
+            if self.echo:  # the echoed prompt's logprobs
+                values["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return self._build(values)
 
 

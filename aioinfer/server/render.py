@@ -25,6 +25,7 @@ from aioinfer.server.responses import (
     CompletionLogprobs,
     CompletionResponse,
     ModelCard,
+    PromptLogprobs,
     ToolCallJson,
     TopLogprob,
     UsageInfo,
@@ -132,6 +133,7 @@ class ResponseContext:
     engine_id: str = ""  # the engine's request id (base); the response id where empty
     created: int = field(default_factory=lambda: int(time.time()))
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids as well
+    prompt_logprobs: bool = False  # vLLM's: the prompt tokens' logprobs in the body
 
     @property
     def prompt_tokens(self) -> int:
@@ -175,6 +177,8 @@ def completion_response(
             if ctx.return_token_ids:
                 choice["prompt_token_ids"] = ctx.prompts[p].token_ids
                 choice["token_ids"] = seq.token_ids
+            if ctx.prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs_json(final, ctx.token_text)
             choices.append(choice)
     return {
         "id": ctx.response_id,
@@ -256,7 +260,27 @@ def chat_response(
     }
     if ctx.return_token_ids:
         response["prompt_token_ids"] = ctx.prompts[0].token_ids
+    if ctx.prompt_logprobs:
+        response["prompt_logprobs"] = prompt_logprobs_json(final, ctx.token_text)
     return response
+
+
+def prompt_logprobs_json(output: RequestOutput, token_text: TokenText) -> PromptLogprobs:
+    """vLLM's shape: per prompt token, None for the first (nothing predicts it), then
+    {token id: {logprob, rank, decoded_token}} for the token and its top alternatives."""
+    return [
+        None
+        if entry is None
+        else {
+            str(token): {
+                "logprob": entry[token].logprob,  # -inf: null, as orjson writes it
+                "rank": entry[token].rank,
+                "decoded_token": token_text(token),
+            }
+            for token in entry
+        }
+        for entry in output.prompt_logprobs or []
+    ]
 
 
 def _tool_calls(tool_mode: ToolMode | None, seq: CompletionOutput) -> list[ToolCallJson] | None:

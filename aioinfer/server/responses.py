@@ -24,6 +24,10 @@ class CompletionLogprobs(TypedDict):
     text_offset: list[int]
 
 
+# Per prompt token: None for the first, then {token id: {logprob, rank, decoded_token}}.
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(TypedDict):
     index: int
     text: str
@@ -33,6 +37,7 @@ class CompletionChoice(TypedDict):
     # vLLM's return_token_ids: the prompt's ids (the first chunk of a stream) and the output's.
     prompt_token_ids: NotRequired[list[int]]
     token_ids: NotRequired[list[int]]
+    prompt_logprobs: NotRequired[PromptLogprobs]  # vLLM's prompt_logprobs
 
 
 class CompletionResponse(TypedDict):
@@ -100,6 +105,7 @@ class ChatCompletionResponse(TypedDict):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: NotRequired[list[int]]  # return_token_ids
+    prompt_logprobs: NotRequired[PromptLogprobs]  # vLLM's prompt_logprobs
 
 
 class ChatDelta(TypedDict):

@@ -1,13 +1,19 @@
-"""vLLM's return_token_ids: the prompt's and the output's token ids beside the text, whole or
-streamed (each chunk its own ids, the prompt's once)."""
+"""vLLM's return_token_ids (the prompt's and the output's token ids beside the text, whole or
+streamed: each chunk its own ids, the prompt's once) and prompt_logprobs."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from tests.server.conftest import chat_prompt_ids, expected_output, text_prompt_ids
-from tests.server.test_http import MESSAGES, chunks_of, post
+from tests.server.conftest import (
+    chat_prompt_ids,
+    expected_output,
+    fake_logprobs,
+    text_prompt_ids,
+)
+from tests.server.test_http import MESSAGES, chunks_of, error_of, post
+from tests.tokenizer_fixtures import make_tokenizer
 
 PROMPT = "The quick brown fox"
 
@@ -53,3 +59,29 @@ async def test_chat_returns_token_ids(client, stream):
     chunks = chunks_of(raw)
     assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [prompt_ids]
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == expected
+
+
+async def test_prompt_logprobs_in_vllm_s_shape(client):
+    prompt = [5, 17, 99, 250]
+    body = {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2}
+    _, raw = await post(client, "/v1/completions", body)
+    entries = orjson.loads(raw)["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    tokenizer = make_tokenizer()
+    for token, entry in zip(prompt[1:], entries[1:], strict=True):
+        want = fake_logprobs(token, 2)  # what the fake runner reports for this target
+        assert entry[str(token)] == {
+            "logprob": pytest.approx(want.logprob),
+            "rank": want.rank,
+            "decoded_token": tokenizer.decode([token]),
+        }
+        for rank, (alt, logprob) in enumerate(want.top, start=1):
+            assert entry[str(alt)]["rank"] == rank
+            assert entry[str(alt)]["logprob"] == pytest.approx(logprob)
+    chat = {"messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 0}
+    _, raw = await post(client, "/v1/chat/completions", chat)
+    entries = orjson.loads(raw)["prompt_logprobs"]
+    assert len(entries) == len(chat_prompt_ids(MESSAGES)) and entries[0] is None
+    assert all(len(e) == 1 for e in entries[1:])
+    _, raw = await post(client, "/v1/completions", {**body, "stream": True})
+    assert error_of(raw, 400)["param"] == "prompt_logprobs"
