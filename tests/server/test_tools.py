@@ -41,17 +41,21 @@ def _check_weather(arguments: str) -> None:
     assert value["city"] in ("Paris", "Oslo") and value["unit"] in ("C", "F")
 
 
+def named_weather(engine) -> dict[str, Any]:
+    """A chat request that must call get_weather."""
+    return {
+        "model": engine.model_name,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 40,
+    }
+
+
 async def test_a_named_tool_choice_calls_that_function(real_oai, real_engine):
     oai, _ = real_oai
     reply = await oai.chat.completions.create(
-        model=real_engine.model_name,
-        messages=MESSAGES,  # type: ignore[arg-type]
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=40,
-        n=2,
-        temperature=1.0,
-        seed=1,
+        **named_weather(real_engine), n=2, temperature=1.0, seed=1
     )
     for choice in reply.choices:
         assert choice.finish_reason == "stop" and choice.message.content is None
@@ -65,13 +69,7 @@ async def test_a_named_tool_choice_calls_that_function(real_oai, real_engine):
 async def test_a_named_tool_choice_streams_its_arguments(real_oai, real_engine):
     oai, _ = real_oai
     stream = await oai.chat.completions.create(
-        model=real_engine.model_name,
-        messages=MESSAGES,  # type: ignore[arg-type]
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=40,
-        temperature=0,
-        stream=True,
+        **named_weather(real_engine), temperature=0, stream=True
     )
     heads, arguments, finish = [], "", None
     async for chunk in stream:
