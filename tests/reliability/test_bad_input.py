@@ -75,7 +75,7 @@ def nested(depth: int) -> bytes:
         # Known but unsupported.
         (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, "response_format",
          "needs json_schema.schema"),
-        (CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice", "tool-call-parser"),
+        (CHAT, {"messages": USER, "tool_choice": "auto"}, "tool_choice", "only allowed when tools"),
         (COMPLETIONS, {"prompt": "a", "stream_options": {"include_usage": True}},
          "stream_options", "only allowed when stream"),
     ],
