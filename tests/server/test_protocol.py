@@ -112,7 +112,6 @@ def test_text_parts_are_joined():
     [
         (completion, {"suffix": "tail"}, "suffix"),
         (completion, {"best_of": 2}, "best_of"),
-        (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         (chat, {"guided_json": {"type": "object"}}, "guided_json"),
         (completion, {"guided_choice": ["a", "b"]}, "guided_choice"),
         (chat, {"tool_choice": "auto"}, "tool_choice"),
