@@ -2,8 +2,9 @@
 
 Masks are bitmasks, int32 [ceil(V / 32)] with bit i % 32 of word i // 32 set for an allowed
 token i (xgrammar's layout, so a grammar fills one in place). The scheduler asks each sampling
-request for `TokenConstraints.next_mask()` and `banned()` when it builds a step; the sampler
-turns the masks into -inf logits. Grammars advance in `accept()` when a token is appended.
+request for its bans (`banned()`) when it builds a step and hands the sampler its
+`TokenConstraints`, whose `next_mask()` the sampler calls on the runner thread and turns into
+-inf logits. Grammars advance in `accept()` when a token is appended.
 
 Bans (min_tokens, bad words) never leave a row with nothing to sample: where a mask allows
 only banned tokens (a finished JSON document allows only EOS), the mask wins. Structured
@@ -45,6 +46,14 @@ def mask_allows(mask: np.ndarray, vocab_size: int) -> np.ndarray:
     """The ids of the tokens an int32 bitmask [W] allows."""
     bits = np.unpackbits(mask.astype("<i4").view(np.uint8), bitorder="little")
     return np.flatnonzero(bits[:vocab_size])
+
+
+def bans_within(mask: np.ndarray | None, banned: Sequence[int]) -> Sequence[int]:
+    """`banned`, or none of them where `mask` allows nothing else: bans never leave a row with
+    nothing to sample."""
+    if mask is None or not banned or allows_any_besides(mask, banned):
+        return banned
+    return ()
 
 
 def allows_any_besides(mask: np.ndarray, banned: Sequence[int]) -> bool:
@@ -228,14 +237,10 @@ class TokenConstraints:
         mask = self.grammar.next_mask()
         return mask if self.allowed is None else mask & self.allowed
 
-    def banned(
-        self, output_ids: Sequence[int], min_tokens_bans: Sequence[int], mask: np.ndarray | None
-    ) -> tuple[int, ...]:
+    def banned(self, output_ids: Sequence[int], min_tokens_bans: Sequence[int]) -> tuple[int, ...]:
         banned = list(min_tokens_bans)
         if self.bad_words is not None:
             banned += self.bad_words.banned_after(output_ids)
-        if mask is not None and banned and not allows_any_besides(mask, banned):
-            return ()
         return tuple(sorted(set(banned)))
 
     def accept(self, token_id: int) -> None:

@@ -11,8 +11,6 @@ from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from aioinfer.core.block_pool import BlockHash
     from aioinfer.core.constraints import TokenConstraints
     from aioinfer.core.detokenizer import IncrementalDetokenizer
@@ -112,21 +110,17 @@ class Request:
         if self.constraints is not None:
             self.constraints.accept(token_id)
 
-    def next_token_mask(self) -> np.ndarray | None:
-        """The bitmask of tokens the next sample may take (allowed_token_ids, a grammar), or
-        None for any."""
-        return None if self.constraints is None else self.constraints.next_mask()
-
-    def banned_token_ids(self, mask: np.ndarray | None = None) -> tuple[int, ...]:
+    def banned_token_ids(self) -> tuple[int, ...]:
         """Tokens the sampler must skip: those that would stop the request before min_tokens,
-        and the ends of bad words. `mask` is what `next_token_mask` gave for the same step."""
+        and the ends of bad words (a mask that allows nothing else overrides them, see
+        core/constraints.py)."""
         if self.num_output_tokens >= self.sampling_params.min_tokens:
             before_min: tuple[int, ...] = ()
         else:
             before_min = self._banned_before_min_tokens
         if self.constraints is None:
             return before_min
-        return self.constraints.banned(self.output_token_ids, before_min, mask)
+        return self.constraints.banned(self.output_token_ids, before_min)
 
     def is_stop_token(self, token_id: int) -> bool:
         """Whether the just appended `token_id` ends the request: EOS or one of stop_token_ids,

@@ -160,7 +160,6 @@ class Scheduler:
         request.num_computed_tokens = end
         params = request.sampling_params
         sample = end == request.num_tokens
-        mask = request.next_token_mask() if sample else None
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start:end]),
@@ -171,8 +170,8 @@ class Scheduler:
             output_index=request.num_output_tokens,
             history=tuple(request.all_token_ids) if params.has_penalties else None,
             prompt_len=request.num_prompt_tokens,
-            banned_token_ids=request.banned_token_ids(mask),
-            allowed_token_mask=mask,
+            banned_token_ids=request.banned_token_ids() if sample else (),
+            constraints=request.constraints if sample else None,
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
         )
 

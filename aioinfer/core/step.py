@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from aioinfer.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import numpy as np
+    from aioinfer.core.constraints import TokenConstraints
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +46,10 @@ class ScheduledChunk:
     prompt_len: int = 0
     # Token ids the sampler must not pick this step (EOS and stop ids before min_tokens).
     banned_token_ids: tuple[int, ...] = ()
-    # The tokens the sampler may pick, an int32 bitmask (see core/constraints.py); None: any.
-    allowed_token_mask: np.ndarray | None = None
+    # What limits the sampled token beyond the bans (allowed_token_ids, a grammar): the sampler
+    # asks it for the bitmask on the runner thread, where a grammar's work holds up neither
+    # the event loop nor, on a GPU, the forward pass. Nothing else touches it until apply().
+    constraints: TokenConstraints | None = None
     # When prompt logprobs are asked for: the prompt token that follows each fed token, i.e.
     # prompt[start_pos + 1 : start_pos + len + 1] (one shorter on the last prefill chunk).
     prompt_logprob_targets: tuple[int, ...] | None = None

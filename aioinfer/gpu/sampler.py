@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from aioinfer.core.constraints import bans_within
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk, TokenLogprobs
 
@@ -257,6 +258,8 @@ class Sampler:
             for i in random_rows
             if (s := params[i].seed) is not None
         )
+        # Grammars fill their masks here, on the runner thread (see ScheduledChunk.constraints).
+        masks = [None if c.constraints is None else c.constraints.next_mask() for c in sampling]
         return SamplingBatch(
             size=len(sampling),
             request_ids=tuple(c.request_id for c in sampling),
@@ -264,8 +267,8 @@ class Sampler:
             greedy=None if all_greedy or not any(greedy) else self._tensor(greedy, torch.bool),
             truncation=self._truncation(params, greedy),
             logit_bias=self._logit_bias(params),
-            banned=self._banned(sampling),
-            allowed=self._allowed(sampling),
+            banned=self._banned(sampling, masks),
+            allowed=self._allowed(masks),
             penalties=self._penalties(sampling),
             seeded_rows=seeded,
             any_unseeded_random=len(seeded) < len(random_rows),
@@ -308,12 +311,14 @@ class Sampler:
             self._tensor(list(values), torch.float32),
         )
 
-    def _banned(self, chunks: list[ScheduledChunk]) -> TokenEntries | None:
+    def _banned(
+        self, chunks: list[ScheduledChunk], masks: list[np.ndarray | None]
+    ) -> TokenEntries | None:
         # Ids past the vocabulary can never be sampled anyway (e.g. a user's stop token id).
         entries = [
             (i, t)
-            for i, c in enumerate(chunks)
-            for t in c.banned_token_ids
+            for i, (c, mask) in enumerate(zip(chunks, masks, strict=True))
+            for t in bans_within(mask, c.banned_token_ids)
             if 0 <= t < self.vocab_size
         ]
         if not entries:
@@ -323,12 +328,12 @@ class Sampler:
             self._tensor(list(rows), torch.int64), self._tensor(list(cols), torch.int64)
         )
 
-    def _allowed(self, chunks: list[ScheduledChunk]) -> AllowedMasks | None:
-        rows = [i for i, c in enumerate(chunks) if c.allowed_token_mask is not None]
-        if not rows:
+    def _allowed(self, masks: list[np.ndarray | None]) -> AllowedMasks | None:
+        given = [(i, mask) for i, mask in enumerate(masks) if mask is not None]
+        if not given:
             return None
-        masks = np.stack([chunks[i].allowed_token_mask for i in rows])  # type: ignore[misc]
-        words = torch.from_numpy(masks).to(self.device)
+        rows = [i for i, _ in given]
+        words = torch.from_numpy(np.stack([mask for _, mask in given])).to(self.device)
         return AllowedMasks(self._tensor(rows, torch.int64), mask_bias(words, self.vocab_size))
 
     def _penalties(self, chunks: list[ScheduledChunk]) -> PenaltyBatch | None:

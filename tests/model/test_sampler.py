@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from aioinfer.core.constraints import mask_allows, token_mask
+from aioinfer.core.constraints import TokenConstraints, mask_allows, token_mask
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk
 from aioinfer.gpu.sampler import (
@@ -55,7 +55,9 @@ def chunk(
         history=None if history is None else tuple(history),
         prompt_len=prompt_len,
         banned_token_ids=tuple(banned),
-        allowed_token_mask=None if allowed is None else token_mask(allowed, vocab),
+        constraints=None
+        if allowed is None
+        else TokenConstraints(allowed=token_mask(allowed, vocab)),
     )
 
 

@@ -213,6 +213,18 @@ async def test_constraints_are_built_once_and_off_the_event_loop(
         return prepare(params)
 
     monkeypatch.setattr(real_engine.constraints, "prepare", recording)
+    from aioinfer.core.constraints import GrammarState
+
+    fill = GrammarState.next_mask
+    fills: set[str] = set()
+
+    def recording_fill(self):
+        fills.add(threading.current_thread().name)
+        return fill(self)
+
+    # A grammar's mask (up to a millisecond a sequence for counted repeats) is filled on the
+    # runner thread, not the event loop.
+    monkeypatch.setattr(GrammarState, "next_mask", recording_fill)
     await oai.chat.completions.create(
         model=real_engine.model_name,
         messages=MESSAGES,  # type: ignore[arg-type]
@@ -227,3 +239,4 @@ async def test_constraints_are_built_once_and_off_the_event_loop(
         extra_body={"bad_words": ["the"] * 100},
     )
     assert len(threads) == 2 and threading.main_thread().name not in threads
+    assert fills and threading.main_thread().name not in fills

@@ -12,6 +12,7 @@ from aioinfer.core.constraints import (
     TokenConstraints,
     allows_any_besides,
     bad_words_token_ids,
+    bans_within,
     mask_allows,
     token_mask,
 )
@@ -65,14 +66,14 @@ def _request(min_tokens: int, constraints: TokenConstraints) -> Request:
 def test_a_mask_that_allows_only_banned_tokens_wins_over_the_bans():
     # A finished document allows only EOS, which min_tokens bans: EOS it is.
     only_eos = _request(5, TokenConstraints(allowed=token_mask([0], VOCAB)))
-    mask = only_eos.next_token_mask()
-    assert only_eos.banned_token_ids(mask) == ()
+    assert only_eos.banned_token_ids() == (0,)
+    assert bans_within(only_eos.constraints.next_mask(), only_eos.banned_token_ids()) == ()
     # With another allowed token the ban holds, and bad words join it.
-    some = _request(
-        5, TokenConstraints(allowed=token_mask([0, 8], VOCAB), bad_words=BadWords([(9,)]))
-    )
-    assert some.banned_token_ids(some.next_token_mask()) == (0, 9)
-    # No mask: bans as before.
+    constraints = TokenConstraints(allowed=token_mask([0, 8], VOCAB), bad_words=BadWords([(9,)]))
+    some = _request(5, constraints)
+    assert bans_within(some.constraints.next_mask(), some.banned_token_ids()) == (0, 9)
+    # No mask: bans as they are.
+    assert bans_within(None, (0, 9)) == (0, 9)
     assert _request(5, TokenConstraints(bad_words=BadWords([(9,)]))).banned_token_ids() == (0, 9)
 
 
