@@ -1,5 +1,6 @@
-"""The sampler's native CPU kernels (cpu_kernels.c): top_p thresholds against a sort and the
-exponential race against a float64 reimplementation of its hash, on both builds.
+"""The sampler's native CPU kernels (cpu_kernels.c): top_p thresholds against a sort, the
+exponential race against a float64 reimplementation of its hash, and allowed-token masks
+against the torch bias, on both builds.
 
 Skipped, with the reason, where they cannot build (no AVX2 + FMA, no C compiler)."""
 
@@ -10,6 +11,7 @@ import math
 import pytest
 import torch
 
+from aioinfer.gpu.sampler import mask_bias
 from aioinfer.model.kernels import cpu_native
 
 
@@ -121,3 +123,25 @@ def test_top_p_thresholds_survive_nan_and_inf(kernels: cpu_native.NativeKernels)
     logits[0, 0], logits[0, 16], logits[0, 32] = 5.0, float("nan"), 1.0
     # The NaN does not hide the max: the nucleus of [5, 1, -10...] at 0.9 is {5} alone.
     assert float(kernels.top_p_thresholds(logits, torch.tensor([[0.9]]))) == 5.0
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 70, 49152])
+def test_apply_token_bitmask_matches_the_torch_bias(
+    kernels: cpu_native.NativeKernels, vocab: int
+) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    logits[0, 0] = float("-inf")  # already removed: stays removed
+    rows = torch.tensor([4, 0, 2], dtype=torch.int64)
+    words = (vocab + 31) // 32
+    masks = torch.randint(-(2**31), 2**31, (3, words), generator=gen, dtype=torch.int64)
+    masks = masks.to(torch.int32)
+    masks[1, 0] = -1  # every token of a word allowed
+    masks[2] = 0  # nothing allowed
+    expected = logits.clone()
+    expected.index_add_(0, rows, mask_bias(masks, vocab))
+    got = logits.clone()
+    kernels.apply_token_bitmask(got, rows, masks)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="masks must be int32"):
+        kernels.apply_token_bitmask(got, rows, masks[:2])

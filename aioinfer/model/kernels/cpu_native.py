@@ -62,6 +62,7 @@ class NativeKernels:
         self._rotary = _bind(lib.rotary, P, L, L, L, P, P, P, I)
         self._top_p_thresholds = _bind(lib.top_p_thresholds, P, L, L, P, P, I)
         self._race_argmax = _bind(lib.race_argmax, P, L, L, V, V, I)
+        self._apply_token_bitmask = _bind(lib.apply_token_bitmask, P, L, V, L, V, L, I)
         self._decoder_layers = _bind(
             lib.decoder_layers, V, V, L, P, L, P, P, V, V, L, V, V, L, L, L, P, I
         )
@@ -223,6 +224,25 @@ class NativeKernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def apply_token_bitmask(
+        self, logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor
+    ) -> None:
+        """In place: -inf in row rows[r] of logits [B, V] (float32) at each token that the
+        int32 bitmask masks[r] ([R, ceil(V / 32)]) leaves out."""
+        _check(logits)
+        _check_indices(rows, torch.int64)
+        masks = masks.contiguous()
+        batch, vocab = logits.shape
+        words = (vocab + 31) // 32
+        if masks.dtype != torch.int32 or masks.shape != (rows.shape[0], words):
+            raise ValueError(f"masks must be int32 [{rows.shape[0]}, {words}], got {masks.shape}")
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < batch:
+            raise ValueError(f"rows must be in [0, {batch})")
+        self._apply_token_bitmask(
+            logits.data_ptr(), vocab, rows.data_ptr(), rows.shape[0], masks.data_ptr(), words,
+            torch.get_num_threads(),
+        )  # fmt: skip
 
     def decoder_layers(
         self,
