@@ -235,7 +235,12 @@ class TokenConstraints:
         if self.grammar is None:
             return self.allowed
         mask = self.grammar.next_mask()
-        return mask if self.allowed is None else mask & self.allowed
+        if self.allowed is None:
+            return mask
+        # Where allowed_token_ids leave the grammar no way on, the grammar wins: its output
+        # stays well formed, rather than every logit being -inf.
+        both = mask & self.allowed
+        return both if both.any() else mask
 
     def banned(self, output_ids: Sequence[int], min_tokens_bans: Sequence[int]) -> tuple[int, ...]:
         banned = list(min_tokens_bans)

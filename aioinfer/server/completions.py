@@ -212,7 +212,8 @@ def _response_context(
         request.app[STATE].token_text(engine.tokenizer),
         engine_id=f"{response_id}-{unique[:8]}" if client_id else response_id,
         return_token_ids=bool(req.return_token_ids),
-        prompt_logprobs=req.prompt_logprobs is not None,
+        prompt_logprobs=req.prompt_logprobs,
+        echo_logprobs=(req.logprobs or 0) if isinstance(req, CompletionRequest) else 0,
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
@@ -133,7 +133,11 @@ class ResponseContext:
     engine_id: str = ""  # the engine's request id (base); the response id where empty
     created: int = field(default_factory=lambda: int(time.time()))
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids as well
-    prompt_logprobs: bool = False  # vLLM's: the prompt tokens' logprobs in the body
+    # vLLM's prompt_logprobs: alternatives per prompt token in the body (None: not asked).
+    prompt_logprobs: int | None = None
+    # Completions' logprobs: alternatives per token; the echoed prompt's are cut to it, as
+    # the engine computes prompt logprobs as wide as the wider of the two requests.
+    echo_logprobs: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -177,8 +181,10 @@ def completion_response(
             if ctx.return_token_ids:
                 choice["prompt_token_ids"] = ctx.prompts[p].token_ids
                 choice["token_ids"] = seq.token_ids
-            if ctx.prompt_logprobs:
-                choice["prompt_logprobs"] = prompt_logprobs_json(final, ctx.token_text)
+            if ctx.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(
+                    final, ctx.token_text, ctx.prompt_logprobs
+                )
             choices.append(choice)
     return {
         "id": ctx.response_id,
@@ -197,7 +203,9 @@ def _echoed_prompt_logprobs(
     if entries is None:
         return completion_logprobs([], [], ctx.token_text, 0)
     ids = ctx.prompts[prompt_index].token_ids
-    return completion_logprobs(entries, ids, ctx.token_text, 0)
+    width = ctx.echo_logprobs
+    trimmed = [None if e is None else _trimmed(e, width) for e in entries]
+    return completion_logprobs(trimmed, ids, ctx.token_text, 0)
 
 
 def _extend_logprobs(
@@ -260,27 +268,40 @@ def chat_response(
     }
     if ctx.return_token_ids:
         response["prompt_token_ids"] = ctx.prompts[0].token_ids
-    if ctx.prompt_logprobs:
-        response["prompt_logprobs"] = prompt_logprobs_json(final, ctx.token_text)
+    if ctx.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(
+            final, ctx.token_text, ctx.prompt_logprobs
+        )
     return response
 
 
-def prompt_logprobs_json(output: RequestOutput, token_text: TokenText) -> PromptLogprobs:
+def prompt_logprobs_json(
+    output: RequestOutput, token_text: TokenText, num_top: int
+) -> PromptLogprobs:
     """vLLM's shape: per prompt token, None for the first (nothing predicts it), then
-    {token id: {logprob, rank, decoded_token}} for the token and its top alternatives."""
-    return [
-        None
-        if entry is None
-        else {
-            str(token): {
-                "logprob": entry[token].logprob,  # -inf: null, as orjson writes it
-                "rank": entry[token].rank,
-                "decoded_token": token_text(token),
+    {token id: {logprob, rank, decoded_token}} for the token and its `num_top` best
+    alternatives. -inf is -9999.0, as vLLM writes it (JSON has no infinity)."""
+    out: PromptLogprobs = []
+    for entry in output.prompt_logprobs or []:
+        if entry is None:
+            out.append(None)
+            continue
+        trimmed = _trimmed(entry, num_top)
+        out.append(
+            {
+                str(token): {
+                    "logprob": max(trimmed[token].logprob, -9999.0),
+                    "rank": trimmed[token].rank,
+                    "decoded_token": token_text(token),
+                }
+                for token in trimmed
             }
-            for token in entry
-        }
-        for entry in output.prompt_logprobs or []
-    ]
+        )
+    return out
+
+
+def _trimmed(entry: TokenLogprobs, num_top: int) -> TokenLogprobs:
+    return entry if len(entry.top) <= num_top else replace(entry, top=entry.top[:num_top])
 
 
 def _tool_calls(tool_mode: ToolMode | None, seq: CompletionOutput) -> list[ToolCallJson] | None:

@@ -85,3 +85,17 @@ async def test_prompt_logprobs_in_vllm_s_shape(client):
     assert all(len(e) == 1 for e in entries[1:])
     _, raw = await post(client, "/v1/completions", {**body, "stream": True})
     assert error_of(raw, 400)["param"] == "prompt_logprobs"
+
+
+async def test_echoed_logprobs_and_prompt_logprobs_keep_their_own_widths(client):
+    """The engine computes the prompt's logprobs as wide as the wider request; each answer
+    shows what it asked for."""
+    body = {"prompt": "The quick brown fox", "max_tokens": 1, "echo": True}
+    _, raw = await post(client, "/v1/completions", {**body, "logprobs": 3, "prompt_logprobs": 0})
+    choice = orjson.loads(raw)["choices"][0]
+    assert [len(e) for e in choice["prompt_logprobs"][1:]] == [1, 1, 1]
+    assert all(len(top) == 4 for top in choice["logprobs"]["top_logprobs"][1:])
+    _, raw = await post(client, "/v1/completions", {**body, "logprobs": 0, "prompt_logprobs": 4})
+    choice = orjson.loads(raw)["choices"][0]
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(len(e) == 5 for e in choice["prompt_logprobs"][1:])

@@ -80,3 +80,19 @@ def test_a_mask_that_allows_only_banned_tokens_wins_over_the_bans():
 @pytest.mark.parametrize("ids", [[0], [31], [32], [63, 64, 99]])
 def test_mask_edges(ids):
     assert mask_allows(token_mask(ids, VOCAB), VOCAB).tolist() == ids
+
+
+class _FixedGrammar:
+    def __init__(self, allowed: list[int]) -> None:
+        self.mask = token_mask(allowed, VOCAB)
+
+    def next_mask(self) -> np.ndarray:
+        return self.mask
+
+
+def test_allowed_token_ids_narrow_a_grammar_unless_nothing_would_be_left():
+    constraints = TokenConstraints(allowed=token_mask([1, 2, 3], VOCAB))
+    constraints.grammar = _FixedGrammar([2, 3, 4])  # type: ignore[assignment]
+    assert mask_allows(constraints.next_mask(), VOCAB).tolist() == [2, 3]
+    constraints.grammar = _FixedGrammar([7])  # type: ignore[assignment]
+    assert mask_allows(constraints.next_mask(), VOCAB).tolist() == [7]
