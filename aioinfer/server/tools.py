@@ -1,13 +1,13 @@
-"""Tool calling by constrained decoding, with no model-specific parser.
+"""Tool calling: the request models, and tool_choice as an output constraint.
 
 A named `tool_choice` makes the output that function's arguments: a JSON object that follows
-its `parameters` schema. `"required"` makes it a JSON array of `{"name", "parameters"}`
-objects, one per call (a single one when `parallel_tool_calls` is false). The grammar
-guarantees that a finished output parses, so the response's `tool_calls` come from
-`json.loads`, never from guessing in free text. `"auto"` needs a parser of the model's own
-tool-call format: without one the server refuses it, as vLLM does unless it is started with
-one (`--enable-auto-tool-choice --tool-call-parser ...`); with `--tool-call-parser`, the
-model's own tool-call text is read back (`tool_parsers`).
+its `parameters` schema (the output is the call, even when max_tokens cuts it short, as in
+vLLM). `"required"` makes it a JSON array of `{"name", "parameters"}` objects, one per call (a
+single one when `parallel_tool_calls` is false); the grammar guarantees that a finished array
+parses, so the response's `tool_calls` come from `json.loads`, never from guessing in free
+text. `"auto"` leaves the text free and needs a parser of the model's own tool-call format
+(`tool_parsers`, with --tool-call-parser); without one the handler refuses it, as vLLM does
+unless started with `--enable-auto-tool-choice --tool-call-parser ...`.
 
 PURE: no torch, no asyncio.
 """
