@@ -298,8 +298,12 @@ class ConstraintBuilder:
                 allowed=allowed, bad_words=bad_words, grammar=grammars.state(compiled)
             )
 
-        first = make().next_mask()
-        if first is not None and not first.any():
+        # At the start, allowed_token_ids that leave the grammar nothing are the client's
+        # mistake (later in the output, the grammar wins: see TokenConstraints.next_mask).
+        first = grammars.state(compiled).next_mask()
+        if allowed is not None:
+            first = first & allowed
+        if not first.any():
             among = " among allowed_token_ids" if allowed is not None else ""
             raise InvalidGrammarError(spec.kind, f"it allows no output{among}")
         return make
