@@ -38,6 +38,7 @@ import torch
 from aioinfer.core.constraints import bans_within
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk, TokenLogprobs
+from aioinfer.gpu.token_masks import apply_token_masks
 
 if TYPE_CHECKING:
     from aioinfer.model.kernels.cpu_native import NativeKernels
@@ -455,30 +456,12 @@ def process_logits(
         neg_inf = torch.full_like(banned.cols, float("-inf"), dtype=logits.dtype)
         logits.index_put_((banned.rows, banned.cols), neg_inf)
     if batch.allowed is not None:
-        allowed = batch.allowed
-        if kernels is not None:
-            kernels.apply_token_bitmask(logits, allowed.rows, allowed.masks)
-        else:
-            logits.index_add_(0, allowed.rows, mask_bias(allowed.masks, logits.shape[1]))
+        apply_token_masks(logits, batch.allowed.rows, batch.allowed.masks, kernels)
     if batch.penalties is not None:
         pen = batch.penalties
         rows = logits.index_select(0, pen.rows)
         logits.index_copy_(0, pen.rows, _apply_penalties(rows, pen))
     return logits
-
-
-# Byte value -> its 8 bits as logit biases (bit set: 0, allowed; clear: -inf), lowest bit first.
-_BYTE_BITS = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
-_BYTE_BIAS = torch.zeros(256, 8).masked_fill_(_BYTE_BITS == 0, float("-inf"))
-
-
-def mask_bias(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Int32 bitmasks [R, W] (bit i % 32 of word i // 32: token i) as logit biases [R,
-    vocab_size]: 0 for allowed tokens, -inf for the others. A byte-table lookup: bit shifts
-    and a masked fill over [R, V] took 7x longer (the CPU has a native kernel instead)."""
-    table = _BYTE_BIAS.to(masks.device)
-    as_bytes = masks.contiguous().view(torch.uint8).long()  # little-endian: low byte first
-    return torch.nn.functional.embedding(as_bytes, table).flatten(-2)[..., :vocab_size]
 
 
 def _apply_penalties(logits: torch.Tensor, pen: PenaltyBatch) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from aioinfer import LLM, SamplingParams, StructuredOutputsParams
 from aioinfer.core.constraints import token_mask
-from aioinfer.gpu.sampler import mask_bias
+from aioinfer.gpu.token_masks import mask_bias
 
 pytestmark = pytest.mark.gpu
 

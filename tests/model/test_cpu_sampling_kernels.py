@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from aioinfer.gpu.sampler import mask_bias
+from aioinfer.gpu.token_masks import mask_bias
 from aioinfer.model.kernels import cpu_native
 
 

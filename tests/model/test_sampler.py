@@ -21,11 +21,11 @@ from aioinfer.gpu.sampler import (
     Sampler,
     compute_prompt_logprobs,
     exponential_,
-    mask_bias,
     process_logits,
     seeded_generator_seed,
     truncate_logits,
 )
+from aioinfer.gpu.token_masks import mask_bias
 from aioinfer.model.kernels import cpu_native
 
 CPU = torch.device("cpu")
