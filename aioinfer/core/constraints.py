@@ -274,9 +274,9 @@ class ConstraintBuilder:
 
     def prepare(self, params: SamplingParams) -> ConstraintFactory | None:
         """None when `params` constrain nothing; raises ValueError naming the field."""
-        spec = params.structured_outputs
-        if params.allowed_token_ids is None and not params.bad_words and spec is None:
+        if not params.has_constraints:
             return None
+        spec = params.structured_outputs
         allowed = None
         if params.allowed_token_ids is not None:
             outside = [t for t in params.allowed_token_ids if t >= self.vocab_size]

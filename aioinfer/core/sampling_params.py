@@ -116,6 +116,16 @@ class SamplingParams:
         return list(self.stop or [])
 
     @property
+    def has_constraints(self) -> bool:
+        """Whether anything beyond the stop rules limits the sampled tokens (see
+        core/constraints.py)."""
+        return (
+            self.allowed_token_ids is not None
+            or bool(self.bad_words)
+            or self.structured_outputs is not None
+        )
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

@@ -64,11 +64,7 @@ async def prepare_constraints(
     """The request's token constraints, built on a worker thread: a grammar compile (of
     `param`, the field that asked for it) or many bad words to tokenize do not hold up the
     event loop. 400 for a spec that does not compile."""
-    if engine.constraints is None or not (
-        params.structured_outputs is not None
-        or params.bad_words
-        or params.allowed_token_ids is not None
-    ):
+    if engine.constraints is None or not params.has_constraints:
         return None
     try:
         return await asyncio.to_thread(engine.constraints.prepare, params)

@@ -9,6 +9,7 @@ shapes are in `responses`, their builders in `render`, the OpenAPI document in `
 
 from __future__ import annotations
 
+import functools
 import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
@@ -421,7 +422,7 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
                     f"messages[{i}].tool_call_id",
                 )
         format_param = self._format_param()
-        if self.tool_call_constraint() is not None and format_param is not None:
+        if self.tool_call_constraint is not None and format_param is not None:
             raise RequestValidationError(
                 f"tool_choice and {format_param} cannot both constrain the output", "tool_choice"
             )
@@ -445,8 +446,10 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
         with tools), which needs a parser of its tool-call text."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
 
+    @functools.cached_property
     def tool_call_constraint(self) -> tuple[ToolMode, StructuredOutputsParams] | None:
-        """How tool_choice constrains the output; raises RequestValidationError."""
+        """How tool_choice constrains the output (computed once: the handler, the checks and
+        the sampling params all read it); raises RequestValidationError."""
         choice = self.tool_choice
         if choice is None:
             choice = "auto" if self.tools else "none"
@@ -461,13 +464,13 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
 
     @property
     def tool_mode(self) -> ToolMode | None:
-        constraint = self.tool_call_constraint()
+        constraint = self.tool_call_constraint
         return None if constraint is None else constraint[0]
 
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """The request's SamplingParams; max_tokens None means the rest of the context."""
         values = self._sampling_values(defaults)
-        constraint = self.tool_call_constraint()
+        constraint = self.tool_call_constraint
         if constraint is not None:
             values["structured_outputs"] = constraint[1]
         limit = self.max_completion_tokens
