@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+# server/reasoning.py's parsers (a test keeps the two lists the same).
+REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
+
 
 def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
@@ -148,6 +151,13 @@ class ServerConfig:
     enable_auto_tool_choice: bool = _opt(
         False, "vLLM's switch for tool_choice 'auto'; here --tool-call-parser alone does it."
     )
+    reasoning_parser: str | None = _opt(
+        None,
+        "Return a thinking model's <think>...</think> reasoning in the `reasoning` field, apart "
+        "from its answer (structured outputs then constrain only the answer): "
+        + ", ".join(REASONING_PARSER_NAMES)
+        + ".",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -160,6 +170,11 @@ class ServerConfig:
             raise ValueError(f"tool_call_parser must be hermes, got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
+        if self.reasoning_parser not in (None, *REASONING_PARSER_NAMES):
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "
+                f"got {self.reasoning_parser!r}"
+            )
 
 
 CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ServerConfig)

@@ -217,6 +217,29 @@ class GrammarState:
 # ---------------------------------------------------------------------------- per request
 
 
+class ReasoningGate:
+    """Holds a grammar back while the model reasons (a server's --reasoning-parser): the
+    output is free from its start, or from a first `start_id`, up to `end_id`; the grammar
+    constrains what follows. So a thinking model thinks, then answers in the schema."""
+
+    def __init__(self, start_id: int, end_id: int, *, opened: bool) -> None:
+        self.start_id = start_id
+        self.end_id = end_id
+        # "start": the first token may open the reasoning; "reasoning"; "answer".
+        self.state = "reasoning" if opened else "start"
+
+    def accept(self, token_id: int) -> bool:
+        """Takes a sampled token; whether the grammar takes it too."""
+        if self.state == "answer":
+            return True
+        if self.state == "start":
+            self.state = "reasoning" if token_id == self.start_id else "answer"
+            return self.state == "answer"
+        if token_id == self.end_id:
+            self.state = "answer"
+        return False
+
+
 class TokenConstraints:
     """Everything that limits one sequence's next token besides the stop rules."""
 
@@ -230,11 +253,16 @@ class TokenConstraints:
         self.allowed = allowed
         self.bad_words = bad_words
         self.grammar = grammar
+        self.reasoning: ReasoningGate | None = None
 
     def next_mask(self) -> np.ndarray | None:
-        if self.grammar is None:
+        gate = self.reasoning
+        if self.grammar is None or (gate is not None and gate.state == "reasoning"):
             return self.allowed
         mask = self.grammar.next_mask()
+        if gate is not None and gate.state == "start":  # or open the reasoning
+            word, bit = divmod(gate.start_id, MASK_BITS)
+            mask.view(np.uint32)[word] |= np.uint32(1 << bit)
         if self.allowed is None:
             return mask
         # Where allowed_token_ids leave the grammar no way on, the grammar wins: its output
@@ -249,7 +277,9 @@ class TokenConstraints:
         return tuple(sorted(set(banned)))
 
     def accept(self, token_id: int) -> None:
-        if self.grammar is not None:
+        if self.grammar is None:
+            return
+        if self.reasoning is None or self.reasoning.accept(token_id):
             self.grammar.accept(token_id)
 
     @property
@@ -259,6 +289,20 @@ class TokenConstraints:
 
 
 ConstraintFactory = Callable[[], TokenConstraints]  # one call per sequence of a request
+
+
+def with_reasoning_gate(
+    factory: ConstraintFactory, start_id: int, end_id: int, *, opened: bool
+) -> ConstraintFactory:
+    """`factory`, with each sequence's grammar held back by a ReasoningGate."""
+
+    def make() -> TokenConstraints:
+        constraints = factory()
+        if constraints.grammar is not None:
+            constraints.reasoning = ReasoningGate(start_id, end_id, opened=opened)
+        return constraints
+
+    return make
 
 
 class ConstraintBuilder:

@@ -41,6 +41,7 @@ from aioinfer.server.protocol import (
     CompletionRequest,
     RequestValidationError,
 )
+from aioinfer.server.reasoning import make_reasoning_parser
 from aioinfer.server.render import (
     ChatChunks,
     CompletionChunks,
@@ -157,6 +158,13 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
     prompts = truncate_prompts(engine, [Prompt(ids)], params)
     ctx = _response_context("chatcmpl", request, engine, prompts, req, params.n)
+    reasoning_parser = make_reasoning_parser(state.config.reasoning_parser)
+    if reasoning_parser is not None:
+        ctx.reasoning = reasoning_parser.split(
+            prompts[0].token_ids, engine.tokenizer, include=req.include_reasoning is not False
+        )
+        if constraints is not None:
+            constraints = ctx.reasoning.gate(constraints, engine.tokenizer)
     generation = start_generation(
         state,
         engine,

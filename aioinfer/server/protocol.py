@@ -10,8 +10,7 @@ shapes are in `responses`, their builders in `render`, the OpenAPI document in `
 from __future__ import annotations
 
 import functools
-import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator
@@ -27,12 +26,9 @@ from aioinfer.server.tools import (
     ToolsError,
     tool_constraint,
 )
+from aioinfer.server.validation import describe_validation_error, short_repr
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
-_MAX_REPORTED_ERRORS = 3
-_MAX_INPUT_REPR = 80
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, _MAX_INPUT_REPR, _MAX_INPUT_REPR
 
 _M = TypeVar("_M", bound="OpenAIRequest")
 
@@ -148,7 +144,7 @@ class _GenerationRequest(OpenAIRequest):
             return value
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
-        raise ValueError(f"must be a string or a list of strings, got {_short(value)}")
+        raise ValueError(f"must be a string or a list of strings, got {short_repr(value)}")
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -259,7 +255,7 @@ class CompletionRequest(_GenerationRequest):
             return value
         raise ValueError(
             "must be a string, a list of strings, a list of token ids or a list of token-id "
-            f"lists, none of them empty; got {_short(value)}"
+            f"lists, none of them empty; got {short_repr(value)}"
         )
 
     def check_supported(self) -> None:
@@ -317,6 +313,8 @@ class ChatMessage(OpenAIRequest):
         None, description="An assistant message's tool calls."
     )
     tool_call_id: str | None = Field(None, description="The call a tool message answers.")
+    reasoning: str | None = Field(None, description="An assistant message's reasoning.")
+    reasoning_content: str | None = Field(None, description="The same, by its older name.")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -329,10 +327,10 @@ class ChatMessage(OpenAIRequest):
                 if kind != "text":
                     raise ValueError(
                         f"only text content parts ({{'type': 'text', 'text': ...}}) are "
-                        f"supported, got {_short(part)}"
+                        f"supported, got {short_repr(part)}"
                     )
             return value
-        raise ValueError(f"must be a string or a list of text parts, got {_short(value)}")
+        raise ValueError(f"must be a string or a list of text parts, got {short_repr(value)}")
 
     def text(self) -> str:
         if self.content is None:
@@ -349,6 +347,9 @@ class ChatMessage(OpenAIRequest):
             message["tool_calls"] = [call.to_template() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:  # Qwen3's template reads reasoning_content
+            message["reasoning"] = message["reasoning_content"] = reasoning
         return message
 
 
@@ -409,6 +410,9 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
     )
     parallel_tool_calls: bool | None = Field(
         True, description='With tool_choice "required": whether more than one call may come.'
+    )
+    include_reasoning: bool | None = Field(
+        True, description="With the server's --reasoning-parser: return the reasoning."
     )
     functions: list[Any] | None = Field(None, description="Not supported.")
     function_call: Any = Field(None, description="Not supported.")
@@ -506,54 +510,6 @@ class DetokenizeRequest(OpenAIRequest):
 
     model: str | None = None
     tokens: list[int]
-
-
-# --------------------------------------------------------------------------- validation helpers
-
-
-def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
-    """A readable message naming each offending field (the first few), and the first field."""
-    errors = exc.errors(include_url=False)
-    parts = []
-    for error in errors[:_MAX_REPORTED_ERRORS]:
-        path = format_loc(error["loc"])
-        message = str(error["msg"]).removeprefix("Value error, ")
-        if error["type"] == "missing":
-            message = "field required"
-        elif error["type"] != "value_error":
-            message = f"{message}, got {_short(error.get('input'))}"
-        parts.append(f"{path}: {message}" if path else message)
-    if len(errors) > _MAX_REPORTED_ERRORS:
-        parts.append(f"and {len(errors) - _MAX_REPORTED_ERRORS} more errors")
-    param = format_loc(errors[0]["loc"]) if errors else None
-    return "Invalid request: " + "; ".join(parts), param or None
-
-
-def format_loc(loc: Sequence[int | str]) -> str:
-    """('messages', 0, 'content') -> 'messages[0].content'."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _short(value: Any) -> str:
-    text = _REPR.repr(value)  # bounded work, whatever the size or depth of the value
-    if len(text) > _MAX_INPUT_REPR:
-        text = text[: _MAX_INPUT_REPR - 3] + "..."
-    return f"{text} ({_json_type(value)})"
-
-
-def _json_type(value: Any) -> str:
-    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
-    if value is None:
-        return "null"
-    if isinstance(value, dict):
-        return "object"
-    return kinds.get(type(value), type(value).__name__)
 
 
 def _is_int(value: Any) -> bool:

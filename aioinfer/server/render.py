@@ -13,6 +13,7 @@ from typing import Any
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
 from aioinfer.core.step import TokenLogprobs
+from aioinfer.server.reasoning import ReasoningSplit, ReasoningStream
 from aioinfer.server.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -138,6 +139,7 @@ class ResponseContext:
     # Completions' logprobs: alternatives per token; the echoed prompt's are cut to it, as
     # the engine computes prompt logprobs as wide as the wider of the two requests.
     echo_logprobs: int = 0
+    reasoning: ReasoningSplit | None = None  # chat with --reasoning-parser
 
     @property
     def prompt_tokens(self) -> int:
@@ -232,6 +234,10 @@ def chat_response(
     for seq in final.outputs:
         completion_tokens += len(seq.token_ids)
         logprobs = chat_logprobs(seq.logprobs or [], ctx.token_text) if want_logprobs else None
+        reasoning = None
+        if ctx.reasoning is not None:  # what follows reads only the answer
+            reasoning, answer = ctx.reasoning.parse(seq.text)
+            seq = replace(seq, text=answer)
         message: ChatResponseMessage = {"role": "assistant", "content": seq.text}
         finish_reason = seq.finish_reason
         calls = _tool_calls(tool_mode, seq)
@@ -248,6 +254,9 @@ def chat_response(
                     "tool_calls": [call.to_json() for call in parsed],
                 }
                 finish_reason = _auto_finish(seq.finish_reason)
+        if reasoning is not None and ctx.reasoning is not None and ctx.reasoning.include:
+            message["reasoning"] = reasoning
+            message["content"] = message["content"] or None
         choice: ChatChoice = {
             "index": seq.index,
             "message": message,
@@ -457,6 +466,7 @@ class ChatChunks(_ChunkStream):
         self.tool_mode = tool_mode
         self.tool_parser = tool_parser
         self._parsing: dict[int, HermesStream] = {}  # tool_choice "auto": per choice
+        self._reasoning: dict[int, ReasoningStream] = {}  # --reasoning-parser: per choice
         # Named tool_choice: each choice's call id, set by its first delta. "required": each
         # choice's text so far, which becomes calls once it is complete.
         self._call_ids: dict[int, str] = {}
@@ -479,7 +489,10 @@ class ChatChunks(_ChunkStream):
             logprobs = None
             if self.want_logprobs and seq.token_ids:
                 logprobs = chat_logprobs(seq.logprobs or [], self.ctx.token_text)
+            reasoning, seq = self._split_reasoning(seq)
             delta, finish_reason = self._content(seq)
+            if reasoning:
+                delta["reasoning"] = reasoning
             ids = self.ctx.return_token_ids and bool(seq.token_ids)
             if delta or logprobs is not None or ids:
                 choice: ChatChunkChoice = {
@@ -498,6 +511,16 @@ class ChatChunks(_ChunkStream):
                                  "stop_reason": seq.stop_reason})
                 )  # fmt: skip
         return chunks
+
+    def _split_reasoning(self, seq: CompletionOutput) -> tuple[str, CompletionOutput]:
+        """The reasoning in a choice's new text ("" unless it is returned), and the choice
+        with only its answer's text."""
+        split = self.ctx.reasoning
+        if split is None:
+            return "", seq
+        stream = self._reasoning.setdefault(seq.index, split.stream())
+        reasoning, answer = stream.feed(seq.text, final=seq.finish_reason is not None)
+        return (reasoning if split.include else ""), replace(seq, text=answer)
 
     def _content(self, seq: CompletionOutput) -> tuple[ChatDelta, str | None]:
         """The delta of one choice's new text, and its finish_reason once it finished."""

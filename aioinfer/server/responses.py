@@ -84,8 +84,9 @@ class ToolCallJson(TypedDict):
 
 class ChatResponseMessage(TypedDict):
     role: Literal["assistant"]
-    content: str | None  # None when the message holds tool calls
+    content: str | None  # None when the message holds tool calls, or only reasoning
     tool_calls: NotRequired[list[ToolCallJson]]
+    reasoning: NotRequired[str]  # with --reasoning-parser
 
 
 class ChatChoice(TypedDict):
@@ -111,6 +112,7 @@ class ChatCompletionResponse(TypedDict):
 class ChatDelta(TypedDict):
     role: NotRequired[Literal["assistant"]]
     content: NotRequired[str]
+    reasoning: NotRequired[str]
     # Each entry: index, and on a call's first delta id, type and function.name; then
     # function.arguments in pieces.
     tool_calls: NotRequired[list[dict[str, Any]]]

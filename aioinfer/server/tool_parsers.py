@@ -58,7 +58,7 @@ class HermesStream:
             if not self._in_call:
                 index = self._pending.find(start)
                 if index < 0:
-                    keep = 0 if final else _partial_suffix(self._pending, start)
+                    keep = 0 if final else partial_suffix(self._pending, start)
                     content.append(self._pending[: len(self._pending) - keep])
                     self._pending = self._pending[len(self._pending) - keep :]
                     break
@@ -82,7 +82,7 @@ class HermesStream:
         return "".join(content), calls
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):

@@ -1,0 +1,134 @@
+"""The reasoning a thinking model writes before its answer, split from the answer
+(--reasoning-parser) into the `reasoning` field of chat messages and deltas, as vLLM's.
+
+Both parsers read a `<think>` ... `</think>` block at the start of the output:
+- qwen3: Qwen3 opens the block itself (`<think>` is the first thing it writes) unless thinking
+  is off, when its template closes an empty block in the prompt and the output is all answer.
+  Qwen3's thinking-only releases open the block in the prompt.
+- deepseek_r1: DeepSeek-R1's templates open the block in the prompt (R1-0528 may write
+  `<think>` again): the output starts as reasoning whatever the prompt.
+
+Where the block opens in the prompt, the output starts as reasoning. A block that never closes
+(max_tokens cut the thinking short) is all reasoning. The whitespace around the reasoning and at
+the start of the answer after it is dropped. A whole output is parsed as one stream fed once, so
+the split is the same streamed or not.
+
+PURE: no torch, no asyncio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aioinfer.core.constraints import ConstraintFactory, with_reasoning_gate
+from aioinfer.server.tool_parsers import partial_suffix
+
+START = "<think>"
+END = "</think>"
+PROMPT_TAIL_TOKENS = 8  # enough of the prompt's end to see a `<think>` it opens
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    always_open: bool  # the output starts inside the block whatever the prompt
+
+    def split(self, prompt_ids: list[int], tokenizer: Any, *, include: bool) -> ReasoningSplit:
+        """How one request's outputs are split, given its prompt's token ids."""
+        tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
+        opened = self.always_open or tail.rstrip().endswith(START)
+        return ReasoningSplit(opened, include)
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    """One request's split: whether its output starts inside the block, and whether the
+    reasoning is returned (include_reasoning) or dropped."""
+
+    opened: bool
+    include: bool
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.opened)
+
+    def parse(self, text: str) -> tuple[str | None, str]:
+        """A whole output's reasoning (None when it has none) and answer."""
+        reasoning, answer = self.stream().feed(text, final=True)
+        return reasoning or None, answer
+
+    def gate(self, constraints: ConstraintFactory, tokenizer: Any) -> ConstraintFactory:
+        """`constraints` with the grammar held back while the model reasons, where the tags
+        are single tokens (as in Qwen3's and DeepSeek-R1's vocabularies)."""
+        start, end = _single_token(tokenizer, START), _single_token(tokenizer, END)
+        if start is None or end is None:
+            return constraints
+        return with_reasoning_gate(constraints, start, end, opened=self.opened)
+
+
+def _single_token(tokenizer: Any, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+class ReasoningStream:
+    """One choice's output, fed delta by delta: each feed gives (reasoning, answer) text."""
+
+    def __init__(self, opened: bool) -> None:
+        self._unopened = "reasoning" if opened else "answer"  # the mode without a `<think>`
+        self._mode = "start"  # until the output shows whether it opens with `<think>`
+        self._pending = ""
+        self._reasoning_started = False  # its leading whitespace is dropped
+        self._strip_answer = False  # after `</think>`: the answer's leading whitespace too
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        self._pending += delta
+        if self._mode == "start":
+            head = self._pending.lstrip()
+            if head.startswith(START):
+                self._pending = head[len(START) :]
+                self._mode = "reasoning"
+            elif START.startswith(head) and not final:
+                return "", ""  # could still be the tag
+            else:
+                self._mode = self._unopened
+        reasoning = ""
+        if self._mode == "reasoning":
+            reasoning = self._reasoning(final)
+        return reasoning, self._answer() if self._mode == "answer" else ""
+
+    def _reasoning(self, final: bool) -> str:
+        pending = self._pending
+        index = pending.find(END)
+        if index >= 0:
+            text, self._pending = pending[:index].rstrip(), pending[index + len(END) :]
+            self._mode, self._strip_answer = "answer", True
+        elif final:
+            text, self._pending = pending.rstrip(), ""
+        else:
+            # Hold back what could begin `</think>`, and trailing whitespace: it is dropped
+            # if the block closes next.
+            cut = len(pending[: len(pending) - partial_suffix(pending, END)].rstrip())
+            text, self._pending = pending[:cut], pending[cut:]
+        if not self._reasoning_started:
+            text = text.lstrip()
+            self._reasoning_started = bool(text)
+        return text
+
+    def _answer(self) -> str:
+        text, self._pending = self._pending, ""
+        if self._strip_answer:
+            text = text.lstrip()
+            self._strip_answer = not text
+        return text
+
+
+REASONING_PARSERS = {
+    "qwen3": ReasoningParser("qwen3", always_open=False),
+    "deepseek_r1": ReasoningParser("deepseek_r1", always_open=True),
+}
+
+
+def make_reasoning_parser(name: str | None) -> ReasoningParser | None:
+    """The parser --reasoning-parser names (ServerConfig checked the name)."""
+    return None if name is None else REASONING_PARSERS[name]

@@ -1,0 +1,63 @@
+"""Readable 400 messages from pydantic's validation errors: each offending field named as a
+client wrote it (`messages[0].content`), with a bounded picture of the value it got.
+
+PURE: pydantic only.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+_MAX_REPORTED_ERRORS = 3
+_MAX_INPUT_REPR = 80
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, _MAX_INPUT_REPR, _MAX_INPUT_REPR
+
+
+def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """A readable message naming each offending field (the first few), and the first field."""
+    errors = exc.errors(include_url=False)
+    parts = []
+    for error in errors[:_MAX_REPORTED_ERRORS]:
+        path = format_loc(error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if error["type"] == "missing":
+            message = "field required"
+        elif error["type"] != "value_error":
+            message = f"{message}, got {short_repr(error.get('input'))}"
+        parts.append(f"{path}: {message}" if path else message)
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        parts.append(f"and {len(errors) - _MAX_REPORTED_ERRORS} more errors")
+    param = format_loc(errors[0]["loc"]) if errors else None
+    return "Invalid request: " + "; ".join(parts), param or None
+
+
+def format_loc(loc: Sequence[int | str]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def short_repr(value: Any) -> str:
+    text = _REPR.repr(value)  # bounded work, whatever the size or depth of the value
+    if len(text) > _MAX_INPUT_REPR:
+        text = text[: _MAX_INPUT_REPR - 3] + "..."
+    return f"{text} ({_json_type(value)})"
+
+
+def _json_type(value: Any) -> str:
+    kinds = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "object"
+    return kinds.get(type(value), type(value).__name__)

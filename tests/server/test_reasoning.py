@@ -1,0 +1,173 @@
+"""--reasoning-parser: a thinking model's `<think>` block comes back in `reasoning`, apart from
+the answer, streamed or not, through the official client. The tiny random Llama is made to
+write such an output with a one-choice constraint (its vocabulary has no single-token tags, so
+the grammar is not held back)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from transformers import AutoTokenizer
+
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+from aioinfer.engine.async_engine import AsyncEngine
+from tests.model.tiny_models import make_hf_model
+from tests.server.test_http import post
+from tests.server.test_tools import TOOLS
+from tests.tokenizer_fixtures import CHAT_TEMPLATE, make_tokenizer
+
+HELLO = [{"role": "user", "content": "Hi"}]  # leaves room for the outputs below
+
+
+async def _chat(server: Any, stream: bool, **kwargs: Any) -> dict[str, Any]:
+    """The reasoning, content, tool calls and finish_reason of one choice, put together from
+    the chunks when streamed."""
+    oai = server.openai()
+    kwargs = {"messages": HELLO, **kwargs}
+    kwargs["model"] = (await oai.models.list()).data[0].id
+    if not stream:
+        choice = (await oai.chat.completions.create(**kwargs)).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        out = {
+            "reasoning": getattr(choice.message, "reasoning", None),
+            "content": choice.message.content,
+            "calls": calls,
+            "finish": choice.finish_reason,
+        }
+    else:
+        reasoning, content, calls, finish = None, None, [], None
+        async for chunk in await oai.chat.completions.create(**kwargs, stream=True):
+            for delta_choice in chunk.choices:
+                delta = delta_choice.delta
+                if getattr(delta, "reasoning", None):
+                    reasoning = (reasoning or "") + delta.reasoning  # type: ignore[attr-defined]
+                if delta.content:
+                    content = (content or "") + delta.content
+                for call in delta.tool_calls or []:
+                    calls.append((call.function.name, call.function.arguments))
+                finish = delta_choice.finish_reason or finish
+        out = {"reasoning": reasoning, "content": content, "calls": calls, "finish": finish}
+    await oai.close()
+    return out
+
+
+def _forced(text: str) -> dict[str, Any]:
+    return {"extra_body": {"structured_outputs": {"choice": [text]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_qwen3_reasoning_comes_apart_from_the_answer(live_factory, real_engine, stream):
+    server = await live_factory(real_engine, ServerConfig(reasoning_parser="qwen3"))
+    out = await _chat(server, stream, **_forced("<think>\nThey greet me.\n</think>\n\nHello!"))
+    assert out == {
+        "reasoning": "They greet me.",
+        "content": "Hello!",
+        "calls": [],
+        "finish": "stop",
+    }
+    # Without a block, all of it is the answer.
+    out = await _chat(server, stream, **_forced("Hello there"))
+    assert (out["reasoning"], out["content"]) == (None, "Hello there")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_include_reasoning_false_drops_it(live_factory, real_engine, stream):
+    server = await live_factory(real_engine, ServerConfig(reasoning_parser="qwen3"))
+    forced = _forced("<think>Secret.</think>Hello!")
+    forced["extra_body"]["include_reasoning"] = False
+    out = await _chat(server, stream, **forced)
+    assert (out["reasoning"], out["content"]) == (None, "Hello!")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_deepseek_r1_output_starts_as_reasoning(live_factory, real_engine, stream):
+    server = await live_factory(real_engine, ServerConfig(reasoning_parser="deepseek_r1"))
+    out = await _chat(server, stream, **_forced("They greet me.</think>Hello!"))
+    assert (out["reasoning"], out["content"]) == ("They greet me.", "Hello!")
+    # Cut short while thinking: all reasoning, no answer.
+    out = await _chat(server, stream, max_tokens=3, **_forced("They greet me.</think>Hello!"))
+    assert out["reasoning"] and out["content"] is None and out["finish"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_tool_parser_reads_the_answer_after_the_reasoning(
+    live_factory, real_engine, stream
+):
+    config = ServerConfig(reasoning_parser="qwen3", tool_call_parser="hermes")
+    server = await live_factory(real_engine, config)
+    text = '<think>A call.</think>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    out = await _chat(server, stream, tools=TOOLS, **_forced(text))
+    assert out["reasoning"] == "A call."
+    assert not out["content"] and out["finish"] == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in out["calls"]] == [("get_time", {})]
+
+
+async def test_without_the_parser_the_block_stays_in_the_content(real_oai, real_engine):
+    oai, _ = real_oai
+    reply = await oai.chat.completions.create(
+        model=real_engine.model_name, messages=HELLO, **_forced("<think>Hm.</think>Hello!")
+    )
+    message = reply.choices[0].message
+    assert message.content == "<think>Hm.</think>Hello!"
+    assert getattr(message, "reasoning", None) is None
+
+
+async def test_earlier_reasoning_reaches_the_template(client, engine, monkeypatch):
+    """Under either name, as reasoning_content, which Qwen3's template reads."""
+    template = (
+        "{% for m in messages %}{{ m.role }}[{{ m.reasoning_content }}]{{ m.content }};{% endfor %}"
+    )
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
+    for name in ("reasoning", "reasoning_content"):
+        messages = [*HELLO, {"role": "assistant", "content": "Hello!", name: "They greet me."}]
+        _, raw = await post(client, "/tokenize", {"messages": messages})
+        expected = "user[]Hi;assistant[They greet me.]Hello!;"
+        tokens = make_tokenizer().encode(expected, add_special_tokens=False)
+        assert orjson.loads(raw)["tokens"] == tokens
+
+
+def test_an_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+        ServerConfig(reasoning_parser="granite")
+
+
+# ---- a model whose vocabulary has `<think>` and `</think>` as tokens, as Qwen3's does, and
+# whose template opens the block in the prompt, as Qwen3's thinking releases do.
+
+
+@pytest.fixture(scope="module")
+def thinking_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-thinking")
+    make_tokenizer().save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("assistant\\n", "assistant\\n<think>\\n")
+    tokenizer.save_pretrained(path)
+    make_hf_model("qwen3", vocab_size=len(tokenizer)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_grammar_constrains_the_answer_after_the_reasoning(
+    live_factory, thinking_path, stream
+):
+    """The model (biased to close its block at once) reasons freely, then the choice holds.
+    Were the grammar applied from the first token, "yes" or "no" would be all reasoning."""
+    engine = await AsyncEngine.create(
+        ModelConfig(model=str(thinking_path), dtype="float32", max_model_len=128),
+        CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )
+    try:
+        end = engine.tokenizer.convert_tokens_to_ids("</think>")
+        server = await live_factory(engine, ServerConfig(reasoning_parser="qwen3"))
+        body = {"structured_outputs": {"choice": ["yes", "no"]}}
+        out = await _chat(server, stream, logit_bias={str(end): 100}, extra_body=body)
+        assert out["reasoning"] is None and out["content"] in ("yes", "no")
+        assert out["finish"] == "stop"
+    finally:
+        await engine.shutdown()

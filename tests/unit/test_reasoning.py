@@ -1,0 +1,143 @@
+"""The reasoning split (--reasoning-parser) and the gate that holds a grammar back while the
+model reasons, without a model."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aioinfer.config import REASONING_PARSER_NAMES
+from aioinfer.core.constraints import ConstraintBuilder, mask_allows, with_reasoning_gate
+from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
+from aioinfer.server.reasoning import REASONING_PARSERS, ReasoningSplit
+from tests.tokenizer_fixtures import make_tokenizer
+
+
+def test_the_config_knows_every_parser():
+    assert set(REASONING_PARSER_NAMES) == set(REASONING_PARSERS)
+
+
+@pytest.mark.parametrize(
+    ("opened", "text", "reasoning", "answer"),
+    [
+        (False, "<think>\nLet me see.\n</think>\n\nParis.", "Let me see.", "Paris."),
+        (False, "Paris.", None, "Paris."),  # thinking off: no block
+        (False, "  Paris, <think> is text here", None, "  Paris, <think> is text here"),
+        (False, "<thinking>x</thinking>", None, "<thinking>x</thinking>"),
+        (False, "<think>\nStill thinking when max_tokens", "Still thinking when max_tokens", ""),
+        (False, "<think></think>\n\nParis.", None, "Paris."),
+        (True, "Let me see.\n</think>\n\nParis.", "Let me see.", "Paris."),
+        (True, "<think>\nAgain the tag.</think>Paris.", "Again the tag.", "Paris."),
+        (True, "No end tag", "No end tag", ""),
+        (False, "<think>a</think>b</think>c", "a", "b</think>c"),  # one block only
+    ],
+)
+def test_a_whole_output_splits_into_reasoning_and_answer(opened, text, reasoning, answer):
+    assert ReasoningSplit(opened, include=True).parse(text) == (reasoning, answer)
+
+
+PIECES = st.sampled_from(
+    ["<think>", "</think>", "<th", "ink>", "</", "think", ">", "\n", " ", "a", "b c", "<", "/"]
+)
+
+
+@given(st.booleans(), st.lists(PIECES, max_size=14), st.data())
+def test_a_streamed_output_splits_as_the_whole_one_does(opened, pieces, data):
+    """Whatever the deltas, their reasoning and answer add up to the whole output's."""
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    split = ReasoningSplit(opened, include=True)
+    stream = split.stream()
+    reasoning, answer = "", ""
+    for i, delta in enumerate(deltas):
+        r, a = stream.feed(delta, final=i == len(deltas) - 1)
+        reasoning, answer = reasoning + r, answer + a
+    whole_reasoning, whole_answer = split.parse(text)
+    assert (reasoning or None, answer) == (whole_reasoning, whole_answer)
+
+
+def test_parsers_differ_in_where_the_output_starts():
+    tokenizer = make_tokenizer()
+    plain = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    opening = tokenizer.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    qwen3, r1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
+    assert not qwen3.split(plain, tokenizer, include=True).opened
+    assert qwen3.split(opening, tokenizer, include=True).opened
+    assert r1.split(plain, tokenizer, include=True).opened
+
+
+# ---- the gate: a grammar waits while the model reasons
+
+
+def _choice_constraints():
+    """A real grammar ("yes" or "no") over the test tokenizer, and two ids that stand for
+    `<think>` and `</think>` (neither may start the grammar's output)."""
+    tokenizer = make_tokenizer()
+    builder = ConstraintBuilder(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    factory = builder.prepare(SamplingParams(structured_outputs=spec, max_tokens=8))
+    assert factory is not None
+    first = set(mask_allows(factory().next_mask(), len(tokenizer)).tolist())
+    start, end = [t for t in range(10, len(tokenizer)) if t not in first][:2]
+    return tokenizer, factory, first, start, end
+
+
+def _allowed(constraints, vocab):
+    mask = constraints.next_mask()
+    return None if mask is None else set(mask_allows(mask, vocab).tolist())
+
+
+def test_the_grammar_waits_for_the_end_of_the_reasoning():
+    tokenizer, factory, first, start, end = _choice_constraints()
+    vocab = len(tokenizer)
+    constraints = with_reasoning_gate(factory, start, end, opened=False)()
+    assert _allowed(constraints, vocab) == first | {start}  # answer, or open the reasoning
+    constraints.accept(start)
+    for token in tokenizer.encode("any text, not yes or no", add_special_tokens=False):
+        assert _allowed(constraints, vocab) is None  # free while reasoning
+        constraints.accept(token)
+    constraints.accept(end)
+    assert _allowed(constraints, vocab) == first  # the grammar from its start
+    for token in tokenizer.encode("no", add_special_tokens=False):
+        constraints.accept(token)
+    assert not constraints.grammar.rejected
+
+
+def test_an_opened_block_frees_the_output_from_its_first_token():
+    tokenizer, factory, first, start, end = _choice_constraints()
+    constraints = with_reasoning_gate(factory, start, end, opened=True)()
+    assert _allowed(constraints, len(tokenizer)) is None
+    constraints.accept(end)
+    assert _allowed(constraints, len(tokenizer)) == first
+
+
+def test_an_answer_without_reasoning_is_constrained_from_its_first_token():
+    tokenizer, factory, _, start, end = _choice_constraints()
+    constraints = with_reasoning_gate(factory, start, end, opened=False)()
+    for token in tokenizer.encode("yes", add_special_tokens=False):
+        constraints.accept(token)
+    # The grammar took "yes" (else it could not end here), and the start tag is no longer let in.
+    assert start not in (_allowed(constraints, len(tokenizer)) or ())
+    constraints.accept(tokenizer.eos_token_id)
+    assert constraints.grammar_done and not constraints.grammar.rejected
+
+
+class _TagVocab:
+    """A tokenizer stand-in: `<think>` and `</think>` single tokens or not."""
+
+    def __init__(self, single: bool) -> None:
+        self.single = single
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return [7 if text == "<think>" else 8] if self.single else [1, 2, 3]
+
+
+def test_the_gate_needs_the_tags_as_single_tokens():
+    _, factory, _, _, _ = _choice_constraints()
+    split = ReasoningSplit(opened=True, include=True)
+    assert split.gate(factory, _TagVocab(single=False)) is factory
+    gated = split.gate(factory, _TagVocab(single=True))()
+    assert gated.reasoning is not None
+    assert (gated.reasoning.start_id, gated.reasoning.end_id) == (7, 8)
