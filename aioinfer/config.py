@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-# server/reasoning.py's parsers (a test keeps the two lists the same).
+# The parsers of server/tool_parsers.py and server/reasoning.py (a test keeps the lists the same).
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
 
 
@@ -146,7 +147,7 @@ class ServerConfig:
     tool_call_parser: str | None = _opt(
         None,
         "Read tool calls from the model's own text, so that tool_choice 'auto' works: hermes "
-        "(Qwen2.5, Qwen3, Hermes).",
+        "(Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1-3.3).",
     )
     enable_auto_tool_choice: bool = _opt(
         False, "vLLM's switch for tool_choice 'auto'; here --tool-call-parser alone does it."
@@ -166,8 +167,11 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_positive(self, "stream_write_timeout")
-        if self.tool_call_parser not in (None, "hermes"):
-            raise ValueError(f"tool_call_parser must be hermes, got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSER_NAMES):
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_NAMES)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
         if self.reasoning_parser not in (None, *REASONING_PARSER_NAMES):

@@ -31,7 +31,7 @@ from aioinfer.server.responses import (
     TopLogprob,
     UsageInfo,
 )
-from aioinfer.server.tool_parsers import HermesStream, HermesToolParser
+from aioinfer.server.tool_parsers import ToolCallStream, ToolParser
 from aioinfer.server.tools import ToolMode, new_call_id
 
 TokenText = Callable[[int], str]
@@ -225,7 +225,7 @@ def chat_response(
     *,
     want_logprobs: bool,
     tool_mode: ToolMode | None = None,
-    tool_parser: HermesToolParser | None = None,
+    tool_parser: ToolParser | None = None,
 ) -> ChatCompletionResponse:
     """`tool_mode`: tool_choice constrained the output to calls; `tool_parser`: tool_choice
     "auto", calls are read from the text."""
@@ -459,13 +459,13 @@ class ChatChunks(_ChunkStream):
         *,
         want_logprobs: bool,
         tool_mode: ToolMode | None = None,
-        tool_parser: HermesToolParser | None = None,
+        tool_parser: ToolParser | None = None,
     ) -> None:
         super().__init__(ctx, options)
         self.want_logprobs = want_logprobs
         self.tool_mode = tool_mode
         self.tool_parser = tool_parser
-        self._parsing: dict[int, HermesStream] = {}  # tool_choice "auto": per choice
+        self._parsing: dict[int, ToolCallStream] = {}  # tool_choice "auto": per choice
         self._reasoning: dict[int, ReasoningStream] = {}  # --reasoning-parser: per choice
         # Named tool_choice: each choice's call id, set by its first delta. "required": each
         # choice's text so far, which becomes calls once it is complete.

@@ -10,9 +10,15 @@ where `<tool_call>` and `</tool_call>` are added tokens that are not special, so
 decoded text. Text outside the blocks is the message's content. A block whose JSON does not
 parse as a call stays in the content as written: nothing is dropped or guessed.
 
-Streamed, a call goes out whole once its block closes (one delta with the name and all the
-arguments, which OpenAI's format allows); content goes out as it comes, except a tail that
-could be the start of `<tool_call>`, held until the next text tells.
+`llama3_json`: Llama 3.1 to 3.3 answer with the calls alone, as JSON objects
+`{"name": "get_weather", "parameters": {"city": "Paris"}}` separated by `;` (after
+`<|python_tag|>`, a special token that decoding drops). An output is calls when all of it parses
+as such; otherwise it is all content.
+
+Streamed, a Hermes call goes out whole once its block closes (one delta with the name and all
+the arguments, which OpenAI's format allows); content goes out as it comes, except a tail that
+could be the start of `<tool_call>`, held until the next text tells. A Llama output that
+starts with `{` is held to its end, then goes out as calls or as content.
 
 PURE: no torch, no asyncio.
 """
@@ -73,7 +79,7 @@ class HermesStream:
                 break
             body, self._pending = self._pending[:index], self._pending[index + len(end) :]
             self._in_call = False
-            call = _call_of(body)
+            call = _call_of(loads_or_none(body))
             if call is None:
                 content.append(start + body + end)
             else:
@@ -90,10 +96,71 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def _call_of(body: str) -> ToolCall | None:
-    """The call a block holds; None unless it is {"name": str, "arguments": an object}
-    (arguments may also be the object's JSON text, or absent or null for none)."""
-    value = loads_or_none(body)
+class Llama3JsonToolParser:
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole output's content (None when only calls) and calls."""
+        calls = _json_calls(text)
+        return (None, calls) if calls else (text, [])
+
+    def stream(self) -> Llama3JsonStream:
+        return Llama3JsonStream(self)
+
+
+class Llama3JsonStream:
+    """One choice's output, fed delta by delta."""
+
+    def __init__(self, parser: Llama3JsonToolParser) -> None:
+        self.parser = parser
+        self._pending = ""
+        self._json: bool | None = None  # whether the output starts with `{`; None: not known
+        self.num_calls = 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        if self._json is False:
+            return delta, []
+        self._pending += delta
+        if self._json is None:
+            head = self._pending.lstrip()
+            if not head and not final:
+                return "", []
+            self._json = head.startswith("{")
+            if not self._json:
+                text, self._pending = self._pending, ""
+                return text, []
+        if not final:
+            return "", []
+        content, calls = self.parser.parse(self._pending)
+        self._pending, self.num_calls = "", len(calls)
+        return content or "", calls
+
+
+def _json_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a text that is only call objects separated by whitespace or `;`; None
+    for anything else."""
+    decoder = json.JSONDecoder()
+    text = text.strip()
+    calls: list[ToolCall] = []
+    pos = 0
+    while pos < len(text):
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            return None
+        # A call always has its arguments in this format: {"name": "Paris"} is an answer.
+        has_arguments = isinstance(value, dict) and ("parameters" in value or "arguments" in value)
+        call = _call_of(value) if has_arguments else None
+        if call is None:
+            return None
+        calls.append(call)
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+    return calls or None
+
+
+def _call_of(value: object) -> ToolCall | None:
+    """The call a parsed JSON value is; None unless it is {"name": str, "arguments": an
+    object} (arguments may also be "parameters", the object's JSON text, or absent or null
+    for none)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters"))
@@ -106,6 +173,15 @@ def _call_of(body: str) -> ToolCall | None:
     return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def make_tool_parser(name: str | None) -> HermesToolParser | None:
+ToolParser = HermesToolParser | Llama3JsonToolParser
+ToolCallStream = HermesStream | Llama3JsonStream
+
+TOOL_PARSERS: dict[str, ToolParser] = {
+    "hermes": HermesToolParser(),
+    "llama3_json": Llama3JsonToolParser(),
+}
+
+
+def make_tool_parser(name: str | None) -> ToolParser | None:
     """The parser --tool-call-parser names (ServerConfig checked the name)."""
-    return None if name is None else HermesToolParser()
+    return None if name is None else TOOL_PARSERS[name]

@@ -234,7 +234,8 @@ def _refers_to_root(schema: Any) -> bool:
 
 AUTO_NEEDS_PARSER = (
     'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s own '
-    "tool-call text: start the server with --tool-call-parser hermes (Qwen2.5, Qwen3, Hermes), "
+    "tool-call text: start the server with --tool-call-parser hermes (Qwen2.5, Qwen3, Hermes) "
+    "or llama3_json (Llama 3.1-3.3), "
     'or send tool_choice "required", a named function ({"type": "function", "function": '
     '{"name": ...}}) or "none"'
 )

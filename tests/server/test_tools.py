@@ -324,3 +324,33 @@ async def test_a_named_call_cut_short_has_the_same_shape_streamed_or_not(real_oa
             finish = streamed.finish_reason or finish
     assert finish == "length" and arguments == call.function.arguments
     assert call.function.arguments.startswith('{"')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_auto_tool_choice_reads_llama3_json_calls(live_factory, real_engine, stream):
+    server = await live_factory(real_engine, ServerConfig(tool_call_parser="llama3_json"))
+    oai = server.openai()
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}'
+    kwargs: dict[str, Any] = {
+        "model": real_engine.model_name,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": TOOLS,
+        "extra_body": {"structured_outputs": {"choice": [text]}},
+    }
+    if not stream:
+        choice = (await oai.chat.completions.create(**kwargs)).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    else:
+        content, finish, calls = None, None, []
+        async for chunk in await oai.chat.completions.create(**kwargs, stream=True):
+            for delta_choice in chunk.choices:
+                content = (content or "") + (delta_choice.delta.content or "") or None
+                for call in delta_choice.delta.tool_calls or []:
+                    calls.append((call.function.name, call.function.arguments))
+                finish = delta_choice.finish_reason or finish
+    await oai.close()
+    assert not content and finish == "tool_calls"
+    assert [(name, json.loads(args or "")) for name, args in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "C"})
+    ]

@@ -1,4 +1,5 @@
-"""The Hermes tool-call parser: whole outputs, and the same outputs streamed in any pieces."""
+"""The tool-call parsers (hermes, llama3_json): whole outputs, and the same outputs streamed in
+any pieces."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aioinfer.server.tool_parsers import HermesToolParser
+from aioinfer.config import TOOL_CALL_PARSER_NAMES
+from aioinfer.server.tool_parsers import TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 SECOND = '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
@@ -75,4 +77,50 @@ def test_streaming_in_any_pieces_gives_the_whole_output(text, cuts):
     whole_content, whole_calls = HermesToolParser().parse(text)
     assert _calls(calls) == _calls(whole_calls)
     assert content.strip() == (whole_content or "").strip()
+    assert stream.num_calls == len(whole_calls)
+
+
+def test_the_config_knows_every_parser():
+    assert set(TOOL_CALL_PARSER_NAMES) == set(TOOL_PARSERS)
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+LLAMA_TEXTS = [
+    LLAMA_CALL,
+    " " + LLAMA_CALL + '; {"name": "get_time", "parameters": {}}',
+    '{"name": "Paris"}',  # no arguments: an answer that happens to be JSON
+    LLAMA_CALL + " and some words",
+    "The weather is fine. " + LLAMA_CALL,
+    '{"name": "f", "parameters": [1]}',
+    "{" * 3000,
+    "",
+]
+
+
+def test_llama3_json_whole_outputs():
+    parser = Llama3JsonToolParser()
+    content, calls = parser.parse(LLAMA_CALL)
+    assert content is None and _calls(calls) == [("get_weather", {"city": "Oslo"})]
+    content, calls = parser.parse(LLAMA_TEXTS[1])
+    assert content is None
+    assert _calls(calls) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert parser.parse('{"name": "f", "arguments": "{\\"x\\": 1}"}')[1][0].arguments == '{"x": 1}'
+    # Anything but calls alone is content, as written.
+    for text in LLAMA_TEXTS[2:]:
+        assert parser.parse(text) == (text, [])
+
+
+@given(st.sampled_from(LLAMA_TEXTS), st.lists(st.integers(0, 200), max_size=12))
+def test_llama3_json_streaming_in_any_pieces_gives_the_whole_output(text, cuts):
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    stream = Llama3JsonToolParser().stream()
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        out, done = stream.feed(piece, final=i == len(pieces) - 1)
+        content += out
+        calls += done
+    whole_content, whole_calls = Llama3JsonToolParser().parse(text)
+    assert _calls(calls) == _calls(whole_calls)
+    assert content == (whole_content or "")
     assert stream.num_calls == len(whole_calls)
