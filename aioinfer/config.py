@@ -6,6 +6,7 @@ happens in `__post_init__` and raises ValueError naming the field and the value.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 
 # The parsers of server/tool_parsers.py and server/reasoning.py (a test keeps the lists the same).
@@ -160,6 +161,17 @@ class ServerConfig:
         + ".",
     )
 
+    default_chat_template_kwargs: str | None = _opt(
+        None,
+        "Chat template variables for every request, as a JSON object, e.g. "
+        "'{\"enable_thinking\": false}' for Qwen3; a request's chat_template_kwargs win.",
+    )
+
+    @property
+    def chat_template_defaults(self) -> dict[str, object]:
+        text = self.default_chat_template_kwargs
+        return {} if text is None else json.loads(text)
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -179,6 +191,19 @@ class ServerConfig:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "
                 f"got {self.reasoning_parser!r}"
             )
+        self._check_template_defaults()
+
+    def _check_template_defaults(self) -> None:
+        from aioinfer.engine.tokenizer import check_template_kwargs
+
+        text = self.default_chat_template_kwargs
+        try:
+            value = None if text is None else json.loads(text)
+        except ValueError:
+            value = text
+        if text is not None and not isinstance(value, dict):
+            raise ValueError(f"default_chat_template_kwargs must be a JSON object, got {text!r}")
+        check_template_kwargs(value)
 
 
 CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ServerConfig)

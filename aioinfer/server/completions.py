@@ -153,7 +153,12 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     constraints = await prepare_constraints(engine, params, req.structured_param)
     messages = req.template_messages()
     ids = await off_loop_if_long(
-        message_chars(messages), render_chat, engine.tokenizer, messages, req.template_options()
+        message_chars(messages),
+        render_chat,
+        engine.tokenizer,
+        messages,
+        req.template_options(),
+        state.config.chat_template_defaults,
     )
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
     prompts = truncate_prompts(engine, [Prompt(ids)], params)

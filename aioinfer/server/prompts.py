@@ -4,7 +4,7 @@ chat template), refusing what cannot be rendered with a 400."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from aioinfer.server.errors import BadRequestError
@@ -59,14 +59,23 @@ def encode_prompts(
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], options: dict[str, Any]
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    options: dict[str, Any],
+    defaults: Mapping[str, Any],
 ) -> list[int]:
     """Prompt token ids of chat messages through the model's chat template; `options` are
-    `apply_chat_template`'s (a request's `template_options()`)."""
+    `apply_chat_template`'s (a request's `template_options()`), `defaults` the server's
+    chat_template_kwargs, under the request's own."""
     import jinja2
 
     from aioinfer.engine.tokenizer import apply_chat_template
 
+    if defaults:
+        options = {
+            **options,
+            "chat_template_kwargs": {**defaults, **(options.get("chat_template_kwargs") or {})},
+        }
     try:
         return apply_chat_template(tokenizer, list(messages), **options)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:

@@ -74,7 +74,12 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.messages is not None:
         messages = [m.to_template() for m in req.messages]
         ids = await off_loop_if_long(
-            message_chars(messages), render_chat, engine.tokenizer, messages, req.template_options()
+            message_chars(messages),
+            render_chat,
+            engine.tokenizer,
+            messages,
+            req.template_options(),
+            request.app[STATE].config.chat_template_defaults,
         )
     else:
         special = req.add_special_tokens is not False

@@ -5,7 +5,10 @@ add_generation_prompt, continue_final_message, text parts and the developer role
 from __future__ import annotations
 
 import orjson
+import pytest
 
+from aioinfer.config import ServerConfig
+from aioinfer.server.app import create_app
 from tests.server.conftest import chat_prompt_ids, expected_output
 from tests.server.test_http import error_of, post
 from tests.tokenizer_fixtures import make_tokenizer
@@ -92,3 +95,30 @@ async def test_tokenize_returns_the_vocabulary_strings_when_asked(client):
         assert reply["token_strs"] == tok.convert_ids_to_tokens(reply["tokens"])
         _, raw = await post(client, "/tokenize", body)
         assert "token_strs" not in orjson.loads(raw)
+
+
+async def test_the_server_s_default_template_kwargs_yield_to_the_request_s(
+    aiohttp_client, engine, monkeypatch
+):
+    config = ServerConfig(default_chat_template_kwargs='{"greeting": "Hello", "who": "all"}')
+    client = await aiohttp_client(create_app(engine, config))
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{{ greeting }} {{ who }}")
+    tok = make_tokenizer()
+    messages = [{"role": "user", "content": "Hi"}]
+    for kwargs, text in (({}, "Hello all"), ({"who": "you"}, "Hello you")):
+        body = {"messages": messages, "chat_template_kwargs": kwargs}
+        _, raw = await post(client, "/tokenize", body)
+        assert orjson.loads(raw)["tokens"] == tok.encode(text, add_special_tokens=False)
+        _, raw = await post(client, "/v1/chat/completions", {**body, "max_tokens": 1})
+        assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(
+            tok.encode(text, add_special_tokens=False)
+        )
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [("[1]", "must be a JSON object"), ("{", "must be a JSON object"), ('{"tools": 1}', "tools")],
+)
+def test_default_template_kwargs_are_checked_at_start(text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        ServerConfig(default_chat_template_kwargs=text)
