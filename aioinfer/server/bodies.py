@@ -20,6 +20,7 @@ from aioinfer.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from aioinfer.server.responses_protocol import ResponsesRequest
 from aioinfer.server.state import STATE
 
 if TYPE_CHECKING:
@@ -46,7 +47,14 @@ _BRACKETS = bytes.maketrans(_OPEN + _CLOSE, b"\x01\x01\xff\xff")
 _NOT_BRACKETS = bytes(set(range(256)) - set(_OPEN + _CLOSE))
 
 # The requests that name a model; constrained so that each handler gets its own type back.
-_R = TypeVar("_R", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+_R = TypeVar(
+    "_R",
+    CompletionRequest,
+    ChatCompletionRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 
 
 async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngine, _R]:

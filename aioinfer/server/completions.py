@@ -13,7 +13,8 @@ import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -52,9 +53,9 @@ from aioinfer.server.render import (
     completion_response,
 )
 from aioinfer.server.request_log import RequestRecord
-from aioinfer.server.sse import ClientDisconnected, EventStream
+from aioinfer.server.sse import ClientDisconnected, EventStream, encode_event
 from aioinfer.server.state import STATE, ServerState
-from aioinfer.server.tool_parsers import make_tool_parser
+from aioinfer.server.tool_parsers import ToolParser, make_tool_parser
 from aioinfer.server.tools import AUTO_NEEDS_PARSER
 
 if TYPE_CHECKING:
@@ -145,41 +146,8 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
 async def create_chat_completion(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     state = request.app[STATE]
     engine, req = await parse_request(request, ChatCompletionRequest)
-    tool_parser = make_tool_parser(state.config.tool_call_parser) if req.auto_tools else None
-    if req.auto_tools and tool_parser is None:
-        raise RequestValidationError(AUTO_NEEDS_PARSER, "tool_choice")
-    params = req.to_sampling_params(engine.default_sampling)
-    admit(engine, 1, params.n)
-    constraints = await prepare_constraints(engine, params, req.structured_param)
-    messages = req.template_messages()
-    ids = await off_loop_if_long(
-        message_chars(messages),
-        render_chat,
-        engine.tokenizer,
-        messages,
-        req.template_options(),
-        state.config.chat_template_defaults,
-    )
-    admit(engine, 1, params.n)  # again, as for completions; no await from here on
-    prompts = truncate_prompts(engine, [Prompt(ids)], params)
-    ctx = _response_context("chatcmpl", request, engine, prompts, req, params.n)
-    reasoning_parser = make_reasoning_parser(state.config.reasoning_parser)
-    if reasoning_parser is not None:
-        ctx.reasoning = reasoning_parser.split(
-            prompts[0].token_ids, engine.tokenizer, include=req.include_reasoning is not False
-        )
-        if constraints is not None:
-            constraints = ctx.reasoning.gate(constraints, engine.tokenizer)
-    generation = start_generation(
-        state,
-        engine,
-        ctx,
-        params,
-        clamp_max_tokens=not req.max_tokens_given,
-        what="messages",
-        constraints=constraints,
-    )
-    record.start(ctx, ["\n".join(str(m["content"]) for m in messages)])
+    chat = await start_chat(request, engine, req, record)
+    ctx, tool_parser = chat.ctx, chat.tool_parser
     want_logprobs = bool(req.logprobs)
     tool_mode = req.tool_mode
     chunks: ChatChunks | None = None
@@ -201,7 +169,65 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
             tool_parser=tool_parser,
         )
 
-    return await answer(request, state, generation, record, chunks, body)
+    return await answer(request, state, chat.generation, record, chunks, body)
+
+
+@dataclass
+class ChatStart:
+    """A chat request handed to the engine: what its answer is built from."""
+
+    ctx: ResponseContext
+    generation: Generation
+    tool_parser: ToolParser | None  # tool_choice "auto": reads calls from the text
+
+
+async def start_chat(
+    request: web.Request,
+    engine: AsyncEngine,
+    req: ChatCompletionRequest,
+    record: RequestRecord,
+    response_id: str | None = None,
+) -> ChatStart:
+    """Admit a chat request and start its generation: its messages rendered through the chat
+    template, its tools and format as constraints. `response_id`: the id of the response (by
+    default chatcmpl-<hex>)."""
+    state = request.app[STATE]
+    tool_parser = make_tool_parser(state.config.tool_call_parser) if req.auto_tools else None
+    if req.auto_tools and tool_parser is None:
+        raise RequestValidationError(AUTO_NEEDS_PARSER, "tool_choice")
+    params = req.to_sampling_params(engine.default_sampling)
+    admit(engine, 1, params.n)
+    constraints = await prepare_constraints(engine, params, req.structured_param)
+    messages = req.template_messages()
+    ids = await off_loop_if_long(
+        message_chars(messages),
+        render_chat,
+        engine.tokenizer,
+        messages,
+        req.template_options(),
+        state.config.chat_template_defaults,
+    )
+    admit(engine, 1, params.n)  # again, as for completions; no await from here on
+    prompts = truncate_prompts(engine, [Prompt(ids)], params)
+    ctx = _response_context("chatcmpl", request, engine, prompts, req, params.n, response_id)
+    reasoning_parser = make_reasoning_parser(state.config.reasoning_parser)
+    if reasoning_parser is not None:
+        ctx.reasoning = reasoning_parser.split(
+            prompts[0].token_ids, engine.tokenizer, include=req.include_reasoning is not False
+        )
+        if constraints is not None:
+            constraints = ctx.reasoning.gate(constraints, engine.tokenizer)
+    generation = start_generation(
+        state,
+        engine,
+        ctx,
+        params,
+        clamp_max_tokens=not req.max_tokens_given,
+        what="messages",
+        constraints=constraints,
+    )
+    record.start(ctx, ["\n".join(str(m["content"]) for m in messages)])
+    return ChatStart(ctx, generation, tool_parser)
 
 
 def _response_context(
@@ -211,12 +237,15 @@ def _response_context(
     prompts: list[Prompt],
     req: CompletionRequest | ChatCompletionRequest,
     n: int,
+    response_id: str | None = None,
 ) -> ResponseContext:
     """The response id (`prefix`-<hex> as OpenAI's, or `prefix`-<the client's X-Request-Id> as
-    vLLM's) and what all its responses share. Engine ids stay unique whatever clients send."""
+    vLLM's; `response_id` where given) and what all its responses share. Engine ids stay
+    unique whatever clients send."""
     unique = uuid.uuid4().hex
-    client_id = request.headers.get(REQUEST_ID_HEADER)
-    response_id = f"{prefix}-{client_id or unique}"
+    client_id = None if response_id is not None else request.headers.get(REQUEST_ID_HEADER)
+    if response_id is None:
+        response_id = f"{prefix}-{client_id or unique}"
     return ResponseContext(
         response_id,
         engine.model_name,
@@ -234,18 +263,45 @@ def _stream_options(req: CompletionRequest | ChatCompletionRequest) -> StreamOpt
     return StreamOptionsView(req.include_usage, req.continuous_usage)
 
 
+class Chunks(Protocol):
+    """The events of one streamed response, built from the engine's output deltas."""
+
+    def opening(self) -> list[Any]:
+        """The events before the first delta's own."""
+
+    def delta(self, prompt_index: int, output: RequestOutput) -> list[Any]: ...
+
+    def closing(self) -> list[Any]:
+        """The events after the last delta's own."""
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a stream is written: `encode` frames one event; `done` ends the stream with
+    [DONE]; `error` is the event of a failure after the stream started."""
+
+    encode: Callable[[Any], bytes]
+    done: bool
+    error: Callable[[int, str], Any]
+
+
+# Completions and chat completions: `data:` events, an error body in band, then [DONE].
+CHUNK_FRAMING = Framing(encode_event, done=True, error=error_body)
+
+
 async def answer(
     request: web.Request,
     state: ServerState,
     generation: Generation,
     record: RequestRecord,
-    chunks: CompletionChunks | ChatChunks | None,
+    chunks: Chunks | None,
     body: BodyBuilder,
+    framing: Framing = CHUNK_FRAMING,
 ) -> web.StreamResponse:
     """SSE chunks when the request asked for a stream (`chunks` is given), else the JSON body
     that `body` builds from the final outputs."""
     if chunks is not None:
-        return await stream_response(request, state, generation, chunks, record)
+        return await stream_response(request, state, generation, chunks, record, framing)
     finals = await collect(request, state, generation, record)
     if finals is None:
         return _client_closed()
@@ -284,13 +340,14 @@ async def stream_response(
     request: web.Request,
     state: ServerState,
     generation: Generation,
-    chunks: CompletionChunks | ChatChunks,
+    chunks: Chunks,
     record: RequestRecord,
+    framing: Framing = CHUNK_FRAMING,
 ) -> web.StreamResponse:
     """Stream the chunks as SSE, with keep-alive comments while nothing moves. A failure
-    before the first write is a plain HTTP error; after it, an error event and [DONE]."""
+    before the first write is a plain HTTP error; after it, an error event (and [DONE])."""
     config = state.config
-    events = EventStream(request, config.stream_write_timeout)
+    events = EventStream(request, config.stream_write_timeout, framing.encode)
 
     async def pump() -> None:
         opened = False
@@ -308,7 +365,8 @@ async def stream_response(
                     record.add(index, seq)
                 await events.send(payloads)
         await events.send(chunks.closing())
-        await events.send_done()
+        if framing.done:
+            await events.send_done()
 
     reason = "cancelled"
     try:
@@ -329,8 +387,9 @@ async def stream_response(
             raise error from None
         record.status = error.status
         with contextlib.suppress(ClientDisconnected):
-            await events.send([error_body(error.status, error.message)])
-            await events.send_done()
+            await events.send([framing.error(error.status, error.message)])
+            if framing.done:
+                await events.send_done()
     finally:
         generation.abort_unfinished(reason)
     await events.finish()

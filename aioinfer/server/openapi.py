@@ -28,6 +28,8 @@ from aioinfer.server.responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from aioinfer.server.responses_protocol import ResponsesRequest
+from aioinfer.server.responses_render import ResponseDeleted, ResponseObject, ResponseStreamEvent
 
 _JSON = "application/json"
 _ERROR_CODES = {
@@ -105,6 +107,7 @@ def openapi_document(version: str) -> dict[str, Any]:
 
     text_plain = {"200": {"description": "OK", "content": {"text/plain": {"schema": {}}}}}
     model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    response_param = {**model_param, "name": "response_id"}
     paths = {
         "/v1/models": {"get": op("List the served model", ok(ModelList))},
         "/v1/models/{model}": {
@@ -123,6 +126,19 @@ def openapi_document(version: str) -> dict[str, Any]:
                 ok(ChatCompletionResponse, stream=ChatCompletionChunk),
                 ChatCompletionRequest,
             )
+        },
+        "/v1/responses": {
+            "post": op(
+                "Create a response (the Responses API; streamed as named events, no [DONE])",
+                ok(ResponseObject, stream=ResponseStreamEvent),
+                ResponsesRequest,
+            )
+        },
+        "/v1/responses/{response_id}": {
+            "get": op("A stored response", ok(ResponseObject), parameters=[response_param]),
+            "delete": op(
+                "Forget a stored response", ok(ResponseDeleted), parameters=[response_param]
+            ),
         },
         "/tokenize": {"post": op("Tokenize", ok(TokenizeResponse), TokenizeRequest)},
         "/detokenize": {"post": op("Detokenize", ok(DetokenizeResponse), DetokenizeRequest)},

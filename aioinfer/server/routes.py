@@ -1,5 +1,5 @@
 """The route table, and the small endpoints: health, version, metrics, the OpenAPI document,
-models, tokenize and detokenize. Generation lives in `completions`."""
+models, tokenize and detokenize. Generation lives in `completions` and `responses_api`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from aioinfer.server.prompts import message_chars, off_loop_if_long, render_chat
 from aioinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.render import model_card
 from aioinfer.server.responses import ModelCard, TokenizeResponse
+from aioinfer.server.responses_api import create_response, delete_response, retrieve_response
 from aioinfer.server.state import STATE
 
 
@@ -29,6 +30,9 @@ def setup_routes(app: web.Application) -> None:
     router.add_get("/v1/models/{model}", retrieve_model)
     router.add_post("/v1/completions", create_completion)
     router.add_post("/v1/chat/completions", create_chat_completion)
+    router.add_post("/v1/responses", create_response)
+    router.add_get("/v1/responses/{response_id}", retrieve_response)
+    router.add_delete("/v1/responses/{response_id}", delete_response)
     router.add_post("/tokenize", tokenize)
     router.add_post("/detokenize", detokenize)
 

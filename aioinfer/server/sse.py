@@ -1,8 +1,10 @@
 """Server-sent events, and noticing that a client went away or stopped reading.
 
-Framing: each event is `data: <json>\\n\\n`; a stream ends with `data: [DONE]\\n\\n`. While a
-stream waits (in the queue, behind a long prefill) a comment line `: keep-alive` goes out every
-`interval` seconds so that proxies do not close an idle connection.
+Framing: each event is `data: <json>\\n\\n`; a stream ends with `data: [DONE]\\n\\n`. (The
+Responses API names each event instead, `event: <type>\\ndata: <json>\\n\\n`, and sends no
+[DONE].) While a stream waits (in the queue, behind a long prefill) a comment line
+`: keep-alive` goes out every `interval` seconds so that proxies do not close an idle
+connection.
 
 The status line and headers go out with the first write, not before: a request that fails before
 its first token (the engine died, it waited too long in the queue) still gets a plain HTTP error.
@@ -23,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import Awaitable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import orjson
@@ -56,13 +58,25 @@ def encode_event(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+def encode_named_event(payload: Any) -> bytes:
+    """An event named by its payload's `type`, as the Responses API streams them."""
+    return b"event: " + payload["type"].encode() + b"\n" + encode_event(payload)
+
+
 class EventStream:
     """An SSE response, prepared by its first write. Every write raises ClientDisconnected once
-    the client is gone or when it blocks for longer than `write_timeout` seconds."""
+    the client is gone or when it blocks for longer than `write_timeout` seconds. `encode`
+    frames one payload."""
 
-    def __init__(self, request: web.Request, write_timeout: float) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        write_timeout: float,
+        encode: Callable[[Any], bytes] = encode_event,
+    ) -> None:
         self.request = request
         self.write_timeout = write_timeout
+        self.encode = encode
         self.response = web.StreamResponse(status=200, headers=SSE_HEADERS)
 
     @property
@@ -72,7 +86,7 @@ class EventStream:
 
     async def send(self, payloads: Iterable[Any]) -> None:
         """Write events in one go (one write per engine delta, however many choices moved)."""
-        data = b"".join(encode_event(p) for p in payloads)
+        data = b"".join(self.encode(p) for p in payloads)
         if data:
             await self._write(data)
 

@@ -17,6 +17,7 @@ from aioinfer.config import ServerConfig
 from aioinfer.server.errors import ServiceUnavailableError
 from aioinfer.server.metrics import ServerMetrics
 from aioinfer.server.openapi import openapi_document
+from aioinfer.server.responses_store import ResponseStore
 from aioinfer.server.sse import DisconnectWatcher
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class ServerState:
     # Set once the engine serves, or failed to start.
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: ServerMetrics = field(init=False)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
     _token_texts: dict[int, str] = field(default_factory=dict)
     _openapi: bytes | None = None
 

@@ -1,0 +1,176 @@
+"""The Responses API without a model: requests to chat messages, outputs to items and stream
+events, the store of responses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from aioinfer.core.outputs import CompletionOutput, RequestOutput
+from aioinfer.server.protocol import RequestValidationError
+from aioinfer.server.render import Prompt, ResponseContext
+from aioinfer.server.responses_protocol import (
+    INPUT_ITEMS,
+    ResponsesRequest,
+    items_to_messages,
+    responses_params,
+)
+from aioinfer.server.responses_render import ResponseEvents
+from aioinfer.server.responses_store import ResponseStore, StoredResponse
+from aioinfer.server.tool_parsers import HermesToolParser
+from aioinfer.server.tools import ToolMode
+
+
+def context() -> ResponseContext:
+    return ResponseContext("resp_1", "m", [Prompt([1, 2, 3])], 1, token_text=str)
+
+
+def delta(text: str, finish: str | None = None, tokens: int = 1) -> RequestOutput:
+    seq = CompletionOutput(0, text, [7] * tokens, finish_reason=finish)
+    return RequestOutput("resp_1", None, [1, 2, 3], [seq], finished=finish is not None)
+
+
+def run(events: ResponseEvents, texts: list[str], finish: str) -> list[dict[str, Any]]:
+    """The whole stream of `texts` as deltas, the last one finishing with `finish`."""
+    out: list[Any] = events.opening()
+    for i, text in enumerate(texts):
+        out += events.delta(0, delta(text, finish if i == len(texts) - 1 else None))
+    out += events.closing()
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    return out
+
+
+def kinds(events: list[dict[str, Any]]) -> list[str]:
+    return [e["type"].removeprefix("response.") for e in events]
+
+
+def test_items_become_chat_messages_calls_joining_the_assistant_turn_before_them():
+    items = INPUT_ITEMS.validate_python(
+        [
+            {"role": "user", "content": "Weather?"},
+            {"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "Looking.", "annotations": []}]},
+            {"type": "function_call", "call_id": "a", "name": "f", "arguments": '{"x": 1}'},
+            {"type": "function_call", "call_id": "b", "name": "g", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "a", "output": "1"},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        ]
+    )  # fmt: skip
+    messages = [m.to_template() for m in items_to_messages(items)]
+    calls = messages[1].pop("tool_calls")
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("a", "f", {"x": 1}),
+        ("b", "g", {}),
+    ]
+    assert messages[:3] == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Looking."},
+        {"role": "tool", "content": "1", "tool_call_id": "a"},
+    ]
+    # A call after a tool message is a turn of its own.
+    assert messages[3]["role"] == "assistant" and messages[3]["content"] == ""
+    assert messages[3]["tool_calls"][0]["id"] == "c"
+
+
+def test_request_errors_name_the_responses_field():
+    with pytest.raises(RequestValidationError) as info:
+        ResponsesRequest.parse({"input": [{"type": "function_call", "name": "f"}]})
+    assert info.value.param == "input[0].call_id"
+    assert ".function_call." not in info.value.message
+    request = ResponsesRequest.parse({"input": "Hi", "instructions": "Sys"})
+    chat = request.to_chat([])
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "Sys"), ("user", "Hi")]
+    with pytest.raises(RequestValidationError) as info, responses_params():
+        raise RequestValidationError("too long", "messages")
+    assert info.value.param == "input"
+
+
+def test_a_text_stream_opens_a_message_and_ends_incomplete_at_the_limit():
+    events = ResponseEvents(context(), {"store": True})
+    stream = run(events, ["Hel", "lo"], "length")
+    assert kinds(stream) == [
+        "created", "in_progress", "output_item.added", "content_part.added",
+        "output_text.delta", "output_text.delta", "output_text.done", "content_part.done",
+        "output_item.done", "incomplete",
+    ]  # fmt: skip
+    final = stream[-1]["response"]
+    assert final["status"] == "incomplete" and final["store"] is True
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    (message,) = final["output"]
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == "Hello"
+    assert stream[2]["item"]["content"] == [] and stream[2]["item"]["status"] == "in_progress"
+    assert final["usage"]["input_tokens"] == 3 and final["usage"]["output_tokens"] == 2
+    assert stream[0]["response"]["usage"] is None and stream[0]["response"]["output"] == []
+
+
+def test_a_named_call_streams_its_arguments():
+    events = ResponseEvents(context(), {}, tool_mode=ToolMode(named="f"))
+    stream = run(events, ['{"a"', ": 1}"], "stop")
+    assert kinds(stream) == [
+        "created", "in_progress", "output_item.added", "function_call_arguments.delta",
+        "function_call_arguments.delta", "function_call_arguments.done", "output_item.done",
+        "completed",
+    ]  # fmt: skip
+    (call,) = stream[-1]["response"]["output"]
+    assert call["name"] == "f" and call["arguments"] == '{"a": 1}' and call["status"] == "completed"
+    assert stream[5]["arguments"] == '{"a": 1}' and stream[6]["item"] == call
+    assert stream[2]["item"]["arguments"] == "" and stream[2]["item"]["id"] == call["id"]
+
+
+def test_required_calls_come_whole_at_the_end_or_as_text_when_cut_short():
+    text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
+    stream = run(ResponseEvents(context(), {}, tool_mode=ToolMode(named=None)), [text], "stop")
+    output = stream[-1]["response"]["output"]
+    assert [(c["name"], c["arguments"]) for c in output] == [("f", '{"a": 1}'), ("g", "{}")]
+    assert stream[-1]["type"] == "response.completed"
+    cut = run(ResponseEvents(context(), {}, tool_mode=ToolMode(named=None)), [text[:9]], "length")
+    (message,) = cut[-1]["response"]["output"]
+    assert message["type"] == "message" and message["content"][0]["text"] == text[:9]
+
+
+def test_auto_calls_are_read_from_the_text():
+    events = ResponseEvents(context(), {}, tool_parser=HermesToolParser())
+    pieces = ["  Sure.", ' <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool', "_call>"]
+    stream = run(events, pieces, "stop")
+    message, call = stream[-1]["response"]["output"]
+    assert message["content"][0]["text"] == "Sure. " and message["status"] == "completed"
+    assert (call["name"], call["arguments"], call["status"]) == ("f", '{"a": 1}', "completed")
+    # A call alone opens no message.
+    alone = run(ResponseEvents(context(), {}, tool_parser=HermesToolParser()), pieces[1:], "stop")
+    assert [item["type"] for item in alone[-1]["response"]["output"]] == ["function_call"]
+
+
+def test_an_aborted_output_fails_and_errors_continue_the_numbering():
+    events = ResponseEvents(context(), {})
+    stream = run(events, ["x"], "abort")
+    assert stream[-1]["type"] == "response.failed"
+    assert stream[-1]["response"]["error"]["code"] == "server_error"
+    error = events.error(500, "boom")
+    assert error == {
+        "type": "error",
+        "sequence_number": len(stream),
+        "code": "server_error",
+        "message": "boom",
+        "param": None,
+    }
+
+
+def test_the_whole_response_is_the_streamed_one_and_is_handed_over_once():
+    done: list[Any] = []
+    whole = ResponseEvents(context(), {}, on_done=done.append).complete(delta("Hi", "stop", 2))
+    streamed = run(ResponseEvents(context(), {}), ["H", "i"], "stop")[-1]["response"]
+    assert done == [whole]
+
+    def without_ids(response: dict[str, Any]) -> dict[str, Any]:
+        return {**response, "output": [{**i, "id": ""} for i in response["output"]]}
+
+    assert without_ids(whole) == without_ids(streamed)  # type: ignore[arg-type]
+
+
+def test_the_store_keeps_the_newest_responses():
+    store = ResponseStore(capacity=2)
+    for name in ("a", "b", "c"):
+        store.put(StoredResponse({"id": name}, ()))  # type: ignore[typeddict-item]
+    assert len(store) == 2 and store.get("a") is None and store.get("c") is not None
+    assert store.delete("b") and not store.delete("b") and store.get("b") is None
