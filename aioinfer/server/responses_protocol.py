@@ -39,7 +39,7 @@ from aioinfer.server.tools import (
 # The one `include` value that can be filled: the output's logprobs.
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text")
-_ITEM_TYPES = ("message", "function_call", "function_call_output")
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _ITEM_KIND_IN_PATH = re.compile(rf"(input\[\d+\])\.(?:{'|'.join(_ITEM_TYPES)})\b")
 # Fields of the chat request that a Responses request names otherwise: a 400 about one names
 # the Responses field.
@@ -101,6 +101,23 @@ class FunctionCallOutputItem(StrictModel):
     _output_shape = field_validator("output", mode="before")(_text_parts)
 
 
+class ReasoningText(StrictModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(StrictModel):
+    """Earlier reasoning of the model (an output item sent back): it goes with the
+    assistant turn after it, for templates that show it."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+
+    def text(self) -> str:
+        return "\n".join(part.text for part in self.content or self.summary)
+
+
 def _item_kind(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("type", "message")
@@ -110,7 +127,8 @@ def _item_kind(value: Any) -> str | None:
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 INPUT_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
@@ -124,18 +142,25 @@ def items_to_messages(items: list[InputItem]) -> list[ChatMessage]:
     """Chat messages of input items. Function calls join the assistant message before them
     (one turn that says something and calls); their outputs become tool messages."""
     messages: list[ChatMessage] = []
+    reasoning: str | None = None  # for the next assistant turn
     for item in items:
-        if isinstance(item, InputMessage):
-            messages.append(_message(role=item.role, content=_joined(item.content)))
+        if isinstance(item, ReasoningItem):
+            reasoning = item.text()
+        elif isinstance(item, InputMessage):
+            fields: dict[str, Any] = {"role": item.role, "content": _joined(item.content)}
+            if item.role == "assistant" and reasoning is not None:
+                fields["reasoning"], reasoning = reasoning, None
+            messages.append(_message(**fields))
         elif isinstance(item, FunctionCallItem):
             function = CalledFunction(name=item.name, arguments=item.arguments)
             call = AssistantToolCall(id=item.call_id, function=function)
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant":
+            if last is not None and last.role == "assistant" and reasoning is None:
                 calls = [*(last.tool_calls or []), call]
                 messages[-1] = last.model_copy(update={"tool_calls": calls})
             else:
-                messages.append(_message(role="assistant", tool_calls=[call]))
+                messages.append(_message(role="assistant", tool_calls=[call], reasoning=reasoning))
+                reasoning = None
         else:
             content = _joined(item.output)
             messages.append(_message(role="tool", tool_call_id=item.call_id, content=content))

@@ -1,9 +1,9 @@
 """Responses API bodies and stream events, built from engine outputs.
 
-One class, `ResponseEvents`, turns the output text into output items (a message, function
-calls) delta by delta, and says each step as a stream event; a non-streamed response is the
-same run fed the whole output at once, so both always agree. Another kind of item (reasoning,
-before the message) would be one more `_open_*` / `_close_*` pair here.
+One class, `ResponseEvents`, turns the output text into output items (reasoning with
+--reasoning-parser, a message, function calls) delta by delta, and says each step as a stream
+event; a non-streamed response is the same run fed the whole output at once, so both always
+agree.
 
 PURE (no torch, no asyncio).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 from typing_extensions import NotRequired, TypedDict
@@ -47,6 +47,19 @@ class MessageItem(TypedDict):
     content: list[OutputText]
 
 
+class ReasoningText(TypedDict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(TypedDict):
+    id: str
+    type: Literal["reasoning"]
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: Status
+
+
 class FunctionCallItem(TypedDict):
     id: str
     type: Literal["function_call"]
@@ -56,8 +69,12 @@ class FunctionCallItem(TypedDict):
     status: Status
 
 
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem
+
+
 class InputTokensDetails(TypedDict):
     cached_tokens: int
+    cache_write_tokens: int  # computed here, so kept for later prompts (prefix caching)
 
 
 class OutputTokensDetails(TypedDict):
@@ -91,7 +108,7 @@ class ResponseObject(TypedDict):
     status: Status
     error: ResponseError | None
     incomplete_details: IncompleteDetails | None
-    output: list[MessageItem | FunctionCallItem]
+    output: list[OutputItem]
     usage: ResponseUsage | None
     instructions: NotRequired[str | None]
     max_output_tokens: NotRequired[int | None]
@@ -113,7 +130,7 @@ class ResponseStreamEvent(TypedDict):
     sequence_number: int
     response: NotRequired[ResponseObject]
     output_index: NotRequired[int]
-    item: NotRequired[MessageItem | FunctionCallItem]
+    item: NotRequired[OutputItem]
     item_id: NotRequired[str]
     content_index: NotRequired[int]
     part: NotRequired[OutputText]
@@ -142,6 +159,14 @@ class _Message:
     index: int  # in the response's output
     text: str = ""
     logprobs: list[ChatLogprob] = field(default_factory=list)
+    status: Status = "in_progress"
+
+
+@dataclass
+class _Reasoning:
+    id: str
+    index: int
+    text: str = ""
     status: Status = "in_progress"
 
 
@@ -176,11 +201,13 @@ class ResponseEvents:
         self.tool_mode = tool_mode
         self.want_logprobs = want_logprobs
         self.on_done = on_done
-        self.items: list[_Message | _Call] = []
+        self.items: list[_Reasoning | _Message | _Call] = []
         self.finish_reason: str | None = None
         self.output_tokens = 0
         self.cached_tokens = 0
         self._sequence = 0
+        self._reasoning: _Reasoning | None = None  # the open reasoning
+        self._thinking = ctx.reasoning.stream() if ctx.reasoning is not None else None
         self._message: _Message | None = None  # the open message
         self._call: _Call | None = None  # the open call of a named tool_choice
         self._required_text = ""  # tool_choice "required": the calls' JSON array so far
@@ -221,7 +248,10 @@ class ResponseEvents:
     def _usage(self) -> ResponseUsage:
         return {
             "input_tokens": self.ctx.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "input_tokens_details": {
+                "cached_tokens": self.cached_tokens,
+                "cache_write_tokens": self.ctx.prompt_tokens - self.cached_tokens,
+            },
             "output_tokens": self.output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.ctx.prompt_tokens + self.output_tokens,
@@ -265,6 +295,27 @@ class ResponseEvents:
         return self._event("error", code=code, message=message, param=None)
 
     def _content(self, seq: CompletionOutput) -> list[ResponseStreamEvent]:
+        events: list[ResponseStreamEvent] = []
+        if self._thinking is not None:
+            # The reasoning is an item of its own, first; what follows reads the answer.
+            split = self.ctx.reasoning
+            assert split is not None
+            reasoning, answer = self._thinking.feed(seq.text, final=seq.finish_reason is not None)
+            if reasoning and split.include:
+                events += self._reasoning_text(reasoning)
+            if answer:
+                events += self._close(self._reasoning, "completed")
+            elif seq.finish_reason is None or self._plain_and_unopened:
+                return events  # no answer yet; or none at all, and so no message
+            seq = replace(seq, text=answer, logprobs=seq.logprobs if answer else None)
+        return events + self._answer(seq)
+
+    @property
+    def _plain_and_unopened(self) -> bool:
+        """A text answer (no tools) whose message has not opened."""
+        return self.tool_mode is None and self._parsing is None and self._message is None
+
+    def _answer(self, seq: CompletionOutput) -> list[ResponseStreamEvent]:
         finished = seq.finish_reason is not None
         mode = self.tool_mode
         if self._parsing is not None:
@@ -344,6 +395,20 @@ class ResponseEvents:
             )
         ]
 
+    def _reasoning_text(self, text: str) -> list[ResponseStreamEvent]:
+        events: list[ResponseStreamEvent] = []
+        item = self._reasoning
+        if item is None:
+            item = self._reasoning = _Reasoning(new_id("rs"), len(self.items))
+            self.items.append(item)
+            added = _item_json(item)
+            events.append(
+                self._event("response.output_item.added", output_index=item.index, item=added)
+            )
+        item.text += text
+        where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
+        return [*events, self._event("response.reasoning_text.delta", **where, delta=text)]
+
     def _open_call(self, name: str) -> list[ResponseStreamEvent]:
         call = self._call = _Call(new_id("fc"), len(self.items), name)
         self.items.append(call)
@@ -373,18 +438,24 @@ class ResponseEvents:
         """At the end of the output: what is still open ends as the response does."""
         status: Status = "incomplete" if self.status == "incomplete" else "completed"
         events: list[ResponseStreamEvent] = []
-        for item in (self._message, self._call):
+        for item in (self._reasoning, self._message, self._call):
             events += self._close(item, status)
         return events
 
-    def _close(self, item: _Message | _Call | None, status: Status) -> list[ResponseStreamEvent]:
+    def _close(
+        self, item: _Reasoning | _Message | _Call | None, status: Status
+    ) -> list[ResponseStreamEvent]:
         """The events that end an item; the open one it was is then closed."""
         if item is None:
             return []
         item.status = status
         done = _item_json(item)
         events: list[ResponseStreamEvent] = []
-        if isinstance(item, _Message):
+        if isinstance(item, _Reasoning):
+            self._reasoning = None
+            where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
+            events.append(self._event("response.reasoning_text.done", **where, text=item.text))
+        elif isinstance(item, _Message):
             self._message = None
             where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
             part = _part(item.text, item.logprobs)
@@ -417,7 +488,15 @@ def _part(text: str, logprobs: list[ChatLogprob]) -> OutputText:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
-def _item_json(item: _Message | _Call) -> MessageItem | FunctionCallItem:
+def _item_json(item: _Reasoning | _Message | _Call) -> OutputItem:
+    if isinstance(item, _Reasoning):
+        return {
+            "id": item.id,
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": item.text}],
+            "status": item.status,
+        }
     if isinstance(item, _Message):
         return {
             "id": item.id,

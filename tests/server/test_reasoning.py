@@ -171,3 +171,35 @@ async def test_a_grammar_constrains_the_answer_after_the_reasoning(
         assert out["finish"] == "stop"
     finally:
         await engine.shutdown()
+
+
+async def test_the_responses_api_returns_the_reasoning_as_an_item(live_factory, thinking_path):
+    """The same greedy output through chat and through /v1/responses, streamed and not: the
+    template opens the block, so the random model's output is reasoning."""
+    engine = await AsyncEngine.create(
+        ModelConfig(model=str(thinking_path), dtype="float32", max_model_len=128),
+        CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )
+    try:
+        server = await live_factory(engine, ServerConfig(reasoning_parser="qwen3"))
+        chat = await _chat(server, False, max_tokens=12, temperature=0)
+        assert chat["reasoning"] and chat["content"] is None
+        oai = server.openai()
+        kwargs: dict[str, Any] = {
+            "model": engine.model_name,
+            "input": "Hi",
+            "max_output_tokens": 12,
+            "temperature": 0,
+        }
+        response = await oai.responses.create(**kwargs)
+        assert [item.type for item in response.output] == ["reasoning"]
+        assert response.output[0].content[0].text == chat["reasoning"]  # type: ignore[union-attr,index]
+        streamed = ""
+        async for event in await oai.responses.create(**kwargs, stream=True):
+            if event.type == "response.reasoning_text.delta":
+                streamed += event.delta
+        assert streamed == chat["reasoning"]
+        await oai.close()
+    finally:
+        await engine.shutdown()

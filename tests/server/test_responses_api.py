@@ -229,7 +229,7 @@ async def test_a_streamed_response_is_stored_too(oai, engine):
     [
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content", "input_image"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning'"),
+        ({"input": [{"type": "web_search_call", "id": "w"}]}, "input", "'web_search_call'"),
         ({"input": []}, "input", "at least one"),
         ({"tools": [{"type": "web_search"}]}, "tools[0]", "only function tools"),
         ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "web_search"}}, "tool_choice",

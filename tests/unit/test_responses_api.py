@@ -174,3 +174,65 @@ def test_the_store_keeps_the_newest_responses():
         store.put(StoredResponse({"id": name}, ()))  # type: ignore[typeddict-item]
     assert len(store) == 2 and store.get("a") is None and store.get("c") is not None
     assert store.delete("b") and not store.delete("b") and store.get("b") is None
+
+
+SPLIT_REASONING = ["<thi", "nk>Hm, 2", " + 3.</th", "ink>", "\n\nIt is", " 5."]
+
+
+@pytest.mark.parametrize("pieces", [["<think>\nHm, 2 + 3.\n</think>\n\nIt is 5."], SPLIT_REASONING])
+def test_reasoning_is_an_item_of_its_own_before_the_message(pieces):
+    """With --reasoning-parser: a reasoning item (its text streamed as reasoning_text
+    events), then the answer's message; what the official client parses."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from aioinfer.server.reasoning import ReasoningSplit
+
+    ctx = context()
+    ctx.reasoning = ReasoningSplit(opened=False, include=True)
+    settings = ResponsesRequest.parse({"input": "Hi"}).echo()
+    events = run(ResponseEvents(ctx, settings), pieces, "stop")
+    adapter: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event)
+    reasoning = "".join(e["delta"] for e in events if e["type"].endswith("reasoning_text.delta"))
+    assert reasoning == "Hm, 2 + 3."
+    kinds_seen = kinds(events)
+    assert kinds_seen.index("reasoning_text.done") < kinds_seen.index("content_part.added")
+    response = Response.model_validate(events[-1]["response"])
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == "Hm, 2 + 3."  # type: ignore[union-attr,index]
+    assert response.output_text == "It is 5."
+    # include_reasoning false: the answer alone.
+    ctx.reasoning = ReasoningSplit(opened=False, include=False)
+    body = ResponseEvents(ctx, settings).complete(delta("".join(pieces), "stop"))
+    assert [item["type"] for item in body["output"]] == ["message"]
+    # Cut short while thinking: the reasoning alone, incomplete.
+    ctx.reasoning = ReasoningSplit(opened=False, include=True)
+    body = ResponseEvents(ctx, settings).complete(delta("<think>Hm, 2 +", "length"))
+    assert [(item["type"], item["status"]) for item in body["output"]] == [
+        ("reasoning", "incomplete")
+    ]
+    assert body["status"] == "incomplete"
+
+
+def test_reasoning_items_sent_back_go_with_the_next_assistant_turn():
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "Weather, so a call."}]}  # fmt: skip
+    items = INPUT_ITEMS.validate_python(
+        [
+            {"role": "user", "content": "Weather?"},
+            thought,
+            {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "a", "output": "1"},
+            thought,
+            {"role": "assistant", "content": "Sunny."},
+        ]
+    )
+    messages = [m.to_template() for m in items_to_messages(items)]
+    assert [(m["role"], m.get("reasoning_content")) for m in messages] == [
+        ("user", None),
+        ("assistant", "Weather, so a call."),
+        ("tool", None),
+        ("assistant", "Weather, so a call."),
+    ]
