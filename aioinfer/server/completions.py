@@ -32,10 +32,9 @@ from aioinfer.server.generation import (
 from aioinfer.server.prompts import (
     count_prompts,
     encode_prompts,
-    message_chars,
     num_chars,
     off_loop_if_long,
-    render_chat,
+    render_chat_off_loop,
 )
 from aioinfer.server.protocol import (
     ChatCompletionRequest,
@@ -199,13 +198,8 @@ async def start_chat(
     admit(engine, 1, params.n)
     constraints = await prepare_constraints(engine, params, req.structured_param)
     messages = req.template_messages()
-    ids = await off_loop_if_long(
-        message_chars(messages),
-        render_chat,
-        engine.tokenizer,
-        messages,
-        req.template_options(),
-        state.config.chat_template_defaults,
+    ids = await render_chat_off_loop(
+        engine.tokenizer, messages, req.template_options(), state.config.chat_template_defaults
     )
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
     prompts = truncate_prompts(engine, [Prompt(ids)], params)

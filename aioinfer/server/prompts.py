@@ -80,3 +80,15 @@ def render_chat(
         return apply_chat_template(tokenizer, list(messages), **options)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise BadRequestError(f"The chat template failed: {exc}", param="messages") from None
+
+
+async def render_chat_off_loop(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    options: dict[str, Any],
+    defaults: Mapping[str, Any],
+) -> list[int]:
+    """`render_chat`, on a worker thread when the messages are long."""
+    return await off_loop_if_long(
+        message_chars(messages), render_chat, tokenizer, messages, options, defaults
+    )

@@ -12,7 +12,7 @@ from aioinfer import __version__
 from aioinfer.server.bodies import check_model, json_response, parse_request
 from aioinfer.server.completions import create_chat_completion, create_completion
 from aioinfer.server.errors import BadRequestError, ServiceUnavailableError
-from aioinfer.server.prompts import message_chars, off_loop_if_long, render_chat
+from aioinfer.server.prompts import off_loop_if_long, render_chat_off_loop
 from aioinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.render import model_card
 from aioinfer.server.responses import ModelCard, TokenizeResponse
@@ -77,13 +77,9 @@ async def tokenize(request: web.Request) -> web.Response:
     engine, req = await parse_request(request, TokenizeRequest)
     if req.messages is not None:
         messages = [m.to_template() for m in req.messages]
-        ids = await off_loop_if_long(
-            message_chars(messages),
-            render_chat,
-            engine.tokenizer,
-            messages,
-            req.template_options(),
-            request.app[STATE].config.chat_template_defaults,
+        defaults = request.app[STATE].config.chat_template_defaults
+        ids = await render_chat_off_loop(
+            engine.tokenizer, messages, req.template_options(), defaults
         )
     else:
         special = req.add_special_tokens is not False

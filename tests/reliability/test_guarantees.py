@@ -128,7 +128,7 @@ async def test_every_early_end_is_one_idempotent_counted_abort(serve):
 
 async def test_a_full_queue_is_a_fast_503_before_any_tokenization(serve, monkeypatch):
     tokenized: Counter[str] = Counter()
-    for name in ("encode_prompts", "render_chat"):
+    for name in ("encode_prompts", "render_chat_off_loop"):
         original = getattr(completions, name)
 
         def counting(*args: Any, _name: str = name, _fn: Any = original) -> Any:
