@@ -283,6 +283,11 @@ class TokenConstraints:
             self.grammar.accept(token_id)
 
     @property
+    def awaits_answer(self) -> bool:
+        """A grammar waits for the model to finish reasoning."""
+        return self.reasoning is not None and self.reasoning.state != "answer"
+
+    @property
     def grammar_done(self) -> bool:
         """The grammar is complete (its stop token taken) or cannot go on."""
         return self.grammar is not None and (self.grammar.is_terminated or self.grammar.rejected)

@@ -114,7 +114,10 @@ class Request:
         """Tokens the sampler must skip: those that would stop the request before min_tokens,
         and the ends of bad words (a mask that allows nothing else overrides them, see
         core/constraints.py)."""
-        if self.num_output_tokens >= self.sampling_params.min_tokens:
+        # A grammar held back while the model reasons: the output may not end before the
+        # answer it constrains (max_tokens still can).
+        awaits_answer = self.constraints is not None and self.constraints.awaits_answer
+        if self.num_output_tokens >= self.sampling_params.min_tokens and not awaits_answer:
             before_min: tuple[int, ...] = ()
         else:
             before_min = self._banned_before_min_tokens

@@ -72,51 +72,74 @@ def _single_token(tokenizer: Any, text: str) -> int | None:
 
 
 class ReasoningStream:
-    """One choice's output, fed delta by delta: each feed gives (reasoning, answer) text."""
+    """One choice's output, fed delta by delta: each feed gives (reasoning, answer) text.
+
+    What is held back between feeds stays small or is kept in pieces (whitespace that may be
+    dropped), so a feed costs the length of its delta, even in a model's whitespace loop."""
 
     def __init__(self, opened: bool) -> None:
         self._unopened = "reasoning" if opened else "answer"  # the mode without a `<think>`
         self._mode = "start"  # until the output shows whether it opens with `<think>`
-        self._pending = ""
+        self._lead: list[str] = []  # start: whitespace before anything else
+        self._head = ""  # start: what came after it, while it could still be `<think>`
+        self._partial = ""  # reasoning: an end that could begin `</think>`
+        self._held: list[str] = []  # reasoning: trailing whitespace, dropped if the block ends
         self._reasoning_started = False  # its leading whitespace is dropped
         self._strip_answer = False  # after `</think>`: the answer's leading whitespace too
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
-        self._pending += delta
         if self._mode == "start":
-            head = self._pending.lstrip()
-            if head.startswith(START):
-                self._pending = head[len(START) :]
-                self._mode = "reasoning"
-            elif START.startswith(head) and not final:
-                return "", ""  # could still be the tag
-            else:
-                self._mode = self._unopened
+            delta = self._start(delta, final)
+            if self._mode == "start":
+                return "", ""
         reasoning = ""
         if self._mode == "reasoning":
-            reasoning = self._reasoning(final)
-        return reasoning, self._answer() if self._mode == "answer" else ""
+            reasoning, delta = self._reasoning(delta, final)
+        return reasoning, self._answer(delta) if self._mode == "answer" else ""
 
-    def _reasoning(self, final: bool) -> str:
-        pending = self._pending
-        index = pending.find(END)
+    def _start(self, delta: str, final: bool) -> str:
+        """Whether the output opens with `<think>`; once known, the text that follows it."""
+        if not self._head:
+            text = delta.lstrip()
+            self._lead.append(delta[: len(delta) - len(text)])
+            delta = text
+        head = self._head = self._head + delta
+        if head.startswith(START):
+            self._mode = "reasoning"
+            return head[len(START) :]
+        if START.startswith(head) and not final:
+            return ""  # could still be the tag
+        self._mode = self._unopened
+        return "".join(self._lead) + head
+
+    def _reasoning(self, delta: str, final: bool) -> tuple[str, str]:
+        """The reasoning to send now, and what follows `</think>` once it came."""
+        text = self._partial + delta
+        index = text.find(END)
         if index >= 0:
-            text, self._pending = pending[:index].rstrip(), pending[index + len(END) :]
-            self._mode, self._strip_answer = "answer", True
-        elif final:
-            text, self._pending = pending.rstrip(), ""
-        else:
-            # Hold back what could begin `</think>`, and trailing whitespace: it is dropped
-            # if the block closes next.
-            cut = len(pending[: len(pending) - partial_suffix(pending, END)].rstrip())
-            text, self._pending = pending[:cut], pending[cut:]
+            self._partial, self._mode, self._strip_answer = "", "answer", True
+            reasoning = self._send(text[:index].rstrip())
+            self._held.clear()
+            return reasoning, text[index + len(END) :]
+        keep = 0 if final else partial_suffix(text, END)
+        self._partial, body = text[len(text) - keep :], text[: len(text) - keep]
+        kept = body.rstrip()
+        reasoning = self._send(kept)
+        self._held.append(body[len(kept) :])
+        return reasoning, ""
+
+    def _send(self, text: str) -> str:
+        """`text`, after the whitespace held back before it (none before the first)."""
+        if not text:
+            return ""
         if not self._reasoning_started:
-            text = text.lstrip()
-            self._reasoning_started = bool(text)
+            text, self._reasoning_started = text.lstrip(), True
+        else:
+            text = "".join(self._held) + text
+        self._held.clear()
         return text
 
-    def _answer(self) -> str:
-        text, self._pending = self._pending, ""
+    def _answer(self, text: str) -> str:
         if self._strip_answer:
             text = text.lstrip()
             self._strip_answer = not text

@@ -254,9 +254,10 @@ def chat_response(
                     "tool_calls": [call.to_json() for call in parsed],
                 }
                 finish_reason = _auto_finish(seq.finish_reason)
-        if reasoning is not None and ctx.reasoning is not None and ctx.reasoning.include:
-            message["reasoning"] = reasoning
+        if reasoning is not None and ctx.reasoning is not None:
             message["content"] = message["content"] or None
+            if ctx.reasoning.include:
+                message["reasoning"] = reasoning
         choice: ChatChoice = {
             "index": seq.index,
             "message": message,

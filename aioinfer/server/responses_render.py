@@ -327,6 +327,8 @@ class ResponseEvents:
             events = self._open_message() if self._message is None else []
             return events + self._text(seq.text, logprobs)
         if mode.named is not None:  # the text is the call's arguments, streamed as they come
+            if self._call is None and not seq.text:
+                return []  # no call without arguments (a model that only reasoned)
             events = self._open_call(mode.named) if self._call is None else []
             return events + self._arguments(seq.text)
         self._required_text += seq.text  # the calls are known once their array is complete

@@ -170,7 +170,11 @@ def _call_of(value: object) -> ToolCall | None:
         arguments = loads_or_none(arguments)
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+    try:  # NaN or Infinity parse in Python, but are not JSON for the client
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
+    return ToolCall(new_call_id(), value["name"], text)
 
 
 ToolParser = HermesToolParser | Llama3JsonToolParser

@@ -109,8 +109,8 @@ class ToolMode:
         vLLM, and as it streams: cut short by max_tokens or a stop string, the arguments are
         cut short too). "required" calls come from the finished JSON array; None when it does
         not parse."""
-        if self.named is not None:
-            return [ToolCall(new_call_id(), self.named, text)]
+        if self.named is not None:  # none where no text came (a model that only reasoned)
+            return [ToolCall(new_call_id(), self.named, text)] if text else None
         if not finished:
             return None
         value = loads_or_none(text)

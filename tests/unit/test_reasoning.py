@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from aioinfer.config import REASONING_PARSER_NAMES
 from aioinfer.core.constraints import ConstraintBuilder, mask_allows, with_reasoning_gate
+from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
 from aioinfer.server.reasoning import REASONING_PARSERS, ReasoningSplit
 from tests.tokenizer_fixtures import make_tokenizer
@@ -141,3 +142,32 @@ def test_the_gate_needs_the_tags_as_single_tokens():
     gated = split.gate(factory, _TagVocab(single=True))()
     assert gated.reasoning is not None
     assert (gated.reasoning.start_id, gated.reasoning.end_id) == (7, 8)
+
+
+def test_the_output_may_not_end_while_its_grammar_waits():
+    """EOS and stop_token_ids are banned while the model reasons under a held-back grammar
+    (it must close the block, or max_tokens ends it); after `</think>` the grammar decides."""
+    tokenizer, factory, _, start, end = _choice_constraints()
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(max_tokens=10, stop_token_ids=[5])
+    constraints = with_reasoning_gate(factory, start, end, opened=True)()
+    request = Request("r", [1, 2], params, max_tokens=10, eos_token_ids=frozenset({eos}),
+                      constraints=constraints)  # fmt: skip
+    assert set(request.banned_token_ids()) == {5, eos}
+    constraints.accept(end)
+    assert request.banned_token_ids() == ()
+    # Without a grammar nothing waits: no bans.
+    plain = Request("p", [1, 2], params, max_tokens=10, eos_token_ids=frozenset({eos}))
+    assert plain.banned_token_ids() == ()
+
+
+def test_a_named_call_needs_arguments_and_arguments_need_json():
+    """A named tool_choice whose model only reasoned makes no call (streamed or not), and
+    NaN, which Python parses, is no JSON argument."""
+    from aioinfer.server.tool_parsers import HermesToolParser
+    from aioinfer.server.tools import ToolMode
+
+    assert ToolMode(named="f").calls("") is None
+    assert ToolMode(named="f").calls('{"x": 1}') is not None
+    text = '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'
+    assert HermesToolParser().parse(text) == (text, [])
