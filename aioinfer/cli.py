@@ -98,6 +98,8 @@ def build_configs(
     env_keys = os.environ.get(API_KEY_ENV, "")
     keys += [k.strip() for k in env_keys.split(",") if k.strip()]
     values["api_key"] = tuple(keys)
+    if values.get("allowed_origins") is not None:
+        values["allowed_origins"] = tuple(values["allowed_origins"])
     built = []
     for cls in CONFIG_CLASSES:
         names = {f.name for f in dataclasses.fields(cls)}

@@ -124,6 +124,9 @@ class ServerConfig:
     port: int = _opt(8000, "Port to listen on.")
     uds: str | None = _opt(None, "Listen on this Unix socket instead of host:port.")
     api_key: tuple[str, ...] = _opt((), "Accepted API key (repeatable; also AIOINFER_API_KEY).")
+    allowed_origins: tuple[str, ...] = _opt(
+        (), "Origins whose browser apps may call the API (repeatable; '*': any). Default: none."
+    )
     shutdown_timeout: float = _opt(
         10.0,
         "Seconds in-flight requests may finish after SIGTERM (new ones get 503); the rest end "

@@ -26,6 +26,7 @@ from aioinfer.config import ServerConfig
 from aioinfer.server.auth import make_auth_middleware
 from aioinfer.server.bodies import MAX_BODY_BYTES
 from aioinfer.server.completions import REQUEST_ID_HEADER
+from aioinfer.server.cors import CorsPolicy
 from aioinfer.server.errors import error_middleware
 from aioinfer.server.routes import setup_routes
 from aioinfer.server.sse import WATCH_INTERVAL, DisconnectWatcher
@@ -63,6 +64,9 @@ def create_app(
     config = server_config or ServerConfig()
     state = ServerState(config, watcher=DisconnectWatcher(disconnect_check_interval))
     middlewares: list[Middleware] = [error_middleware]
+    cors = CorsPolicy(config.allowed_origins) if config.allowed_origins else None
+    if cors is not None:
+        middlewares.append(cors.middleware())
     auth = make_auth_middleware(config.api_key)
     if auth is not None:
         middlewares.append(auth)
@@ -77,6 +81,8 @@ def create_app(
     app.cleanup_ctx.append(_watcher_context)
     app.on_shutdown.append(_start_draining)
     app.on_response_prepare.append(_echo_request_id)
+    if cors is not None:
+        app.on_response_prepare.append(cors.add_headers)
     return app
 
 

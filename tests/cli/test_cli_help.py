@@ -48,3 +48,8 @@ def test_api_keys_from_flags_and_environment(monkeypatch):
     monkeypatch.setenv("AIOINFER_API_KEY", "k2, k3")
     _, _, _, server = build_configs({"api_key": ["k1"], "port": 9000})
     assert server.api_key == ("k1", "k2", "k3") and server.port == 9000
+
+
+def test_repeated_flags_become_tuples():
+    _, _, _, server = build_configs({"allowed_origins": ["https://a.example", "https://b.example"]})
+    assert server.allowed_origins == ("https://a.example", "https://b.example")
