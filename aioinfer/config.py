@@ -123,6 +123,10 @@ class ServerConfig:
     host: str = _opt("0.0.0.0", "Address to listen on.")
     port: int = _opt(8000, "Port to listen on.")
     uds: str | None = _opt(None, "Listen on this Unix socket instead of host:port.")
+    ssl_certfile: str | None = _opt(None, "Serve HTTPS with this certificate (PEM).")
+    ssl_keyfile: str | None = _opt(
+        None, "The certificate's private key (PEM; default: in the certificate file)."
+    )
     api_key: tuple[str, ...] = _opt((), "Accepted API key (repeatable; also AIOINFER_API_KEY).")
     allowed_origins: tuple[str, ...] = _opt(
         (), "Origins whose browser apps may call the API (repeatable; '*': any). Default: none."
@@ -182,6 +186,8 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_positive(self, "stream_write_timeout")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("ssl_keyfile needs ssl_certfile")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSER_NAMES):
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_NAMES)}, "

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 
 from aiohttp import web
@@ -60,7 +61,22 @@ def server_address(config: ServerConfig) -> str:
     if config.uds:
         return f"unix:{config.uds}"
     host = config.host if ":" not in config.host else f"[{config.host}]"
-    return f"http://{host}:{config.port}"
+    scheme = "https" if config.ssl_certfile else "http"
+    return f"{scheme}://{host}:{config.port}"
+
+
+def make_site(runner: web.AppRunner, config: ServerConfig) -> web.BaseSite:
+    """Where the server listens: --uds, or host:port, over TLS with --ssl-certfile."""
+    if config.uds:
+        return web.UnixSite(runner, config.uds)
+    context = None
+    if config.ssl_certfile:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise SystemExit(f"Cannot load --ssl-certfile / --ssl-keyfile: {exc}") from None
+    return web.TCPSite(runner, config.host, config.port, ssl_context=context)
 
 
 def run_server(
@@ -122,11 +138,7 @@ async def _serve(
         keepalive_timeout=KEEPALIVE_TIMEOUT,
     )
     await runner.setup()
-    site: web.BaseSite
-    if server_config.uds:
-        site = web.UnixSite(runner, server_config.uds)
-    else:
-        site = web.TCPSite(runner, server_config.host, server_config.port)
+    site = make_site(runner, server_config)
     await site.start()
     logger.info(
         "Listening on %s; /health answers 503 until the engine is ready",
