@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
+# Sampling defaults a model's generation_config.json (or --override-generation-config) may set.
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 # The parsers of server/tool_parsers.py and server/reasoning.py (a test keeps the lists the same).
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
@@ -43,6 +46,13 @@ class ModelConfig:
     generation_config: str = _opt(
         "auto", "auto: take sampling defaults from generation_config.json; vllm: ignore it."
     )
+    override_generation_config: str | None = _opt(
+        None,
+        "Sampling defaults over generation_config.json's, as a JSON object, e.g. "
+        '\'{"temperature": 0.6, "max_new_tokens": 512}\' (keys: '
+        + ", ".join(GENERATION_DEFAULT_KEYS)
+        + ", max_new_tokens); a request's own values win.",
+    )
     max_logprobs: int = _opt(20, "Most logprobs (and top_logprobs) a request may ask for.")
     attention_backend: str = _opt(
         "auto",
@@ -73,8 +83,34 @@ class ModelConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         _check_positive(self, "max_model_len")
+        self.generation_overrides  # noqa: B018 (checks the JSON)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def generation_overrides(self) -> dict[str, float]:
+        """--override-generation-config as sampling defaults (max_new_tokens: max_tokens);
+        raises ValueError naming what is wrong."""
+        text = self.override_generation_config
+        if text is None:
+            return {}
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(f"override_generation_config must be a JSON object, got {text!r}")
+        allowed = (*GENERATION_DEFAULT_KEYS, "max_new_tokens")
+        out: dict[str, float] = {}
+        for key, number in value.items():
+            if key not in allowed:
+                raise ValueError(
+                    f"override_generation_config may set {', '.join(allowed)}, got {key!r}"
+                )
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise ValueError(f"override_generation_config: {key} must be a number")
+            out["max_tokens" if key == "max_new_tokens" else key] = number
+        return out
 
 
 @dataclass(frozen=True)

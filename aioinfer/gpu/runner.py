@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aioinfer import sizing
-from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.config import GENERATION_DEFAULT_KEYS, CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import memory
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
@@ -198,7 +198,7 @@ class ModelRunner:
             num_blocks=num_blocks,
             block_size=self.block_size,
             eos_token_ids=_eos_ids(hf_config, gen),
-            default_sampling=_default_sampling(gen, model_config.generation_config),
+            default_sampling=_default_sampling(gen, model_config),
             weights_load_seconds=load_seconds,
             model_load_seconds=time.perf_counter() - start,
             weights_gib=weights_bytes / GiB,
@@ -413,11 +413,14 @@ def _eos_ids(hf_config: Any, generation_config: dict[str, Any]) -> tuple[int, ..
     return tuple(sorted(ids))
 
 
-_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def _default_sampling(generation_config: dict[str, Any], mode: str) -> dict[str, Any]:
-    """Sampling defaults the model's generation_config.json sets (vLLM's --generation-config)."""
-    if mode != "auto":
-        return {}
-    return {k: generation_config[k] for k in _GENERATION_DEFAULT_KEYS if k in generation_config}
+def _default_sampling(
+    generation_config: dict[str, Any], model_config: ModelConfig
+) -> dict[str, Any]:
+    """Sampling defaults the model's generation_config.json sets (vLLM's --generation-config),
+    under --override-generation-config."""
+    defaults = {}
+    if model_config.generation_config == "auto":
+        defaults = {
+            k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if k in generation_config
+        }
+    return {**defaults, **model_config.generation_overrides}

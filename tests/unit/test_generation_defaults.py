@@ -1,0 +1,30 @@
+"""Sampling defaults: generation_config.json's (unless --generation-config vllm), under
+--override-generation-config, which is checked when the config is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from aioinfer.config import ModelConfig
+from aioinfer.gpu.runner import _default_sampling
+
+FILE = {"temperature": 0.7, "top_p": 0.8, "eos_token_id": 2, "do_sample": True}
+
+
+def test_defaults_from_the_file_under_the_overrides():
+    assert _default_sampling(FILE, ModelConfig()) == {"temperature": 0.7, "top_p": 0.8}
+    config = ModelConfig(override_generation_config='{"temperature": 0.2, "max_new_tokens": 64}')
+    assert _default_sampling(FILE, config) == {"temperature": 0.2, "top_p": 0.8, "max_tokens": 64}
+    ignored = ModelConfig(generation_config="vllm", override_generation_config='{"top_k": 5}')
+    assert _default_sampling(FILE, ignored) == {"top_k": 5}
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [("[1]", "JSON object"), ("{", "JSON object"), ('{"seed": 1}', "'seed'"),
+     ('{"temperature": "hot"}', "temperature must be a number"),
+     ('{"top_k": true}', "top_k must be a number")],
+)  # fmt: skip
+def test_bad_overrides_are_refused_at_start(text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        ModelConfig(override_generation_config=text)
