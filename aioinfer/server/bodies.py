@@ -75,6 +75,9 @@ def body_limit(engine: AsyncEngine) -> int:
     return min(MAX_BODY_BYTES, max(MIN_BODY_BYTES, by_context))
 
 
+BODY_SIZE = web.RequestKey("body_size", int)  # the bytes of the body read_json read
+
+
 async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object; 400 for anything else, 413 beyond `limit` bytes."""
     if request.content_type != "application/json":
@@ -95,6 +98,7 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
         body += piece
         if len(body) > limit:
             raise PayloadTooLargeError(f"Request body too large: over the limit of {limit} bytes")
+    request[BODY_SIZE] = len(body)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

@@ -155,12 +155,13 @@ def items_to_messages(items: list[InputItem]) -> list[ChatMessage]:
             function = CalledFunction(name=item.name, arguments=item.arguments)
             call = AssistantToolCall(id=item.call_id, function=function)
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and reasoning is None:
-                calls = [*(last.tool_calls or []), call]
-                messages[-1] = last.model_copy(update={"tool_calls": calls})
-            else:
-                messages.append(_message(role="assistant", tool_calls=[call], reasoning=reasoning))
+            if last is None or last.role != "assistant" or reasoning is not None:
+                last = _message(role="assistant", reasoning=reasoning)
+                messages.append(last)
                 reasoning = None
+            if last.tool_calls is None:
+                last.tool_calls = []
+            last.tool_calls.append(call)  # in place: many calls stay linear
         else:
             content = _joined(item.output)
             messages.append(_message(role="tool", tool_call_id=item.call_id, content=content))
@@ -196,6 +197,14 @@ class TextFormat(StrictModel):
     strict: bool | None = None
 
 
+class ReasoningSettings(StrictModel):
+    """OpenAI's reasoning settings: accepted, echoed, not acted on."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class TextConfig(StrictModel):
     format: TextFormat | None = None
 
@@ -205,8 +214,8 @@ class ResponsesRequest(OpenAIRequest):
 
     model: str | None = Field(None, description="The served model name (default: the only one).")
     input: list[InputItem] = Field(
-        description="A user message (a string), or a list of messages, function_call and "
-        "function_call_output items."
+        description="A user message (a string), or a list of messages, function_call, "
+        "function_call_output and reasoning items."
     )
     instructions: str | None = Field(None, description="A system message put first.")
     previous_response_id: str | None = Field(
@@ -237,9 +246,13 @@ class ResponsesRequest(OpenAIRequest):
     )
     include: list[str] | None = Field(None, description=f"Only '{OUTPUT_LOGPROBS}'.")
     store: bool | None = Field(True, description="Keep the response for GET and continuation.")
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    reasoning: dict[str, Any] | None = Field(None, description="Accepted and ignored.")
+    metadata: (
+        dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None
+    ) = Field(
+        None, max_length=16, description="Up to 16 pairs (keys of 64 characters, values of 512)."
+    )
+    user: str | None = Field(None, max_length=256)
+    reasoning: ReasoningSettings | None = Field(None, description="Accepted and ignored.")
     truncation: Literal["auto", "disabled"] | None = Field(
         None, description='Only "disabled": a prompt over the context is a 400.'
     )
@@ -258,7 +271,8 @@ class ResponsesRequest(OpenAIRequest):
                 _ITEM_KIND_IN_PATH.sub(r"\1", exc.message), param
             ) from None
 
-    @field_validator("input", mode="before")
+    # A string is one user message; the schema says so (json_schema_input_type).
+    @field_validator("input", mode="before", json_schema_input_type=str | list[InputItem])
     @classmethod
     def _known_items(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -332,6 +346,8 @@ class ResponsesRequest(OpenAIRequest):
         """The chat request: instructions, then `history` (a previous response's input and
         output), then the input. Raises RequestValidationError naming this request's fields."""
         messages = items_to_messages([*history, *self.input])
+        if not messages:
+            raise RequestValidationError("input must hold a message", "input")
         if self.instructions is not None:
             messages.insert(0, _message(role="system", content=self.instructions))
         choice: Any = self.tool_choice
@@ -393,7 +409,7 @@ class ResponsesRequest(OpenAIRequest):
             "metadata": self.metadata or {},
             "store": self.store is not False,
             "user": self.user,
-            "reasoning": self.reasoning,
+            "reasoning": self.reasoning.model_dump(exclude_none=True) if self.reasoning else None,
             "truncation": self.truncation or "disabled",
             "top_logprobs": self.top_logprobs,
         }

@@ -21,7 +21,7 @@ from aioinfer.core.outputs import CompletionOutput, RequestOutput
 from aioinfer.server.render import ResponseContext, chat_logprobs
 from aioinfer.server.responses import ChatLogprob
 from aioinfer.server.tool_parsers import ToolCallStream, ToolParser
-from aioinfer.server.tools import ToolMode
+from aioinfer.server.tools import ToolCall, ToolMode
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 # The stream's last event, by the response's final status.
@@ -39,7 +39,7 @@ class OutputText(TypedDict):
     logprobs: list[ChatLogprob]  # with include ["message.output_text.logprobs"]
 
 
-class MessageItem(TypedDict):
+class OutputMessage(TypedDict):
     id: str
     type: Literal["message"]
     role: Literal["assistant"]
@@ -47,20 +47,20 @@ class MessageItem(TypedDict):
     content: list[OutputText]
 
 
-class ReasoningText(TypedDict):
+class OutputReasoningText(TypedDict):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(TypedDict):
+class OutputReasoning(TypedDict):
     id: str
     type: Literal["reasoning"]
     summary: list[Any]
-    content: list[ReasoningText]
+    content: list[OutputReasoningText]
     status: Status
 
 
-class FunctionCallItem(TypedDict):
+class OutputFunctionCall(TypedDict):
     id: str
     type: Literal["function_call"]
     call_id: str
@@ -69,7 +69,7 @@ class FunctionCallItem(TypedDict):
     status: Status
 
 
-OutputItem = ReasoningItem | MessageItem | FunctionCallItem
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(TypedDict):
@@ -212,6 +212,7 @@ class ResponseEvents:
         self._call: _Call | None = None  # the open call of a named tool_choice
         self._required_text = ""  # tool_choice "required": the calls' JSON array so far
         self._parsing: ToolCallStream | None = tool_parser.stream() if tool_parser else None
+        self._parsed_calls: list[ToolCall] = []  # tool_choice "auto": sent once the output ends
 
     # ------------------------------------------------------------------ the response
 
@@ -319,7 +320,7 @@ class ResponseEvents:
         finished = seq.finish_reason is not None
         mode = self.tool_mode
         if self._parsing is not None:
-            return self._parsed(seq.text, finished)
+            return self._parsed(seq.text, seq.finish_reason)
         if mode is None:
             logprobs: list[ChatLogprob] = []
             if self.want_logprobs and seq.logprobs:
@@ -334,11 +335,14 @@ class ResponseEvents:
         self._required_text += seq.text  # the calls are known once their array is complete
         return self._required(seq.finish_reason) if finished else []
 
-    def _parsed(self, text: str, finished: bool) -> list[ResponseStreamEvent]:
+    def _parsed(self, text: str, finish_reason: str | None) -> list[ResponseStreamEvent]:
         """tool_choice "auto": text as the message (opened by the first text that is not
-        blank), calls as whole items once their blocks close."""
+        blank) as it comes, then the calls, as whole items once the output ended: the items
+        come in the same order streamed or not, the message first."""
         assert self._parsing is not None
+        finished = finish_reason is not None
         content, calls = self._parsing.feed(text, final=finished)
+        self._parsed_calls += calls
         events: list[ResponseStreamEvent] = []
         if self._message is None:
             content = content.lstrip()
@@ -346,8 +350,10 @@ class ResponseEvents:
                 events += self._open_message()
         if content:
             events += self._text(content, [])
-        for call in calls:
-            events += self._whole_call(call.name, call.arguments)
+        if finished:
+            events += self._close(self._message, _item_status(finish_reason))
+            for call in self._parsed_calls:
+                events += self._whole_call(call.name, call.arguments)
         return events
 
     def _required(self, finish_reason: str | None) -> list[ResponseStreamEvent]:
@@ -366,7 +372,7 @@ class ResponseEvents:
     def _open_message(self) -> list[ResponseStreamEvent]:
         message = self._message = _Message(new_id("msg"), len(self.items))
         self.items.append(message)
-        item: MessageItem = {
+        item: OutputMessage = {
             "id": message.id,
             "type": "message",
             "role": "assistant",
@@ -438,7 +444,7 @@ class ResponseEvents:
 
     def _close_all(self) -> list[ResponseStreamEvent]:
         """At the end of the output: what is still open ends as the response does."""
-        status: Status = "incomplete" if self.status == "incomplete" else "completed"
+        status = _item_status(self.finish_reason)
         events: list[ResponseStreamEvent] = []
         for item in (self._reasoning, self._message, self._call):
             events += self._close(item, status)
@@ -484,6 +490,11 @@ class ResponseEvents:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return cast(ResponseStreamEvent, event)
+
+
+def _item_status(finish_reason: str | None) -> Status:
+    """How an output's items end: completed, unless max_tokens or an abort cut them."""
+    return "incomplete" if finish_reason in ("length", "abort") else "completed"
 
 
 def _part(text: str, logprobs: list[ChatLogprob]) -> OutputText:

@@ -1,13 +1,17 @@
-"""The stored responses of the Responses API (`store`, OpenAI's default): the last
-`MAX_STORED_RESPONSES` of them, in memory, for GET /v1/responses/{id} and for
-`previous_response_id`. The oldest goes first when the store is full, so memory stays bounded
-by the count (each response at most a context's worth of text); a restart forgets them all.
+"""The stored responses of the Responses API (`store`, OpenAI's default), in memory, for
+GET /v1/responses/{id} and for `previous_response_id`; a restart forgets them all.
+
+Bounded twice: by count (the last `MAX_STORED_RESPONSES`) and by bytes (`MAX_STORED_BYTES`),
+the oldest going first. A response's size counts its request body, its output and the size of
+the conversation it continues (which it keeps alive), so a long chain is not stored for free.
+Responses belong to the API key that made them: another key neither sees nor deletes them.
 
 PURE (no torch, no asyncio).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -15,6 +19,12 @@ from aioinfer.server.responses_protocol import InputItem
 from aioinfer.server.responses_render import ResponseObject
 
 MAX_STORED_RESPONSES = 1024
+MAX_STORED_BYTES = 256 * 1024 * 1024
+
+
+def owner_of(api_key: str | None) -> bytes | None:
+    """Who a response belongs to: a digest of the key that made it (None without keys)."""
+    return None if api_key is None else hashlib.sha256(api_key.encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -23,23 +33,45 @@ class StoredResponse:
     # The conversation up to and with this response: what a continuation starts from (the
     # earlier responses' items, this one's input, its output as items; not its instructions).
     conversation: tuple[InputItem, ...]
+    owner: bytes | None = None
+    size: int = 0  # bytes, an estimate from above
 
 
 class ResponseStore:
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
+    def __init__(
+        self, capacity: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES
+    ) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.total_bytes = 0
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._responses)
 
-    def put(self, stored: StoredResponse) -> None:
+    def put(self, stored: StoredResponse) -> bool:
+        """Keep `stored`, dropping the oldest as needed; False when it alone is too large."""
+        if stored.size > self.max_bytes:
+            return False
+        self._pop(stored.body["id"])
         self._responses[stored.body["id"]] = stored
-        while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
+        self.total_bytes += stored.size
+        while len(self._responses) > self.capacity or self.total_bytes > self.max_bytes:
+            self._pop(next(iter(self._responses)))
+        return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        return self._responses.get(response_id)
+    def get(self, response_id: str, owner: bytes | None = None) -> StoredResponse | None:
+        stored = self._responses.get(response_id)
+        return stored if stored is not None and stored.owner == owner else None
 
-    def delete(self, response_id: str) -> bool:
-        return self._responses.pop(response_id, None) is not None
+    def delete(self, response_id: str, owner: bytes | None = None) -> bool:
+        if self.get(response_id, owner) is None:
+            return False
+        return self._pop(response_id)
+
+    def _pop(self, response_id: str) -> bool:
+        stored = self._responses.pop(response_id, None)
+        if stored is None:
+            return False
+        self.total_bytes -= stored.size
+        return True

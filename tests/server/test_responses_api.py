@@ -231,6 +231,10 @@ async def test_a_streamed_response_is_stored_too(oai, engine):
          "input[0].content", "input_image"),
         ({"input": [{"type": "web_search_call", "id": "w"}]}, "input", "'web_search_call'"),
         ({"input": []}, "input", "at least one"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "a message"),
+        ({"metadata": {"k": "v" * 513}}, "metadata.k", "at most 512"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
+        ({"reasoning": {"effort": "bogus"}}, "reasoning.effort", "'minimal'"),
         ({"tools": [{"type": "web_search"}]}, "tools[0]", "only function tools"),
         ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "web_search"}}, "tool_choice",
          "not supported"),
@@ -272,6 +276,16 @@ async def test_the_responses_routes_need_a_key_when_keys_are_set(aiohttp_client,
         "/v1/responses", json={"input": "Hi", "max_output_tokens": 2}, headers=headers
     )
     assert response.status == 200
+    # A stored response is its key's: another key neither reads, continues nor deletes it.
+    response_id = (await response.json())["id"]
+    other = {"Authorization": f"Bearer {API_KEYS[0]}"}
+    path = f"/v1/responses/{response_id}"
+    assert (await client.get(path, headers=other)).status == 404
+    assert (await client.delete(path, headers=other)).status == 404
+    body = {"input": "More", "previous_response_id": response_id, "max_output_tokens": 2}
+    assert (await client.post("/v1/responses", json=body, headers=other)).status == 404
+    assert (await client.post("/v1/responses", json=body, headers=headers)).status == 200
+    assert (await client.get(path, headers=headers)).status == 200
 
 
 async def test_the_openapi_document_has_the_responses_routes(client):

@@ -141,10 +141,32 @@ def test_auto_calls_are_read_from_the_text():
     assert [item["type"] for item in alone[-1]["response"]["output"]] == ["function_call"]
 
 
+@pytest.mark.parametrize(
+    "pieces",
+    [['<tool_call>{"name": "f", "arguments": {}}</tool_call>', " Then text."],
+     ["Text, ", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', " more text."]],
+)  # fmt: skip
+def test_auto_items_come_in_one_order_streamed_or_not(pieces):
+    """The message (all its text) first, then the calls; each item done before the next."""
+    streamed = run(ResponseEvents(context(), {}, tool_parser=HermesToolParser()), pieces, "stop")
+    whole = ResponseEvents(context(), {}, tool_parser=HermesToolParser())
+    body = whole.complete(delta("".join(pieces), "stop"))
+    kinds_of = [[i["type"] for i in r["output"]] for r in (streamed[-1]["response"], body)]
+    assert kinds_of == [["message", "function_call"]] * 2
+    opened: list[int] = []
+    for event in streamed:
+        if event["type"] == "response.output_item.added":
+            assert not opened, "an item opened while another was open"
+            opened.append(event["output_index"])
+        elif event["type"] == "response.output_item.done":
+            assert opened.pop() == event["output_index"]
+
+
 def test_an_aborted_output_fails_and_errors_continue_the_numbering():
     events = ResponseEvents(context(), {})
     stream = run(events, ["x"], "abort")
     assert stream[-1]["type"] == "response.failed"
+    assert [i["status"] for i in stream[-1]["response"]["output"]] == ["incomplete"]
     assert stream[-1]["response"]["error"]["code"] == "server_error"
     error = events.error(500, "boom")
     assert error == {
@@ -174,6 +196,19 @@ def test_the_store_keeps_the_newest_responses():
         store.put(StoredResponse({"id": name}, ()))  # type: ignore[typeddict-item]
     assert len(store) == 2 and store.get("a") is None and store.get("c") is not None
     assert store.delete("b") and not store.delete("b") and store.get("b") is None
+
+
+def test_the_store_keeps_within_its_bytes_and_to_each_key_its_own():
+    store = ResponseStore(max_bytes=100)
+    first = StoredResponse({"id": "a"}, (), owner=b"k1", size=60)  # type: ignore[typeddict-item]
+    second = StoredResponse({"id": "b"}, (), owner=b"k1", size=60)  # type: ignore[typeddict-item]
+    assert store.put(first) and store.put(second)
+    assert store.get("a", b"k1") is None and store.total_bytes == 60  # the oldest went
+    huge = StoredResponse({"id": "c"}, (), size=101)  # type: ignore[typeddict-item]
+    assert not store.put(huge) and store.get("c") is None
+    assert store.get("b", b"k2") is None and not store.delete("b", b"k2")
+    assert store.get("b", b"k1") is not None and store.delete("b", b"k1")
+    assert store.total_bytes == 0
 
 
 SPLIT_REASONING = ["<thi", "nk>Hm, 2", " + 3.</th", "ink>", "\n\nIt is", " 5."]
