@@ -191,7 +191,10 @@ async def start_chat(
     template, its tools and format as constraints. `response_id`: the id of the response (by
     default chatcmpl-<hex>)."""
     state = request.app[STATE]
-    tool_parser = make_tool_parser(state.config.tool_call_parser) if req.auto_tools else None
+    tool_parser = None
+    if req.auto_tools:
+        parallel = req.parallel_tool_calls is not False
+        tool_parser = make_tool_parser(state.config.tool_call_parser, parallel=parallel)
     if req.auto_tools and tool_parser is None:
         raise RequestValidationError(AUTO_NEEDS_PARSER, "tool_choice")
     params = req.to_sampling_params(engine.default_sampling)

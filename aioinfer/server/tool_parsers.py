@@ -34,6 +34,9 @@ class HermesToolParser:
     start = "<tool_call>"
     end = "</tool_call>"
 
+    def __init__(self, single_call: bool = False) -> None:
+        self.single_call = single_call  # parallel_tool_calls false: the first call only
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole output's content (None when only calls) and calls."""
         stream = self.stream()
@@ -82,6 +85,8 @@ class HermesStream:
             call = _call_of(loads_or_none(body))
             if call is None:
                 content.append(start + body + end)
+            elif self.parser.single_call and self.num_calls:
+                continue  # a call past the first: dropped
             else:
                 calls.append(call)
                 self.num_calls += 1
@@ -97,10 +102,15 @@ def partial_suffix(text: str, marker: str) -> int:
 
 
 class Llama3JsonToolParser:
+    def __init__(self, single_call: bool = False) -> None:
+        self.single_call = single_call  # parallel_tool_calls false: the first call only
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole output's content (None when only calls) and calls."""
         calls = _json_calls(text)
-        return (None, calls) if calls else (text, [])
+        if not calls:
+            return text, []
+        return None, calls[:1] if self.single_call else calls
 
     def stream(self) -> Llama3JsonStream:
         return Llama3JsonStream(self)
@@ -180,12 +190,13 @@ def _call_of(value: object) -> ToolCall | None:
 ToolParser = HermesToolParser | Llama3JsonToolParser
 ToolCallStream = HermesStream | Llama3JsonStream
 
-TOOL_PARSERS: dict[str, ToolParser] = {
-    "hermes": HermesToolParser(),
-    "llama3_json": Llama3JsonToolParser(),
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
 }
 
 
-def make_tool_parser(name: str | None) -> ToolParser | None:
-    """The parser --tool-call-parser names (ServerConfig checked the name)."""
-    return None if name is None else TOOL_PARSERS[name]
+def make_tool_parser(name: str | None, *, parallel: bool = True) -> ToolParser | None:
+    """The parser --tool-call-parser names (ServerConfig checked the name); without
+    `parallel` (parallel_tool_calls false) it keeps the first call only, as vLLM does."""
+    return None if name is None else TOOL_PARSERS[name](single_call=not parallel)

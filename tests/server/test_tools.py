@@ -354,3 +354,20 @@ async def test_auto_tool_choice_reads_llama3_json_calls(live_factory, real_engin
     assert [(name, json.loads(args or "")) for name, args in calls] == [
         ("get_weather", {"city": "Oslo", "unit": "C"})
     ]
+
+
+async def test_auto_with_parallel_tool_calls_false_keeps_the_first_call(live_factory, real_engine):
+    server = await live_factory(real_engine, ServerConfig(tool_call_parser="llama3_json"))
+    oai = server.openai()
+    text = '{"name": "get_time", "parameters": {}}; {"name": "get_time", "parameters": {}}'
+    reply = await oai.chat.completions.create(
+        model=real_engine.model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        tools=TOOLS,
+        parallel_tool_calls=False,
+        extra_body={"structured_outputs": {"choice": [text]}},
+    )
+    await oai.close()
+    message = reply.choices[0].message
+    assert [c.function.name for c in message.tool_calls or []] == ["get_time"]
+    assert not message.content and reply.choices[0].finish_reason == "tool_calls"

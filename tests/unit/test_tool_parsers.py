@@ -124,3 +124,18 @@ def test_llama3_json_streaming_in_any_pieces_gives_the_whole_output(text, cuts):
     assert _calls(calls) == _calls(whole_calls)
     assert content == (whole_content or "")
     assert stream.num_calls == len(whole_calls)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_only():
+    """As vLLM does for tool_choice auto; the dropped calls do not become content."""
+    two_hermes = "Both.\n" + CALL + "\n" + SECOND
+    two_llama = LLAMA_TEXTS[1]
+    for make, text in ((HermesToolParser, two_hermes), (Llama3JsonToolParser, two_llama)):
+        assert len(make().parse(text)[1]) == 2
+        content, calls = make(single_call=True).parse(text)
+        assert _calls(calls) == [("get_weather", {"city": "Oslo"})]
+        assert content in (None, "Both.")
+        stream = make(single_call=True).stream()
+        streamed = [c for piece in text for c in stream.feed(piece)[1]]
+        streamed += stream.feed("", final=True)[1]
+        assert _calls(streamed) == _calls(calls) and stream.num_calls == 1
