@@ -75,6 +75,7 @@ class OutputParts:
         self.tool_mode = tool_mode
         self.want_logprobs = want_logprobs
         self._thinking = ctx.reasoning.stream() if ctx.reasoning is not None else None
+        self._answering = False  # the reasoning ended (ReasoningDone was said)
         self._text_opened = False
         self._call_opened = False  # a named tool_choice's call
         self._required_text = ""  # tool_choice "required": the calls' JSON array so far
@@ -89,11 +90,14 @@ class OutputParts:
             reasoning, answer = self._thinking.feed(seq.text, final=seq.finish_reason is not None)
             if reasoning and split.include:
                 parts.append(ReasoningDelta(reasoning))
-            if answer:
+            if answer and not self._answering:
+                self._answering = True
                 parts.append(ReasoningDone())
-            elif seq.finish_reason is None or self._plain_and_unopened:
+            if answer:
+                return parts + self._answer(answer, seq, logprobs=True)
+            if seq.finish_reason is None or self._plain_and_unopened:
                 return parts  # no answer yet; or none at all, and so no text
-            return parts + self._answer(answer, seq, logprobs=bool(answer))
+            return parts + self._answer("", seq, logprobs=False)
         return self._answer(seq.text, seq, logprobs=True)
 
     @property
