@@ -445,3 +445,24 @@ async def test_forced_tool_choice_gives_tool_use_blocks(real_ant, real_engine, s
     if block.name == "get_weather":
         assert block.input["city"] in ("Paris", "Oslo") and block.input["unit"] in ("C", "F")  # type: ignore[index]
     assert_pool_free(real_engine)
+
+
+async def test_an_output_format_gives_json_that_follows_the_schema(real_ant, real_engine):
+    ant, _ = real_ant
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    message = await ant.messages.create(
+        model=real_engine.model_name,
+        messages=HI,  # type: ignore[arg-type]
+        max_tokens=40,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body={"temperature": 0},
+    )
+    (block,) = message.content
+    assert block.type == "text" and json.loads(block.text)["city"] in ("Paris", "Oslo")
+    assert message.stop_reason == "end_turn"
+    assert_pool_free(real_engine)
