@@ -1,4 +1,5 @@
-"""API keys: `Authorization: Bearer <key>` against any of the configured keys.
+"""API keys: `Authorization: Bearer <key>` against any of the configured keys; on the Messages
+API's routes also `x-api-key: <key>`, which is how Anthropic's clients send it.
 
 The comparison is constant-time over fixed-length digests, and every key is compared, so neither
 the length of a key nor which key matched shows in the timing. Health, metrics and version stay
@@ -14,10 +15,11 @@ from collections.abc import Sequence
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from aioinfer.server.errors import AuthenticationError, Handler
+from aioinfer.server.errors import AuthenticationError, Handler, is_messages_path
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 _SCHEME = "bearer"
+ANTHROPIC_KEY_HEADER = "x-api-key"
 
 
 def _digest(key: str) -> bytes:
@@ -32,7 +34,14 @@ def is_authorized(header: str | None, digests: Sequence[bytes]) -> bool:
     scheme, _, token = header.strip().partition(" ")
     if scheme.lower() != _SCHEME:
         return False
-    candidate = _digest(token.strip())
+    return is_key(token, digests)
+
+
+def is_key(key: str | None, digests: Sequence[bytes]) -> bool:
+    """Whether `key` is one of the keys (given as sha256 digests)."""
+    if not key:
+        return False
+    candidate = _digest(key.strip())
     matched = False
     for digest in digests:
         matched |= hmac.compare_digest(candidate, digest)
@@ -49,9 +58,14 @@ def make_auth_middleware(keys: Sequence[str]) -> Middleware | None:
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method == "OPTIONS" or request.path in OPEN_PATHS:
             return await handler(request)
-        if not is_authorized(request.headers.get("Authorization"), digests):
+        authorized = is_authorized(request.headers.get("Authorization"), digests)
+        anthropic = is_messages_path(request.path)
+        if anthropic and not authorized:
+            authorized = is_key(request.headers.get(ANTHROPIC_KEY_HEADER), digests)
+        if not authorized:
+            how = "'x-api-key: <key>' or " if anthropic else ""
             raise AuthenticationError(
-                "Missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                f"Missing or incorrect API key: send {how}'Authorization: Bearer <key>'",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return await handler(request)

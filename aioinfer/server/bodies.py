@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from aioinfer.server.errors import BadRequestError, NotFoundError, PayloadTooLargeError
+from aioinfer.server.messages_protocol import MessagesRequest, MessageTokensCountRequest
 from aioinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +53,8 @@ _R = TypeVar(
     CompletionRequest,
     ChatCompletionRequest,
     ResponsesRequest,
+    MessagesRequest,
+    MessageTokensCountRequest,
     TokenizeRequest,
     DetokenizeRequest,
 )

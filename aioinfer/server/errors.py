@@ -2,16 +2,20 @@
 turns every failure of a handler (ours, aiohttp's 404/405/413, a bug) into that body.
 
 The `type` strings follow vLLM (BadRequestError, NotFoundError, ...); `code` is the HTTP status.
+Under /v1/messages, Anthropic's clients read Anthropic's envelope instead:
+`{"type": "error", "error": {"type": "invalid_request_error", "message"}}`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import orjson
 from aiohttp import web
 
+from aioinfer.server.messages_render import anthropic_error_body
 from aioinfer.server.protocol import RequestValidationError
 from aioinfer.server.responses import ErrorResponse
 
@@ -32,6 +36,7 @@ _TYPE_BY_STATUS = {
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
 }
+MESSAGES_PATH = "/v1/messages"
 # Headers of aiohttp's own HTTP exceptions that must survive the rewrite.
 _KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate")
 
@@ -84,21 +89,33 @@ def error_body(status: int, message: str, param: str | None = None) -> ErrorResp
     }
 
 
+def is_messages_path(path: str) -> bool:
+    """Whether a path is one of the Messages API's (its errors in Anthropic's envelope)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+# Builds an error body: OpenAI's shape (`error_body`) or Anthropic's (`anthropic_error_body`).
+ErrorBody = Callable[[int, str, str | None], Mapping[str, Any]]
+
+
 def error_response(
     status: int,
     message: str,
     param: str | None = None,
     headers: Mapping[str, str] | None = None,
+    body: ErrorBody = error_body,
 ) -> web.Response:
     return web.Response(
         status=status,
-        body=orjson.dumps(error_body(status, message, param)),
+        body=orjson.dumps(body(status, message, param)),
         content_type="application/json",
         headers=headers,
     )
 
 
-def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.Response:
+def _from_http_exception(
+    request: web.Request, exc: web.HTTPException, body: ErrorBody
+) -> web.Response:
     status = exc.status
     if status == 404:
         message = f"Not Found: {request.path}"
@@ -110,21 +127,22 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.Re
     else:
         message = exc.text or exc.reason
     headers = {k: exc.headers[k] for k in _KEPT_HEADERS if k in exc.headers}
-    return error_response(status, message, headers=headers)
+    return error_response(status, message, headers=headers, body=body)
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    body: ErrorBody = anthropic_error_body if is_messages_path(request.path) else error_body
     try:
         return await handler(request)
     except APIError as exc:
-        return error_response(exc.status, exc.message, exc.param, exc.headers)
+        return error_response(exc.status, exc.message, exc.param, exc.headers, body)
     except RequestValidationError as exc:
-        return error_response(400, exc.message, exc.param)
+        return error_response(400, exc.message, exc.param, body=body)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _from_http_exception(request, exc)
+        return _from_http_exception(request, exc, body)
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "Internal server error")
+        return error_response(500, "Internal server error", body=body)

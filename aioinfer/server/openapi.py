@@ -10,6 +10,13 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter
 
+from aioinfer.server.messages_protocol import MessagesRequest, MessageTokensCountRequest
+from aioinfer.server.messages_render import (
+    AnthropicErrorResponse,
+    MessageObject,
+    MessageStreamEvent,
+    MessageTokensCount,
+)
 from aioinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,6 +46,8 @@ _ERROR_CODES = {
     "503": "Engine not ready, shutting down, or queue full (with Retry-After)",
 }
 _OPEN: dict[str, Any] = {"security": []}  # routes that need no API key
+# The Messages API's routes take the key as Anthropic's clients send it, or as a bearer token.
+_ANTHROPIC_KEYS: dict[str, Any] = {"security": [{"bearer": []}, {"x-api-key": []}]}
 # Only where a body is read, or the engine generates.
 _BODY_ERROR_CODES = {"413": "Body over the size limit"}
 _GENERATION_ERROR_CODES = {"500": "The engine failed while generating"}
@@ -61,30 +70,36 @@ def openapi_document(version: str) -> dict[str, Any]:
     def body(kind: Any) -> dict[str, Any]:
         return {"required": True, "content": {_JSON: {"schema": ref(kind, "validation")}}}
 
-    def events(chunk: Any) -> dict[str, Any]:
+    def events(chunk: Any, error_shape: Any) -> dict[str, Any]:
         """Each SSE event (OpenAPI 3.1: the schema describes one event): its data is a chunk,
         an in-band error, or the final [DONE]."""
         json_data = {
             "contentMediaType": _JSON,
             "contentSchema": {
-                "anyOf": [ref(chunk, "serialization"), ref(ErrorResponse, "serialization")]
+                "anyOf": [ref(chunk, "serialization"), ref(error_shape, "serialization")]
             },
         }
         data = {"type": "string", "if": {"const": "[DONE]"}, "else": json_data}
         return {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}
 
-    def ok(kind: Any | None, media: str = _JSON, stream: Any = None) -> dict[str, Any]:
-        """Responses of an operation; `stream` is the chunk type when it can stream."""
+    def ok(
+        kind: Any | None,
+        media: str = _JSON,
+        stream: Any = None,
+        error_shape: Any = ErrorResponse,
+    ) -> dict[str, Any]:
+        """Responses of an operation; `stream` is the chunk type when it can stream;
+        `error_shape` the body of its errors."""
         responses: dict[str, Any] = {"200": {"description": "OK"}}
         if kind is not None:
             content = {media: {"schema": ref(kind, "serialization")}}
             if stream is not None:
-                content["text/event-stream"] = events(stream)
+                content["text/event-stream"] = events(stream, error_shape)
             responses["200"]["content"] = content
         codes = dict(_ERROR_CODES)
         if stream is not None:
             codes.update(_GENERATION_ERROR_CODES)
-        error = {_JSON: {"schema": ref(ErrorResponse, "serialization")}}
+        error = {_JSON: {"schema": ref(error_shape, "serialization")}}
         for code, text in codes.items():
             responses[code] = {"description": text, "content": error}
         return responses
@@ -94,11 +109,12 @@ def openapi_document(version: str) -> dict[str, Any]:
         responses: dict[str, Any],
         request: Any = None,
         parameters: list[dict[str, Any]] | None = None,
+        error_shape: Any = ErrorResponse,
     ) -> dict[str, Any]:
         operation: dict[str, Any] = {"summary": summary, "responses": responses}
         if request is not None:
             operation["requestBody"] = body(request)
-            error = {_JSON: {"schema": ref(ErrorResponse, "serialization")}}
+            error = {_JSON: {"schema": ref(error_shape, "serialization")}}
             for code, text in _BODY_ERROR_CODES.items():
                 responses[code] = {"description": text, "content": error}
         if parameters:
@@ -140,6 +156,24 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "Forget a stored response", ok(ResponseDeleted), parameters=[response_param]
             ),
         },
+        "/v1/messages": {
+            "post": op(
+                "Create a message (Anthropic's Messages API; streamed as named events)",
+                ok(MessageObject, stream=MessageStreamEvent, error_shape=AnthropicErrorResponse),
+                MessagesRequest,
+                error_shape=AnthropicErrorResponse,
+            )
+            | _ANTHROPIC_KEYS
+        },
+        "/v1/messages/count_tokens": {
+            "post": op(
+                "The prompt tokens of a Messages request, as the chat template renders it",
+                ok(MessageTokensCount, error_shape=AnthropicErrorResponse),
+                MessageTokensCountRequest,
+                error_shape=AnthropicErrorResponse,
+            )
+            | _ANTHROPIC_KEYS
+        },
         "/tokenize": {"post": op("Tokenize", ok(TokenizeResponse), TokenizeRequest)},
         "/detokenize": {"post": op("Detokenize", ok(DetokenizeResponse), DetokenizeRequest)},
         # Open to load balancers and scrapers: no API key needed.
@@ -159,7 +193,10 @@ def openapi_document(version: str) -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
         "security": [{"bearer": []}],
     }

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
@@ -35,6 +35,7 @@ from aioinfer.server.tools import (
     FunctionName,
     NamedToolChoice,
 )
+from aioinfer.server.validation import renamed_params
 
 # The one `include` value that can be filled: the output's logprobs.
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
@@ -415,14 +416,6 @@ class ResponsesRequest(OpenAIRequest):
         }
 
 
-@contextlib.contextmanager
-def responses_params() -> Iterator[None]:
+def responses_params() -> contextlib.AbstractContextManager[None]:
     """Errors raised inside name the Responses field a chat field came from."""
-    try:
-        yield
-    except Exception as exc:
-        param = getattr(exc, "param", None)
-        if isinstance(param, str):
-            head = param.split("[", 1)[0].split(".", 1)[0]
-            exc.param = _CHAT_PARAMS.get(head, param)  # type: ignore[attr-defined]
-        raise
+    return renamed_params(_CHAT_PARAMS)

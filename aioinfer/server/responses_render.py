@@ -1,9 +1,9 @@
 """Responses API bodies and stream events, built from engine outputs.
 
-One class, `ResponseEvents`, turns the output text into output items (reasoning with
---reasoning-parser, a message, function calls) delta by delta, and says each step as a stream
-event; a non-streamed response is the same run fed the whole output at once, so both always
-agree.
+One class, `ResponseEvents`, turns the output's parts (`output_parts`: reasoning with
+--reasoning-parser, text, function calls) into output items delta by delta, and says each step
+as a stream event; a non-streamed response is the same run fed the whole output at once, so
+both always agree.
 
 PURE (no torch, no asyncio).
 """
@@ -12,16 +12,25 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from typing_extensions import NotRequired, TypedDict
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
-from aioinfer.server.render import ResponseContext, chat_logprobs
+from aioinfer.server.output_parts import (
+    ArgumentsDelta,
+    CallOpened,
+    OutputPart,
+    OutputParts,
+    ReasoningDelta,
+    ReasoningDone,
+    TextDelta,
+)
+from aioinfer.server.render import ResponseContext
 from aioinfer.server.responses import ChatLogprob
-from aioinfer.server.tool_parsers import ToolCallStream, ToolParser
-from aioinfer.server.tools import ToolCall, ToolMode
+from aioinfer.server.tool_parsers import ToolParser
+from aioinfer.server.tools import ToolMode
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 # The stream's last event, by the response's final status.
@@ -198,8 +207,6 @@ class ResponseEvents:
     ) -> None:
         self.ctx = ctx
         self.settings = settings
-        self.tool_mode = tool_mode
-        self.want_logprobs = want_logprobs
         self.on_done = on_done
         self.items: list[_Reasoning | _Message | _Call] = []
         self.finish_reason: str | None = None
@@ -207,12 +214,11 @@ class ResponseEvents:
         self.cached_tokens = 0
         self._sequence = 0
         self._reasoning: _Reasoning | None = None  # the open reasoning
-        self._thinking = ctx.reasoning.stream() if ctx.reasoning is not None else None
         self._message: _Message | None = None  # the open message
-        self._call: _Call | None = None  # the open call of a named tool_choice
-        self._required_text = ""  # tool_choice "required": the calls' JSON array so far
-        self._parsing: ToolCallStream | None = tool_parser.stream() if tool_parser else None
-        self._parsed_calls: list[ToolCall] = []  # tool_choice "auto": sent once the output ends
+        self._call: _Call | None = None  # the open call
+        self._parts = OutputParts(
+            ctx, tool_mode=tool_mode, tool_parser=tool_parser, want_logprobs=want_logprobs
+        )
 
     # ------------------------------------------------------------------ the response
 
@@ -297,75 +303,25 @@ class ResponseEvents:
 
     def _content(self, seq: CompletionOutput) -> list[ResponseStreamEvent]:
         events: list[ResponseStreamEvent] = []
-        if self._thinking is not None:
-            # The reasoning is an item of its own, first; what follows reads the answer.
-            split = self.ctx.reasoning
-            assert split is not None
-            reasoning, answer = self._thinking.feed(seq.text, final=seq.finish_reason is not None)
-            if reasoning and split.include:
-                events += self._reasoning_text(reasoning)
-            if answer:
-                events += self._close(self._reasoning, "completed")
-            elif seq.finish_reason is None or self._plain_and_unopened:
-                return events  # no answer yet; or none at all, and so no message
-            seq = replace(seq, text=answer, logprobs=seq.logprobs if answer else None)
-        return events + self._answer(seq)
+        for part in self._parts.feed(seq):
+            events += self._tell(part)
+        return events
 
-    @property
-    def _plain_and_unopened(self) -> bool:
-        """A text answer (no tools) whose message has not opened."""
-        return self.tool_mode is None and self._parsing is None and self._message is None
-
-    def _answer(self, seq: CompletionOutput) -> list[ResponseStreamEvent]:
-        finished = seq.finish_reason is not None
-        mode = self.tool_mode
-        if self._parsing is not None:
-            return self._parsed(seq.text, seq.finish_reason)
-        if mode is None:
-            logprobs: list[ChatLogprob] = []
-            if self.want_logprobs and seq.logprobs:
-                logprobs = chat_logprobs(seq.logprobs, self.ctx.token_text)["content"]
+    def _tell(self, part: OutputPart) -> list[ResponseStreamEvent]:
+        """The events of one part of the output: reasoning is an item of its own, first;
+        then a message, and function calls."""
+        if isinstance(part, ReasoningDelta):
+            return self._reasoning_text(part.text)
+        if isinstance(part, ReasoningDone):
+            return self._close(self._reasoning, "completed")
+        if isinstance(part, TextDelta):
             events = self._open_message() if self._message is None else []
-            return events + self._text(seq.text, logprobs)
-        if mode.named is not None:  # the text is the call's arguments, streamed as they come
-            if self._call is None and not seq.text:
-                return []  # no call without arguments (a model that only reasoned)
-            events = self._open_call(mode.named) if self._call is None else []
-            return events + self._arguments(seq.text)
-        self._required_text += seq.text  # the calls are known once their array is complete
-        return self._required(seq.finish_reason) if finished else []
-
-    def _parsed(self, text: str, finish_reason: str | None) -> list[ResponseStreamEvent]:
-        """tool_choice "auto": text as the message (opened by the first text that is not
-        blank) as it comes, then the calls, as whole items once the output ended: the items
-        come in the same order streamed or not, the message first."""
-        assert self._parsing is not None
-        finished = finish_reason is not None
-        content, calls = self._parsing.feed(text, final=finished)
-        self._parsed_calls += calls
-        events: list[ResponseStreamEvent] = []
-        if self._message is None:
-            content = content.lstrip()
-            if content:
-                events += self._open_message()
-        if content:
-            events += self._text(content, [])
-        if finished:
-            events += self._close(self._message, _item_status(finish_reason))
-            for call in self._parsed_calls:
-                events += self._whole_call(call.name, call.arguments)
-        return events
-
-    def _required(self, finish_reason: str | None) -> list[ResponseStreamEvent]:
-        assert self.tool_mode is not None
-        text = self._required_text
-        calls = self.tool_mode.calls(text, finished=finish_reason == "stop")
-        if calls is None:  # cut short: the text as it is
-            return self._open_message() + self._text(text, [])
-        events: list[ResponseStreamEvent] = []
-        for call in calls:
-            events += self._whole_call(call.name, call.arguments)
-        return events
+            return events + self._text(part.text, part.logprobs)
+        if isinstance(part, CallOpened):  # after the message: one item open at a time
+            return self._close(self._message, "completed") + self._open_call(part.name)
+        if isinstance(part, ArgumentsDelta):
+            return self._arguments(part.text)
+        return self._close(self._call, "completed")
 
     # ------------------------------------------------------------------ items
 
@@ -437,10 +393,6 @@ class ResponseEvents:
                 delta=text,
             )
         ]
-
-    def _whole_call(self, name: str, arguments: str) -> list[ResponseStreamEvent]:
-        events = self._open_call(name) + self._arguments(arguments)
-        return events + self._close(self._call, "completed")
 
     def _close_all(self) -> list[ResponseStreamEvent]:
         """At the end of the output: what is still open ends as the response does."""

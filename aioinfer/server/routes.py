@@ -1,5 +1,6 @@
 """The route table, and the small endpoints: health, version, metrics, the OpenAPI document,
-models, tokenize and detokenize. Generation lives in `completions` and `responses_api`."""
+models, tokenize and detokenize. Generation lives in `completions`, `responses_api` and
+`messages_api`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from aioinfer import __version__
 from aioinfer.server.bodies import check_model, json_response, parse_request
 from aioinfer.server.completions import create_chat_completion, create_completion
 from aioinfer.server.errors import BadRequestError, ServiceUnavailableError
+from aioinfer.server.messages_api import count_message_tokens, create_message
 from aioinfer.server.prompts import off_loop_if_long, render_chat_off_loop
 from aioinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.render import model_card
@@ -33,6 +35,8 @@ def setup_routes(app: web.Application) -> None:
     router.add_post("/v1/responses", create_response)
     router.add_get("/v1/responses/{response_id}", retrieve_response)
     router.add_delete("/v1/responses/{response_id}", delete_response)
+    router.add_post("/v1/messages", create_message)
+    router.add_post("/v1/messages/count_tokens", count_message_tokens)
     router.add_post("/tokenize", tokenize)
     router.add_post("/detokenize", detokenize)
 

@@ -25,12 +25,13 @@ from aioinfer.core.sampling_params import StructuredOutputsParams
 from aioinfer.server.formats import StrictModel
 from aioinfer.server.responses import ToolCallJson
 
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 # Accepts any JSON object: what a function without a `parameters` schema takes.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 class FunctionDefinition(StrictModel):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="The function's name.")
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN, description="The function's name.")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of its arguments.")
     strict: bool | None = None
@@ -232,10 +233,14 @@ def _refers_to_root(schema: Any) -> bool:
     return False
 
 
-AUTO_NEEDS_PARSER = (
+# What a request with tool_choice "auto" hears from a server without a tool parser; each API
+# ends it with its own forced choices.
+AUTO_NEEDS_PARSER_START = (
     'tool_choice "auto" (the default when tools are given) needs a parser of the model\'s own '
     "tool-call text: start the server with --tool-call-parser hermes (Qwen2.5, Qwen3, Hermes) "
     "or llama3_json (Llama 3.1-3.3), "
+)
+AUTO_NEEDS_PARSER = AUTO_NEEDS_PARSER_START + (
     'or send tool_choice "required", a named function ({"type": "function", "function": '
     '{"name": ...}}) or "none"'
 )

@@ -6,8 +6,9 @@ PURE: pydantic only.
 
 from __future__ import annotations
 
+import contextlib
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -61,3 +62,17 @@ def _json_type(value: Any) -> str:
     if isinstance(value, dict):
         return "object"
     return kinds.get(type(value), type(value).__name__)
+
+
+@contextlib.contextmanager
+def renamed_params(names: Mapping[str, str]) -> Iterator[None]:
+    """Errors raised inside (with a `param`) name the field of another API that a chat field
+    came from: `names` maps a field's head (`tools` of `tools[0].function`) to it."""
+    try:
+        yield
+    except Exception as exc:
+        param = getattr(exc, "param", None)
+        if isinstance(param, str):
+            head = param.split("[", 1)[0].split(".", 1)[0]
+            exc.param = names.get(head, param)  # type: ignore[attr-defined]
+        raise
