@@ -112,7 +112,7 @@ async def test_sigterm_under_load_drains_then_exits_zero(tiny_model_dir: Path):
             ]
             long_json = asyncio.create_task(request(session, url, long))
             short = asyncio.create_task(
-                request(session, url, {"prompt": "Hi", "max_tokens": 30, "stream": True},
+                request(session, url, {"prompt": "Hi", "max_tokens": 8, "stream": True},
                         started[2])
             )  # fmt: skip
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
@@ -135,7 +135,8 @@ async def test_sigterm_under_load_drains_then_exits_zero(tiny_model_dir: Path):
         assert status == 200 and stream_result(raw)[1] == "abort"
     assert json_status == 200
     assert orjson.loads(json_raw)["choices"][0]["finish_reason"] == "abort"
-    chunks, reason = stream_result(short_raw)  # finished within the grace period
+    # Finished within the grace period (a few tokens: a machine under load still makes it).
+    chunks, reason = stream_result(short_raw)
     assert short_status == 200 and reason == "length"
     assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks if c.get("choices")) > 0
     assert code == 0, proc.output
