@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from aioinfer.core.outputs import RequestOutput
-from aioinfer.server.bodies import json_response, parse_request
+from aioinfer.server.bodies import BODY_SIZE, json_response, parse_request
 from aioinfer.server.completions import Framing, answer, generation_handler, start_chat
 from aioinfer.server.messages_protocol import (
     MessagesRequest,
@@ -23,7 +23,7 @@ from aioinfer.server.messages_protocol import (
     messages_params,
 )
 from aioinfer.server.messages_render import MessageEvents, MessageTokensCount
-from aioinfer.server.prompts import render_chat_off_loop
+from aioinfer.server.prompts import off_loop_if_long, render_chat_off_loop
 from aioinfer.server.protocol import RequestValidationError
 from aioinfer.server.request_log import RequestRecord
 from aioinfer.server.responses_render import new_id
@@ -41,7 +41,7 @@ AUTO_NEEDS_PARSER = AUTO_NEEDS_PARSER_START + (
 async def create_message(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     state = request.app[STATE]
     engine, req = await parse_request(request, MessagesRequest)
-    chat = req.to_chat()
+    chat = await off_loop_if_long(request[BODY_SIZE], req.to_chat)
     if chat.auto_tools and make_tool_parser(state.config.tool_call_parser) is None:
         raise RequestValidationError(AUTO_NEEDS_PARSER, "tool_choice")
     with messages_params():
@@ -60,7 +60,7 @@ async def count_message_tokens(request: web.Request) -> web.Response:
     """The prompt's length in tokens, as the chat template renders the request; nothing is
     generated."""
     engine, req = await parse_request(request, MessageTokensCountRequest)
-    chat = req.to_chat()
+    chat = await off_loop_if_long(request[BODY_SIZE], req.to_chat)
     defaults = request.app[STATE].config.chat_template_defaults
     with messages_params():
         ids = await render_chat_off_loop(

@@ -283,9 +283,16 @@ class MessagesRequest(OpenAIRequest):
         template_kwargs = None
         if thinking is not None:
             template_kwargs = {"enable_thinking": thinking.type != "disabled"}
+        # A last assistant message is a prefill: the answer goes on from it.
+        last = self.messages[-1]
+        prefill = last.role == "assistant" and (
+            isinstance(last.content, str) or all(b.type == "text" for b in last.content)
+        )
         chat = ChatCompletionRequest.model_validate(
             {
                 "messages": self.chat_messages(),
+                "add_generation_prompt": not prefill,
+                "continue_final_message": prefill,
                 "tools": tools or None,
                 "tool_choice": choice,
                 "parallel_tool_calls": parallel,
@@ -323,7 +330,7 @@ class MessagesRequest(OpenAIRequest):
 
     def chat_messages(self) -> list[ChatMessage]:
         messages: list[ChatMessage] = []
-        if self.system is not None:
+        if self.system:  # "" or [] is no system prompt
             messages.append(_message(role="system", content=_joined(self.system)))
         for message in self.messages:
             content = message.content

@@ -11,7 +11,7 @@ PURE (no torch, no asyncio).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import pydantic_core
@@ -133,9 +133,15 @@ def anthropic_error_body(
 class _Block:
     kind: BlockKind
     index: int  # in the message's content
-    text: str = ""  # the thinking, the text, or a tool call's input as JSON text
+    # The thinking, the text, or a tool call's input as JSON text, in pieces: `+=` on an
+    # attribute copies the whole text for every delta.
+    pieces: list[str] = field(default_factory=list)
     id: str = ""
     name: str = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 class MessageEvents:
@@ -180,10 +186,10 @@ class MessageEvents:
             return "max_tokens", None
         if self.finish_reason != "stop":
             return None, None  # still running, or aborted
+        if self.stop_string is not None:  # before tool_use: it may have cut a call short
+            return "stop_sequence", self.stop_string
         if any(block.kind == "tool_use" for block in self.blocks):
             return "tool_use", None
-        if self.stop_string is not None:
-            return "stop_sequence", self.stop_string
         return "end_turn", None
 
     def _usage(self) -> MessageUsage:
@@ -270,7 +276,7 @@ class MessageEvents:
             block = _Block(kind, len(self.blocks))
             events = self._stop_block() + self._start_block(block)
         if text:
-            block.text += text
+            block.pieces.append(text)
             events.append(
                 self._event("content_block_delta", index=block.index, delta={**delta, key: text})
             )

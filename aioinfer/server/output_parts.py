@@ -78,7 +78,7 @@ class OutputParts:
         self._answering = False  # the reasoning ended (ReasoningDone was said)
         self._text_opened = False
         self._call_opened = False  # a named tool_choice's call
-        self._required_text = ""  # tool_choice "required": the calls' JSON array so far
+        self._required_pieces: list[str] = []  # tool_choice "required": the calls' JSON array
         self._parsing: ToolCallStream | None = tool_parser.stream() if tool_parser else None
         self._parsed_calls: list[ToolCall] = []  # tool_choice "auto": told once the output ends
 
@@ -123,7 +123,7 @@ class OutputParts:
             parts: list[OutputPart] = [] if self._call_opened else [CallOpened(mode.named)]
             self._call_opened = True
             return [*parts, ArgumentsDelta(text)] if text else parts
-        self._required_text += text  # the calls are known once their array is complete
+        self._required_pieces.append(text)  # the calls are known once the array is complete
         return self._required(seq.finish_reason) if finished else []
 
     def _parsed(self, text: str, finished: bool) -> list[OutputPart]:
@@ -146,7 +146,7 @@ class OutputParts:
 
     def _required(self, finish_reason: str | None) -> list[OutputPart]:
         assert self.tool_mode is not None
-        text = self._required_text
+        text = "".join(self._required_pieces)
         calls = self.tool_mode.calls(text, finished=finish_reason == "stop")
         if calls is None:  # cut short: the text as it is
             return [TextDelta(text)]

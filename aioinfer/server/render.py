@@ -469,9 +469,9 @@ class ChatChunks(_ChunkStream):
         self._parsing: dict[int, ToolCallStream] = {}  # tool_choice "auto": per choice
         self._reasoning: dict[int, ReasoningStream] = {}  # --reasoning-parser: per choice
         # Named tool_choice: each choice's call id, set by its first delta. "required": each
-        # choice's text so far, which becomes calls once it is complete.
+        # choice's text so far (in pieces: joined once), which becomes calls once complete.
         self._call_ids: dict[int, str] = {}
-        self._texts: dict[int, str] = {}
+        self._texts: dict[int, list[str]] = {}
 
     def opening(self) -> list[dict[str, Any]]:
         chunks = [
@@ -541,9 +541,10 @@ class ChatChunks(_ChunkStream):
                 call["function"]["name"] = mode.named
             return {"tool_calls": [call]}, seq.finish_reason
         # "required": the calls are known once their JSON array is complete.
-        text = self._texts[seq.index] = self._texts.get(seq.index, "") + seq.text
+        self._texts.setdefault(seq.index, []).append(seq.text)
         if seq.finish_reason is None:
             return {}, None
+        text = "".join(self._texts[seq.index])
         whole = CompletionOutput(seq.index, text, [], finish_reason=seq.finish_reason)
         calls = _tool_calls(mode, whole)
         if calls is None:

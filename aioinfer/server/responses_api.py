@@ -20,6 +20,7 @@ from aioinfer.core.outputs import RequestOutput
 from aioinfer.server.bodies import BODY_SIZE, json_response, parse_request
 from aioinfer.server.completions import Framing, answer, generation_handler, start_chat
 from aioinfer.server.errors import NotFoundError
+from aioinfer.server.prompts import off_loop_if_long
 from aioinfer.server.request_log import RequestRecord
 from aioinfer.server.responses_protocol import (
     INPUT_ITEMS,
@@ -47,12 +48,13 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     owner = _owner(request)
     previous = _previous(state.responses, req.previous_response_id, owner)
     history = list(previous.conversation) if previous is not None else []
-    chat = req.to_chat(history)
+    previous_size = previous.size if previous is not None else 0
+    chat = await off_loop_if_long(request[BODY_SIZE] + previous_size, req.to_chat, history)
     with responses_params():
         started = await start_chat(request, engine, chat, record, response_id=new_id("resp"))
     conversation = (*history, *req.input)
     # What storing it keeps alive: this request, the conversation before it, and the output.
-    kept_bytes = request[BODY_SIZE] + (previous.size if previous is not None else 0)
+    kept_bytes = request[BODY_SIZE] + previous_size
 
     def store(response: ResponseObject) -> None:
         if req.store is False:

@@ -162,21 +162,32 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+# Items keep their text in pieces: `+=` on an attribute copies the whole text for every delta.
+
+
 @dataclass
 class _Message:
     id: str
     index: int  # in the response's output
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
     logprobs: list[ChatLogprob] = field(default_factory=list)
     status: Status = "in_progress"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 @dataclass
 class _Reasoning:
     id: str
     index: int
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
     status: Status = "in_progress"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 @dataclass
@@ -185,8 +196,12 @@ class _Call:
     index: int
     name: str
     call_id: str = field(default_factory=lambda: new_id("call"))
-    arguments: str = ""
+    pieces: list[str] = field(default_factory=list)
     status: Status = "in_progress"
+
+    @property
+    def arguments(self) -> str:
+        return "".join(self.pieces)
 
 
 class ResponseEvents:
@@ -346,7 +361,7 @@ class ResponseEvents:
         assert message is not None
         if not text and not logprobs:
             return []
-        message.text += text
+        message.pieces.append(text)
         message.logprobs += logprobs
         return [
             self._event(
@@ -369,7 +384,7 @@ class ResponseEvents:
             events.append(
                 self._event("response.output_item.added", output_index=item.index, item=added)
             )
-        item.text += text
+        item.pieces.append(text)
         where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
         return [*events, self._event("response.reasoning_text.delta", **where, delta=text)]
 
@@ -384,7 +399,7 @@ class ResponseEvents:
         assert call is not None
         if not text:
             return []
-        call.arguments += text
+        call.pieces.append(text)
         return [
             self._event(
                 "response.function_call_arguments.delta",

@@ -133,7 +133,11 @@ def loads_or_none(text: str) -> Any:
 
 
 def _is_call(value: Any) -> bool:
-    return isinstance(value, dict) and isinstance(value.get("name"), str) and "parameters" in value
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("name"), str)
+        and isinstance(value.get("parameters"), dict)
+    )
 
 
 def new_call_id() -> str:
@@ -165,7 +169,9 @@ def tool_constraint(
         return None
     schemas = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in tools}
     for name, schema in schemas.items():
-        if schema.get("type", "object") != "object":
+        if "type" not in schema:  # properties alone would let a string or an array through
+            schemas[name] = schema = {**schema, "type": "object"}
+        if schema["type"] != "object":
             raise ToolsError(
                 f"the parameters schema of {name!r} must describe an object (its arguments), "
                 f"got type {schema.get('type')!r}",

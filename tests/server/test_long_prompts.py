@@ -54,3 +54,12 @@ async def test_long_generation_prompts_are_refused_after_tokenizing_off_the_loop
     _, raw = await post(client, "/v1/chat/completions", body)
     assert error_of(raw, 400)["param"] == "messages"
     assert len(calls) == 2
+
+
+async def test_large_bodies_are_validated_off_the_loop(client, monkeypatch):
+    """100k content parts take pydantic a while: not on the loop."""
+    calls = count_threads(monkeypatch)
+    parts = [{"type": "text", "text": "word"}] * 20_000  # about 700 KB of JSON
+    _, raw = await post(client, "/tokenize", {"messages": [{"role": "user", "content": parts}]})
+    assert orjson.loads(raw)["count"] > 20_000
+    assert calls[0] == "parse"

@@ -220,6 +220,18 @@ async def test_count_tokens_is_the_chat_prompt_length(ant, engine):
     count = await ant.messages.count_tokens(model=engine.model_name, system=system, messages=HI)  # type: ignore[arg-type]
     assert count.input_tokens == len(chat_prompt_ids([{"role": "system", "content": system}, *HI]))
     assert engine.stats.prompt_tokens == 0 and not engine.stats.finished  # nothing generated
+    # An empty system prompt is none.
+    count = await ant.messages.count_tokens(model=engine.model_name, system=[], messages=HI)  # type: ignore[arg-type]
+    assert count.input_tokens == len(chat_prompt_ids(HI))
+
+
+async def test_a_last_assistant_message_is_a_prefill_the_answer_continues(ant, engine):
+    prefill = [*HI, {"role": "assistant", "content": '{"a":'}]
+    count = await ant.messages.count_tokens(model=engine.model_name, messages=prefill)  # type: ignore[arg-type]
+    expected = chat_prompt_ids(prefill, False, continue_final_message=True)
+    assert count.input_tokens == len(expected)
+    message = await ant.messages.create(model=engine.model_name, messages=prefill, max_tokens=3)  # type: ignore[arg-type]
+    assert message.content[0].text == expected_output(expected, 3)[1]  # type: ignore[union-attr]
 
 
 async def test_with_deepseek_r1_reasoning_the_output_is_a_thinking_block(live_factory, engine):

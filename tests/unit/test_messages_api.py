@@ -318,3 +318,11 @@ def test_tool_input_is_an_object_or_empty():
     assert tool_input('{"a": [1, {"b": 2}]}') == {"a": [1, {"b": 2}]}
     assert tool_input('{"a": "unfinish') == {}  # a string cut short is no value yet
     assert tool_input("[1]") == {} and tool_input("") == {} and tool_input("nope") == {}
+
+
+def test_a_stop_sequence_that_cuts_a_forced_call_is_the_stop_reason():
+    """The client must not run a call that a stop sequence cut short."""
+    events = MessageEvents(context(), tool_mode=ToolMode(named="get_weather"))
+    run(events, ['{"city": "Oslo"', ","], "stop", stop=",")
+    body = events.message()
+    assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", ",")

@@ -106,3 +106,16 @@ def test_outputs_become_calls_or_none_when_they_do_not_parse():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": "é"}), ("g", {})]
     assert len({c.id for c in calls}) == 2
     assert ToolMode(named=None).calls('[{"name": "f"}]') is None
+
+
+def test_a_schema_without_a_type_still_constrains_to_an_object():
+    """{"properties": ...} alone would let an array or a string through as the arguments."""
+    untyped = ChatTool.model_validate(
+        {"type": "function",
+         "function": {"name": "f", "parameters": {"properties": {"x": {"type": "integer"}}}}}
+    )  # fmt: skip
+    _, spec = tool_constraint([untyped], named("f"), True)  # type: ignore[misc]
+    assert spec.json == {"properties": {"x": {"type": "integer"}}, "type": "object"}
+    assert untyped.function.parameters == {"properties": {"x": {"type": "integer"}}}  # unchanged
+    # Calls whose parameters are not an object are no calls.
+    assert ToolMode(named=None).calls('[{"name": "f", "parameters": [1]}]') is None
