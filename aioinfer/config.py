@@ -7,7 +7,11 @@ happens in `__post_init__` and raises ValueError naming the field and the value.
 from __future__ import annotations
 
 import json
+import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 # Sampling defaults a model's generation_config.json (or --override-generation-config) may set.
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -15,6 +19,37 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition
 # The parsers of server/tool_parsers.py and server/reasoning.py (a test keeps the lists the same).
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
+
+
+def _json_object(name: str, value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A flag that holds a JSON object (text from the command line, or a dict from code)."""
+    if value is None or isinstance(value, Mapping):
+        return None if value is None else dict(value)
+    try:
+        parsed = json.loads(value)
+    except (TypeError, ValueError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return parsed
+
+
+_ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+")
+
+
+def _origins(values: tuple[str, ...]) -> tuple[str, ...]:
+    """--allowed-origins as origins: each flag an origin or vLLM's JSON list of them; an origin
+    with a path (a trailing / included) would never match a browser's Origin header."""
+    origins: list[str] = []
+    for value in values:
+        parsed = json.loads(value) if value.lstrip().startswith("[") else [value]
+        origins += parsed
+    for origin in origins:
+        if origin != "*" and not (isinstance(origin, str) and _ORIGIN.fullmatch(origin)):
+            raise ValueError(
+                f"allowed_origins must be '*' or scheme://host[:port] (no path), got {origin!r}"
+            )
+    return tuple(origins)
 
 
 def _opt(default, help: str, **extra):
@@ -46,12 +81,13 @@ class ModelConfig:
     generation_config: str = _opt(
         "auto", "auto: take sampling defaults from generation_config.json; vllm: ignore it."
     )
-    override_generation_config: str | None = _opt(
+    override_generation_config: str | Mapping[str, Any] | None = _opt(
         None,
         "Sampling defaults over generation_config.json's, as a JSON object, e.g. "
         '\'{"temperature": 0.6, "max_new_tokens": 512}\' (keys: '
         + ", ".join(GENERATION_DEFAULT_KEYS)
-        + ", max_new_tokens); a request's own values win.",
+        + ", max_new_tokens); a request's own values win, except that max_new_tokens caps "
+        "max_tokens, as in vLLM.",
     )
     max_logprobs: int = _opt(20, "Most logprobs (and top_logprobs) a request may ask for.")
     attention_backend: str = _opt(
@@ -91,25 +127,26 @@ class ModelConfig:
     def generation_overrides(self) -> dict[str, float]:
         """--override-generation-config as sampling defaults (max_new_tokens: max_tokens);
         raises ValueError naming what is wrong."""
-        text = self.override_generation_config
-        if text is None:
-            return {}
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = None
-        if not isinstance(value, dict):
-            raise ValueError(f"override_generation_config must be a JSON object, got {text!r}")
+        value = _json_object("override_generation_config", self.override_generation_config)
         allowed = (*GENERATION_DEFAULT_KEYS, "max_new_tokens")
-        out: dict[str, float] = {}
-        for key, number in value.items():
+        out: dict[str, Any] = {}
+        for key, number in (value or {}).items():
             if key not in allowed:
                 raise ValueError(
                     f"override_generation_config may set {', '.join(allowed)}, got {key!r}"
                 )
             if isinstance(number, bool) or not isinstance(number, (int, float)):
                 raise ValueError(f"override_generation_config: {key} must be a number")
+            if not math.isfinite(number):
+                raise ValueError(f"override_generation_config: {key} must be finite")
             out["max_tokens" if key == "max_new_tokens" else key] = number
+        # The ranges SamplingParams checks, now rather than in every request.
+        from aioinfer.core.sampling_params import SamplingParams
+
+        try:
+            SamplingParams(**out)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"override_generation_config: {exc}") from None
         return out
 
 
@@ -165,7 +202,9 @@ class ServerConfig:
     )
     api_key: tuple[str, ...] = _opt((), "Accepted API key (repeatable; also AIOINFER_API_KEY).")
     allowed_origins: tuple[str, ...] = _opt(
-        (), "Origins whose browser apps may call the API (repeatable; '*': any). Default: none."
+        (),
+        "Origins whose browser apps may call the API, as scheme://host[:port] (repeatable, or "
+        "vLLM's JSON list; '*': any). Default: none (vLLM's is '*').",
     )
     shutdown_timeout: float = _opt(
         10.0,
@@ -204,7 +243,7 @@ class ServerConfig:
         + ".",
     )
 
-    default_chat_template_kwargs: str | None = _opt(
+    default_chat_template_kwargs: str | Mapping[str, Any] | None = _opt(
         None,
         "Chat template variables for every request, as a JSON object, e.g. "
         "'{\"enable_thinking\": false}' for Qwen3; a request's chat_template_kwargs win.",
@@ -212,8 +251,7 @@ class ServerConfig:
 
     @property
     def chat_template_defaults(self) -> dict[str, object]:
-        text = self.default_chat_template_kwargs
-        return {} if text is None else json.loads(text)
+        return _json_object("default_chat_template_kwargs", self.default_chat_template_kwargs) or {}
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -222,6 +260,7 @@ class ServerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_positive(self, "stream_write_timeout")
+        object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSER_NAMES):
@@ -241,14 +280,10 @@ class ServerConfig:
     def _check_template_defaults(self) -> None:
         from aioinfer.engine.tokenizer import check_template_kwargs
 
-        text = self.default_chat_template_kwargs
         try:
-            value = None if text is None else json.loads(text)
-        except ValueError:
-            value = text
-        if text is not None and not isinstance(value, dict):
-            raise ValueError(f"default_chat_template_kwargs must be a JSON object, got {text!r}")
-        check_template_kwargs(value)
+            check_template_kwargs(self.chat_template_defaults)
+        except ValueError as exc:
+            raise ValueError(f"default_chat_template_kwargs: {exc}") from None
 
 
 CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ServerConfig)

@@ -1,7 +1,8 @@
-"""Cross-origin requests from browsers (--allowed-origins): off unless origins are given, as in
-vLLM. A browser app served from an allowed origin may call the API, its preflight (OPTIONS)
-answered without an API key, and every answer, errors and streams included, carries the
-headers that let it read the response.
+"""Cross-origin requests from browsers (--allowed-origins): off unless origins are given (vLLM
+allows any by default; a server that holds API keys should not, unasked). A browser app served
+from an allowed origin may call the API, its preflight (OPTIONS) answered without an API key,
+and every answer, errors and streams included, carries the headers that let it read the
+response. No credentials (cookies): keys travel in headers.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ class CorsPolicy:
 
     async def add_headers(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
         """on_response_prepare: before the headers go out, so streams get them too."""
+        if not self.any_origin:  # the answer depends on Origin: caches must key on it
+            response.headers.add("Vary", "Origin")
         allowed = self.allow_origin(request)
         if allowed is None:
             return
         response.headers["Access-Control-Allow-Origin"] = allowed
         response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
-        if allowed != "*":
-            response.headers.add("Vary", "Origin")

@@ -66,17 +66,38 @@ def server_address(config: ServerConfig) -> str:
 
 
 def make_site(runner: web.AppRunner, config: ServerConfig) -> web.BaseSite:
-    """Where the server listens: --uds, or host:port, over TLS with --ssl-certfile."""
+    """Where the server listens: --uds, or host:port; over TLS with --ssl-certfile."""
+    context = _tls_context(config) if config.ssl_certfile else None
     if config.uds:
-        return web.UnixSite(runner, config.uds)
-    context = None
-    if config.ssl_certfile:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
-        except (OSError, ssl.SSLError) as exc:
-            raise SystemExit(f"Cannot load --ssl-certfile / --ssl-keyfile: {exc}") from None
+        return web.UnixSite(runner, config.uds, ssl_context=context)
     return web.TCPSite(runner, config.host, config.port, ssl_context=context)
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_passphrase() -> str:
+    # Called for an encrypted key, instead of OpenSSL asking on the terminal (a server has none).
+    raise _EncryptedKey
+
+
+def _tls_context(config: ServerConfig) -> ssl.SSLContext:
+    assert config.ssl_certfile is not None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile, password=_no_passphrase)
+    except _EncryptedKey:
+        raise SystemExit(
+            "The --ssl-keyfile key is encrypted: give a decrypted copy "
+            "(openssl pkey -in key.pem -out plain.pem)"
+        ) from None
+    except (OSError, ssl.SSLError) as exc:
+        hint = (
+            "" if config.ssl_keyfile else " (no --ssl-keyfile: is the key in the certificate file?)"
+        )
+        raise SystemExit(f"Cannot load --ssl-certfile / --ssl-keyfile: {exc}{hint}") from None
+    return context
 
 
 def run_server(

@@ -287,9 +287,9 @@ class CompletionRequest(_GenerationRequest):
         values = self._sampling_values(defaults)
         limit = self.max_tokens
         if limit is None:
-            limit = defaults.get("max_tokens", COMPLETION_MAX_TOKENS_DEFAULT)
+            limit = COMPLETION_MAX_TOKENS_DEFAULT
         # The engine samples at least one token; the handler hides it (see `prompt_only`).
-        values["max_tokens"] = 1 if self.prompt_only else limit
+        values["max_tokens"] = 1 if self.prompt_only else _capped(limit, defaults)
         if self.logprobs is not None:
             values["logprobs"] = self.logprobs
             if self.echo:  # the echoed prompt's logprobs
@@ -480,7 +480,7 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
         limit = self.max_completion_tokens
         if limit is None:
             limit = self.max_tokens
-        values["max_tokens"] = limit if limit is not None else defaults.get("max_tokens")
+        values["max_tokens"] = _capped(limit, defaults)
         if self.logprobs:
             values["logprobs"] = self.top_logprobs or 0
         return self._build(values)
@@ -510,6 +510,15 @@ class DetokenizeRequest(OpenAIRequest):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _capped(limit: int | None, defaults: Mapping[str, Any]) -> int | None:
+    """max_tokens under the server's cap (--override-generation-config's max_new_tokens, a
+    cap as in vLLM; None: the rest of the context)."""
+    cap = defaults.get("max_tokens")
+    if cap is None:
+        return limit
+    return cap if limit is None else min(limit, cap)
 
 
 def _is_int(value: Any) -> bool:

@@ -65,3 +65,21 @@ async def test_any_origin(aiohttp_client, engine):
     response = await client.get("/health", headers={"Origin": "https://any.example.com"})
     assert response.headers["Access-Control-Allow-Origin"] == "*"
     assert "Vary" not in response.headers
+
+
+def test_origins_are_checked_and_vllm_s_json_list_is_taken():
+    from aioinfer.config import ServerConfig as Config
+
+    listed = Config(allowed_origins=('["https://a.example", "http://localhost:3000"]',))
+    assert listed.allowed_origins == ("https://a.example", "http://localhost:3000")
+    for bad in ("http://localhost:3000/", "a.example", "https://a.example/app"):
+        with pytest.raises(ValueError, match="scheme://host"):
+            Config(allowed_origins=(bad,))
+
+
+async def test_answers_vary_on_origin_whatever_it_is(aiohttp_client, engine):
+    """A cache must not hand the answer without CORS headers to the allowed app."""
+    client = await _client(aiohttp_client, engine, (APP,))
+    for headers in ({}, {"Origin": "https://elsewhere.example.com"}):
+        response = await client.get("/health", headers=headers)
+        assert "Origin" in response.headers.getall("Vary", [])

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import ssl
 import subprocess
@@ -49,6 +50,42 @@ async def test_the_server_speaks_https_with_the_certificate(engine, certificate)
     finally:
         await runner.cleanup()
     assert server_address(config).startswith("https://127.0.0.1:")
+
+
+async def test_a_unix_socket_speaks_tls_too(engine, certificate, tmp_path):
+    cert, key = certificate
+    path = str(tmp_path / "tls.sock")
+    config = ServerConfig(uds=path, ssl_certfile=str(cert), ssl_keyfile=str(key))
+    runner = web.AppRunner(create_app(engine, config))
+    await runner.setup()
+    await make_site(runner, config).start()
+    try:
+        # A raw request: aiohttp's client does not speak TLS over a Unix socket.
+        trusted = ssl.create_default_context(cafile=str(cert))
+        trusted.check_hostname = False
+        reader, writer = await asyncio.open_unix_connection(
+            path, ssl=trusted, server_hostname="localhost"
+        )
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        status_line = await reader.readline()
+        writer.close()
+        assert status_line.startswith(b"HTTP/1.1 200")
+    finally:
+        await runner.cleanup()
+
+
+def test_an_encrypted_key_is_refused_with_what_to_do(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command line to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-days", "1", "-subj", "/CN=x",
+         "-passout", "pass:secret", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    config = ServerConfig(ssl_certfile=str(cert), ssl_keyfile=str(key))
+    with pytest.raises(SystemExit, match="encrypted"):
+        make_site(web.AppRunner(web.Application()), config)
 
 
 def test_a_key_without_a_certificate_or_a_bad_file_is_refused(tmp_path):

@@ -23,8 +23,18 @@ def test_defaults_from_the_file_under_the_overrides():
     ("text", "fragment"),
     [("[1]", "JSON object"), ("{", "JSON object"), ('{"seed": 1}', "'seed'"),
      ('{"temperature": "hot"}', "temperature must be a number"),
-     ('{"top_k": true}', "top_k must be a number")],
+     ('{"top_k": true}', "top_k must be a number"),
+     # Ranges, at start, rather than a 400 for every request that sets nothing.
+     ('{"temperature": -1}', "temperature must be >= 0"), ('{"top_p": 0}', "top_p"),
+     ('{"top_k": 1.5}', "top_k"), ('{"max_new_tokens": 0}', "max_tokens"),
+     ('{"temperature": NaN}', "finite")],
 )  # fmt: skip
 def test_bad_overrides_are_refused_at_start(text, fragment):
     with pytest.raises(ValueError, match=fragment):
         ModelConfig(override_generation_config=text)
+
+
+def test_code_may_give_a_dict():
+    """As vLLM's LLM(..., override_generation_config={...}) does."""
+    config = ModelConfig(override_generation_config={"temperature": 0.5})
+    assert config.generation_overrides == {"temperature": 0.5}
