@@ -51,6 +51,25 @@ async def assert_aborted_quickly(engine, num_aborted_before: int, count: int = 1
     assert_pool_free(engine)
 
 
+async def check_a_leaving_client_frees_its_blocks(
+    live_factory, path: str, body: dict, first_event: bytes | None
+) -> None:
+    """A client sends `body` to `path` and leaves: once `first_event` came (streamed), or
+    while its request runs (not streamed). Its request is aborted and its blocks freed."""
+    engine = await build_engine(step_delay=0.02)
+    try:
+        server = await live_factory(engine)
+        reader, writer = await raw_request(server, path, body)
+        if first_event is not None:
+            await reader.readuntil(first_event)
+        else:
+            await wait_until(lambda: engine.scheduler.num_running == 1)
+        writer.close()
+        await assert_aborted_quickly(engine, 0)
+    finally:
+        await engine.shutdown()
+
+
 async def test_streaming_clients_that_leave_abort(live_factory):
     engine = await build_engine(step_delay=0.02)
     try:

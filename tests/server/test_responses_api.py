@@ -21,7 +21,7 @@ from tests.server.conftest import (
     chat_prompt_ids,
     expected_output,
 )
-from tests.server.test_disconnect import assert_aborted_quickly, raw_request, wait_until
+from tests.server.test_disconnect import check_a_leaving_client_frees_its_blocks
 from tests.server.test_http import error_of, post
 from tests.server.test_tools import WEATHER, _check_weather
 from tests.tokenizer_fixtures import make_tokenizer
@@ -296,19 +296,9 @@ async def test_the_openapi_document_has_the_responses_routes(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_client_that_leaves_frees_its_blocks(live_factory, stream):
-    engine = await build_engine(step_delay=0.02)
-    try:
-        server = await live_factory(engine)
-        body = {"input": "Hi", "max_output_tokens": 100, "stream": stream}
-        reader, writer = await raw_request(server, "/v1/responses", body)
-        if stream:
-            await reader.readuntil(b"event: response.output_text.delta")
-        else:
-            await wait_until(lambda: engine.scheduler.num_running == 1)
-        writer.close()
-        await assert_aborted_quickly(engine, 0)
-    finally:
-        await engine.shutdown()
+    body = {"input": "Hi", "max_output_tokens": 100, "stream": stream}
+    marker = b"event: response.output_text.delta" if stream else None
+    await check_a_leaving_client_frees_its_blocks(live_factory, "/v1/responses", body, marker)
 
 
 async def test_an_engine_failure_mid_stream_is_an_error_event(aiohttp_client):
