@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from http.client import HTTPException, HTTPResponse
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_KEY_ENV = "AIOINFER_API_KEY"
@@ -83,14 +83,16 @@ class Client:
 
     def stream_chat(
         self, model: str, messages: list[dict[str, str]], options: dict[str, Any]
-    ) -> Generator[str, None, None]:
-        """The text deltas of a streamed chat completion."""
+    ) -> Generator[ChatPiece, None, None]:
+        """The text deltas of a streamed chat completion: the reasoning (a server with
+        --reasoning-parser sends it apart), then the answer."""
         body = {"model": model, "messages": messages, "stream": True, **options}
         for event in self._stream("/v1/chat/completions", body):
             for choice in event.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    yield text
+                delta = choice.get("delta") or {}
+                for key in ("reasoning", "content"):
+                    if delta.get(key):
+                        yield ChatPiece(delta[key], reasoning=key == "reasoning")
 
     def stream_completion(
         self, model: str, prompt: str, options: dict[str, Any]
@@ -195,6 +197,14 @@ def pick_model(client: Client, model: str | None) -> str:
 
 # ----------------------------------------------------------------------------- chat
 
+THINKING = "(thinking) "
+_DIM, _PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+class ChatPiece(NamedTuple):
+    text: str
+    reasoning: bool = False
+
 
 @dataclass
 class ChatSession:
@@ -217,11 +227,18 @@ class ChatSession:
         """
         self.messages.append({"role": "user", "content": text})
         pieces: list[str] = []
+        thinking = False  # the reasoning shows, dimmed on a terminal, before the answer
         stream = self.client.stream_chat(self.model, self.messages, self.options)
         try:
             for piece in stream:
-                pieces.append(piece)
-                self.out.write(piece)
+                if piece.reasoning and not thinking:
+                    self.out.write(self._style(_DIM) + THINKING)
+                elif thinking and not piece.reasoning:
+                    self.out.write(self._style(_PLAIN) + "\n")
+                thinking = piece.reasoning
+                if not piece.reasoning:
+                    pieces.append(piece.text)
+                self.out.write(piece.text)
                 self.out.flush()
         except ClientError:
             self.messages.pop()
@@ -232,11 +249,16 @@ class ChatSession:
             self.out.write(" [stopped]")
         finally:
             stream.close()  # closes the connection at once
+            if thinking:
+                self.out.write(self._style(_PLAIN))
         self.out.write("\n")
         self.out.flush()
         reply = "".join(pieces)
         self.messages.append({"role": "assistant", "content": reply})
         return reply
+
+    def _style(self, code: str) -> str:
+        return code if self.out.isatty() else ""
 
 
 def chat_main(

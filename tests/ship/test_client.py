@@ -20,6 +20,8 @@ import pytest
 
 from aioinfer.client import (
     API_KEY_ENV,
+    THINKING,
+    ChatPiece,
     ChatSession,
     Client,
     ClientError,
@@ -165,6 +167,23 @@ def test_chat_session_clear_and_refused_turn(live_server):
     assert len(session.messages) == 3
     session.reset("sys")
     assert session.messages == [{"role": "system", "content": "sys"}]
+
+
+def test_the_reasoning_shows_apart_and_stays_out_of_the_history(monkeypatch):
+    events = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"reasoning": "They greet"}}]},
+        {"choices": [{"delta": {"reasoning": " me."}}]},
+        {"choices": [{"delta": {"content": "Hello!"}}]},
+    ]
+    monkeypatch.setattr(Client, "_stream", lambda self, path, body: iter(events))
+    out = io.StringIO()
+    session = ChatSession(Client("http://127.0.0.1:1"), "m", {}, out)
+    pieces = list(session.client.stream_chat("m", [], {}))
+    assert pieces == [ChatPiece("They greet", True), ChatPiece(" me.", True), ChatPiece("Hello!")]
+    assert session.turn("Hi") == "Hello!"
+    assert out.getvalue() == f"{THINKING}They greet me.\nHello!\n"  # no colours off a terminal
+    assert session.messages[-1] == {"role": "assistant", "content": "Hello!"}
 
 
 def test_chat_reads_piped_stdin_without_prompts(live_server):
