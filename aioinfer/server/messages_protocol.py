@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
-from typing_extensions import Self
 
 from aioinfer.server.formats import JsonSchemaFormat, ResponseFormat, StrictModel
 from aioinfer.server.protocol import (
@@ -66,10 +64,6 @@ _BLOCK_KIND_IN_PATH = re.compile(rf"(content\[\d+\])\.(?:{'|'.join(_BLOCK_TYPES)
 
 def _string_or_blocks(value: Any) -> str:
     return "string" if isinstance(value, str) else "blocks"
-
-
-def _client_path(text: str) -> str:
-    return _BLOCK_KIND_IN_PATH.sub(r"\1", _SHAPE_IN_PATH.sub("", text))
 
 
 def _known_blocks(value: Any) -> Any:
@@ -249,13 +243,9 @@ class MessagesRequest(OpenAIRequest):
     container: Any = Field(None, description="Not supported.")
     mcp_servers: Any = Field(None, description="Not supported.")
 
-    @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Self:
-        try:
-            return super().parse(data)
-        except RequestValidationError as exc:
-            param = _client_path(exc.param) if exc.param else None
-            raise RequestValidationError(_client_path(exc.message), param) from None
+    @staticmethod
+    def client_path(text: str) -> str:
+        return _BLOCK_KIND_IN_PATH.sub(r"\1", _SHAPE_IN_PATH.sub("", text))
 
     def check_supported(self) -> None:
         for param in ("container", "mcp_servers"):

@@ -11,7 +11,7 @@ PURE (no torch, no asyncio).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import pydantic_core
@@ -27,6 +27,7 @@ from aioinfer.server.output_parts import (
     ReasoningDelta,
     ReasoningDone,
     TextDelta,
+    TextPieces,
 )
 from aioinfer.server.render import ResponseContext
 from aioinfer.server.responses_render import new_id
@@ -130,18 +131,11 @@ def anthropic_error_body(
 
 
 @dataclass
-class _Block:
+class _Block(TextPieces):  # the thinking, the text, or a call's input as JSON text
     kind: BlockKind
     index: int  # in the message's content
-    # The thinking, the text, or a tool call's input as JSON text, in pieces: `+=` on an
-    # attribute copies the whole text for every delta.
-    pieces: list[str] = field(default_factory=list)
     id: str = ""
     name: str = ""
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
 
 
 class MessageEvents:

@@ -20,6 +20,18 @@ from aioinfer.server.tool_parsers import ToolCallStream, ToolParser
 from aioinfer.server.tools import ToolCall, ToolMode
 
 
+@dataclass
+class TextPieces:
+    """Text that an item or block gathers delta by delta. Kept in pieces: `+=` on an attribute
+    copies the whole text for every delta (seconds over a long output)."""
+
+    pieces: list[str] = field(default_factory=list, kw_only=True)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str

@@ -54,9 +54,16 @@ class OpenAIRequest(StrictModel):
             request = cls.model_validate(data)
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
-            raise RequestValidationError(message, param) from None
+            param = cls.client_path(param) if param is not None else None
+            raise RequestValidationError(cls.client_path(message), param) from None
         request.check_supported()
         return request
+
+    @staticmethod
+    def client_path(text: str) -> str:
+        """A field's path as the client wrote it: pydantic also names the alternative of a
+        union a value was tried as (input[0].message.content), which a request may drop."""
+        return text
 
     def check_supported(self) -> None:
         """Refuse valid-looking requests the server cannot serve."""

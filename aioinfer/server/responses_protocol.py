@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
-from typing_extensions import Self
 
 from aioinfer.server.formats import JsonSchemaFormat, ResponseFormat, StrictModel
 from aioinfer.server.protocol import (
@@ -261,16 +259,9 @@ class ResponsesRequest(OpenAIRequest):
     conversation: Any = Field(None, description="Not supported.")
     prompt: Any = Field(None, description="Not supported (prompt templates).")
 
-    @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> Self:
-        try:
-            return super().parse(data)
-        except RequestValidationError as exc:
-            # pydantic names an item's kind in its path (input[0].message.content): drop it.
-            param = _ITEM_KIND_IN_PATH.sub(r"\1", exc.param or "") or None
-            raise RequestValidationError(
-                _ITEM_KIND_IN_PATH.sub(r"\1", exc.message), param
-            ) from None
+    @staticmethod
+    def client_path(text: str) -> str:
+        return _ITEM_KIND_IN_PATH.sub(r"\1", text)  # input[0].message.content: no "message"
 
     # A string is one user message; the schema says so (json_schema_input_type).
     @field_validator("input", mode="before", json_schema_input_type=str | list[InputItem])

@@ -26,6 +26,7 @@ from aioinfer.server.output_parts import (
     ReasoningDelta,
     ReasoningDone,
     TextDelta,
+    TextPieces,
 )
 from aioinfer.server.render import ResponseContext
 from aioinfer.server.responses import ChatLogprob
@@ -162,46 +163,28 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-# Items keep their text in pieces: `+=` on an attribute copies the whole text for every delta.
-
-
 @dataclass
-class _Message:
+class _Message(TextPieces):
     id: str
     index: int  # in the response's output
-    pieces: list[str] = field(default_factory=list)
     logprobs: list[ChatLogprob] = field(default_factory=list)
     status: Status = "in_progress"
 
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
 
 @dataclass
-class _Reasoning:
+class _Reasoning(TextPieces):
     id: str
     index: int
-    pieces: list[str] = field(default_factory=list)
     status: Status = "in_progress"
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
 
 
 @dataclass
-class _Call:
+class _Call(TextPieces):  # the text is the arguments (JSON)
     id: str
     index: int
     name: str
     call_id: str = field(default_factory=lambda: new_id("call"))
-    pieces: list[str] = field(default_factory=list)
     status: Status = "in_progress"
-
-    @property
-    def arguments(self) -> str:
-        return "".join(self.pieces)
 
 
 class ResponseEvents:
@@ -447,7 +430,7 @@ class ResponseEvents:
                     "response.function_call_arguments.done",
                     item_id=item.id,
                     output_index=item.index,
-                    arguments=item.arguments,
+                    arguments=item.text,
                 )
             )
         events.append(self._event("response.output_item.done", output_index=item.index, item=done))
@@ -490,6 +473,6 @@ def _item_json(item: _Reasoning | _Message | _Call) -> OutputItem:
         "type": "function_call",
         "call_id": item.call_id,
         "name": item.name,
-        "arguments": item.arguments,
+        "arguments": item.text,
         "status": item.status,
     }
