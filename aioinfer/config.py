@@ -169,6 +169,64 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class NgramSpeculation:
+    """--speculative-config, parsed: prompt-lookup drafts (see core/spec_decode.py)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    # No drafts while this many requests or more run (vLLM's key); None: always draft.
+    disable_by_batch_size: int | None = None
+
+
+MAX_SPECULATIVE_TOKENS = 32
+
+
+def _speculation(value: str | Mapping[str, Any] | None) -> NgramSpeculation | None:
+    """vLLM's --speculative-config keys for method "ngram"; raises ValueError naming the key."""
+    spec = _json_object("speculative_config", value)
+    if spec is None:
+        return None
+    allowed = (
+        "method",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "disable_by_batch_size",
+    )
+    for key in spec:
+        if key not in allowed:
+            raise ValueError(
+                f"speculative_config may set {', '.join(allowed)}, got {key!r} (only n-gram "
+                "prompt lookup is supported; draft models are not)"
+            )
+    if spec.get("method") != "ngram":
+        raise ValueError(f"speculative_config: method must be 'ngram', got {spec.get('method')!r}")
+    for key in allowed[1:]:
+        number = spec.get(key)
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int)):
+            raise ValueError(f"speculative_config: {key} must be an integer, got {number!r}")
+    num = spec.get("num_speculative_tokens")
+    if num is None or not 1 <= num <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            "speculative_config: num_speculative_tokens must be in "
+            f"[1, {MAX_SPECULATIVE_TOKENS}], got {num!r}"
+        )
+    # vLLM's defaults: either bound alone sets both; neither means 5.
+    low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    low, high = low or high or 5, high or low or 5
+    if not 1 <= low <= high:
+        raise ValueError(
+            "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+            f"{low} and {high}"
+        )
+    batch = spec.get("disable_by_batch_size")
+    if batch is not None and batch < 1:
+        raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {batch}")
+    return NgramSpeculation(num, low, high, batch)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = _opt(256, "Most requests in one step.")
     max_num_batched_tokens: int | None = _opt(
@@ -184,11 +242,26 @@ class SchedulerConfig:
         "Seconds a request may wait for its first step; beyond it the request is dropped "
         "with a 503 (default: no limit).",
     )
+    speculative_config: str | Mapping[str, Any] | None = _opt(
+        None,
+        "Speculative decoding by prompt lookup, as a JSON object with vLLM's keys, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\': '
+        "where the last n tokens (prompt_lookup_min <= n <= prompt_lookup_max) appeared "
+        "before, the tokens that followed them are drafted, and one forward pass checks them "
+        "all. Outputs keep their distribution (greedy: the same tokens); edits, quotes and "
+        "code that repeat the context come faster. disable_by_batch_size: no drafts while "
+        "that many requests run.",
+    )
 
     def __post_init__(self) -> None:
         _check_positive(
             self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "queue_timeout"
         )
+        self.speculation  # noqa: B018 (checks the JSON)
+
+    @property
+    def speculation(self) -> NgramSpeculation | None:
+        return _speculation(self.speculative_config)
 
 
 @dataclass(frozen=True)

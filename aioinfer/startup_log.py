@@ -99,6 +99,7 @@ async def log_stats_periodically(engine: Any, interval: float) -> None:
     """Every `interval` seconds while busy: throughput, queue sizes, KV usage, prefix hits."""
     last_prompt, last_gen = engine.stats.prompt_tokens, engine.stats.generation_tokens
     last_time = time.monotonic()
+    last_spec = (0, 0, 0)
     while True:
         await asyncio.sleep(interval)
         scheduler = engine.scheduler
@@ -119,4 +120,20 @@ async def log_stats_periodically(engine: Any, interval: float) -> None:
                 scheduler.num_running, scheduler.num_waiting, scheduler.kv.usage * 100,
                 hit_rate * 100,
             )  # fmt: skip
+            if scheduler.speculation is not None:
+                last_spec = _log_spec_stats(scheduler.spec_stats, last_spec)
         last_prompt, last_gen, last_time = prompt, gen, now
+
+
+def _log_spec_stats(stats: Any, last: tuple[int, int, int]) -> tuple[int, int, int]:
+    """vLLM's SpecDecoding line over the interval: tokens a draft step emits on average
+    (accepted drafts + 1), and how many drafts were accepted."""
+    now = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    drafts, drafted, accepted = (a - b for a, b in zip(now, last, strict=True))
+    if drafts:
+        logger.info(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+            "Drafted: %d tokens, Avg Draft acceptance rate: %.1f%%",
+            1 + accepted / drafts, accepted, drafted, 100 * accepted / max(drafted, 1),
+        )  # fmt: skip
+    return now

@@ -115,9 +115,11 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
         # The K/V of these tokens are written by the step being planned, before any later step
-        # can read them, so the blocks may be shared from the next step on.
+        # can read them, so the blocks may be shared from the next step on. Drafted tokens
+        # (past the request's own) are not known to be right yet: their blocks wait.
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return
+        num_tokens = min(num_tokens, request.num_tokens)
         self._extend_hashes(request, num_tokens)
         first = self.num_cached_blocks.get(request.request_id, 0)
         last = num_tokens // self.block_size

@@ -104,6 +104,15 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
 
+    @property
+    def can_speculate(self) -> bool:
+        """Whether drafted tokens may be checked in this step: a grammar's mask (and a bad
+        word's ban) depends on the tokens before it, and before min_tokens the bans move with
+        each token, so those requests decode one token at a time."""
+        return (
+            self.constraints is None and self.num_output_tokens >= self.sampling_params.min_tokens
+        )
+
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from aioinfer.config import NgramSpeculation
 from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.request import Request, RequestStatus
+from aioinfer.core.spec_decode import NgramProposer, SpecDecodeStats
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult, TokenLogprobs
 
 
@@ -50,6 +52,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        speculation: NgramSpeculation | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
@@ -65,6 +68,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_id = 0
         self._finished_since_last_plan: list[str] = []
+        self.speculation = speculation
+        self.proposer = NgramProposer(speculation) if speculation is not None else None
+        self.spec_stats = SpecDecodeStats()
 
     # ----------------------------------------------------------------- queue management
 
@@ -125,6 +131,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, budget - num_new) if num_new == 1 else ()
+            if drafts and self.kv.allocate(request, num_new + len(drafts)) is not None:
+                chunks.append(self._make_chunk(request, num_new, drafts))
+                budget -= num_new + len(drafts)
+                i += 1
+                continue
             while self.kv.allocate(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -154,15 +166,32 @@ class Scheduler:
             chunks.append(self._make_chunk(request, num_new))
             budget -= num_new
 
-    def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _drafts(self, request: Request, room: int) -> tuple[int, ...]:
+        """Speculative tokens for a decoding request, within `room` more tokens of budget."""
+        spec = self.speculation
+        if self.proposer is None or spec is None or room <= 0 or not request.can_speculate:
+            return ()
+        if (
+            spec.disable_by_batch_size is not None
+            and len(self.running) >= spec.disable_by_batch_size
+        ):
+            return ()
+        # A draft past max_tokens could never be emitted.
+        room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        return self.proposer.propose(request.request_id, request.all_token_ids, room)
+
+    def _make_chunk(
+        self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
-        request.num_computed_tokens = end
+        # Drafts are computed too until apply() learns how many were accepted.
+        request.num_computed_tokens = end + len(drafts)
         params = request.sampling_params
         sample = end == request.num_tokens
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:end]),
+            token_ids=tuple(request.all_token_ids[start:end]) + drafts,
             start_pos=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
             sample=sample,
@@ -173,6 +202,7 @@ class Scheduler:
             banned_token_ids=request.banned_token_ids() if sample else (),
             constraints=request.constraints if sample else None,
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
+            draft_token_ids=drafts,
         )
 
     @staticmethod
@@ -204,37 +234,62 @@ class Scheduler:
             prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
             if prompt_logprobs:
                 request.prompt_logprobs.extend(prompt_logprobs)
-            token_id = result.sampled_token_ids.get(chunk.request_id)
-            if chunk.sample and token_id is not None:
-                updates.append(self._append_token(request, token_id, result))
+            token_ids = result.sampled_token_ids.get(chunk.request_id)
+            if not chunk.sample or not token_ids:
+                continue
+            drafts = chunk.draft_token_ids
+            if (
+                len(token_ids) > len(drafts) + 1
+                or list(drafts[: len(token_ids) - 1]) != token_ids[:-1]
+            ):
+                raise ValueError(
+                    f"request {chunk.request_id!r}: the runner emitted {token_ids} for drafts "
+                    f"{list(drafts)}"
+                )
+            if drafts:
+                num_accepted = len(token_ids) - 1
+                # The rejected drafts' K/V are garbage: recompute from the first of them.
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_stats.record(len(drafts), num_accepted)
+            logprobs = result.logprobs.get(chunk.request_id)
+            updates.append(self._append_tokens(request, token_ids, logprobs))
         return updates
 
-    def _append_token(self, request: Request, token_id: int, result: StepResult) -> RequestUpdate:
-        request.append_output(token_id)
-        update = RequestUpdate(request, new_token_ids=[token_id])
-        logprobs = result.logprobs.get(request.request_id)
-        if logprobs is not None:
-            request.logprobs.append(logprobs)
-            request.cumulative_logprob += logprobs.logprob
-            update.new_logprobs.append(logprobs)
-        stop_string = None
+    def _append_tokens(
+        self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None
+    ) -> RequestUpdate:
+        """Append a step's tokens one by one, each checked for a stop; the rest are dropped
+        once one finishes the request."""
+        update = RequestUpdate(request)
         detokenizer = request.detokenizer
         params = request.sampling_params
-        stop_token = request.is_stop_token(token_id)
-        # A stop token ends the text without its own text (as OpenAI and vLLM), unless asked for.
-        if detokenizer is not None and (params.include_stop_str_in_output or not stop_token):
-            check_stops = request.num_output_tokens >= params.min_tokens
-            stop_string = detokenizer.update([token_id], check_stop=check_stops)
-        status = request.check_stop(token_id, stop_token, stop_string)
-        if status is not None:
-            self.running.remove(request)
-            self._finish(request, status)
-            update.finished = True
+        for i, token_id in enumerate(token_ids):
+            request.append_output(token_id)
+            update.new_token_ids.append(token_id)
+            if logprobs is not None:
+                request.logprobs.append(logprobs[i])
+                request.cumulative_logprob += logprobs[i].logprob
+                update.new_logprobs.append(logprobs[i])
+            stop_string = None
+            stop_token = request.is_stop_token(token_id)
+            # A stop token ends the text without its own text (as OpenAI and vLLM), unless
+            # asked for.
+            if detokenizer is not None and (params.include_stop_str_in_output or not stop_token):
+                check_stops = request.num_output_tokens >= params.min_tokens
+                stop_string = detokenizer.update([token_id], check_stop=check_stops)
+            status = request.check_stop(token_id, stop_token, stop_string)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                update.finished = True
+                break
         if detokenizer is not None:
             update.text_delta = detokenizer.take_delta(finished=update.finished)
         return update
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]

@@ -53,6 +53,10 @@ class ScheduledChunk:
     # When prompt logprobs are asked for: the prompt token that follows each fed token, i.e.
     # prompt[start_pos + 1 : start_pos + len + 1] (one shorter on the last prefill chunk).
     prompt_logprob_targets: tuple[int, ...] | None = None
+    # Speculative tokens fed after the request's last token (the tail of token_ids): a token is
+    # sampled at each of their positions too, and the runner keeps those that verify (see
+    # core/spec_decode.py). Only with sample=True.
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -135,9 +139,10 @@ class StepResult:
     """What the runner hands back for one StepPlan."""
 
     step_id: int
-    # One sampled token per chunk with sample=True.
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # Per request that asked for logprobs: the sampled token's logprobs.
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Per chunk with sample=True, the tokens it emits: one, or with drafts the accepted drafts
+    # and the token sampled after them.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Per request that asked for logprobs: one entry per emitted token.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per request that asked for prompt logprobs: one entry per prompt_logprob_targets token.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -156,6 +156,7 @@ class AsyncEngine:
             kv,
             max_num_seqs=self.info.max_num_seqs,
             max_num_batched_tokens=self.info.max_num_batched_tokens,
+            speculation=self.scheduler_config.speculation,
         )
         self._step_loop = StepLoop(
             self.scheduler, self.gpu, self._fan_out, self._die, before_step=self.expire_queued

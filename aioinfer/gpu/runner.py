@@ -20,6 +20,7 @@ import torch
 
 from aioinfer import sizing
 from aioinfer.config import GENERATION_DEFAULT_KEYS, CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.core.spec_decode import draft_rows, verify
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import memory
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
@@ -254,16 +255,31 @@ class ModelRunner:
         metadata: AttentionMetadata,
         result: StepResult,
     ) -> None:
+        # One logits row per sampled position: a chunk's last, and with drafts each of theirs.
         qsl = metadata.query_start_loc_host
-        rows = [qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.sample]
+        rows: list[int] = []
+        row_chunks: list[ScheduledChunk] = []
+        for i, chunk in enumerate(chunks):
+            if chunk.sample:
+                last = qsl[i + 1] - 1
+                rows += range(last - len(chunk.draft_token_ids), last + 1)
+                row_chunks += draft_rows(chunk)
         if not rows:
             return
-        sampling_chunks = [c for c in chunks if c.sample]
         index = torch.tensor(rows, dtype=torch.long).to(self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        batch = self.sampler.prepare(sampling_chunks)
-        output = self.sampler.sample(logits, batch)
-        result.sampled_token_ids, result.logprobs = output.to_host(sampling_chunks)
+        output = self.sampler.sample(logits, self.sampler.prepare(row_chunks))
+        token_ids, logprobs = output.rows_to_host()
+        row = 0
+        for chunk in chunks:
+            if not chunk.sample:
+                continue
+            width = len(chunk.draft_token_ids) + 1
+            emitted = verify(chunk.draft_token_ids, token_ids[row : row + width])
+            result.sampled_token_ids[chunk.request_id] = emitted
+            if row in logprobs:
+                result.logprobs[chunk.request_id] = [logprobs[row + j] for j in range(len(emitted))]
+            row += width
 
     def _prompt_logprobs(
         self,

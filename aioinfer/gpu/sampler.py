@@ -195,21 +195,27 @@ class SamplerOutput:
     def to_host(
         self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Copy to the host (the one sync); `chunks` are the step's chunks given to `prepare`."""
+        """Copy to the host (the one sync), keyed by request; `chunks` are the step's chunks
+        given to `prepare`, one sampling row each."""
         request_ids = [c.request_id for c in chunks if c.sample]
         if len(request_ids) != self.token_ids.shape[0]:
             raise ValueError(
                 f"chunks hold {len(request_ids)} sampling requests, the output "
                 f"{self.token_ids.shape[0]} rows"
             )
-        token_ids = self.token_ids.tolist()
+        token_ids, logprobs = self.rows_to_host()
         sampled = dict(zip(request_ids, token_ids, strict=True))
+        return sampled, {request_ids[r]: e for r, e in logprobs.items()}
+
+    def rows_to_host(self) -> tuple[list[int], dict[int, TokenLogprobs]]:
+        """Copy to the host (the one sync): each row's token, and the logprobs of the rows that
+        asked, by row."""
+        token_ids = self.token_ids.tolist()
         if self.logprobs is None:
-            return sampled, {}
-        entries = self.logprobs.to_host([token_ids[r] for r in self.logprobs.rows])
-        return sampled, {
-            request_ids[r]: e for r, e in zip(self.logprobs.rows, entries, strict=True)
-        }
+            return token_ids, {}
+        rows = self.logprobs.rows
+        entries = self.logprobs.to_host([token_ids[r] for r in rows])
+        return token_ids, dict(zip(rows, entries, strict=True))
 
 
 class Sampler:

@@ -59,6 +59,16 @@ class EngineCollector(Collector):
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", kv.stats.hits),
             "num_preemptions": ("Preemptions of running requests.", scheduler.num_preemptions),
         }  # fmt: skip
+        if scheduler.speculation is not None:
+            spec = scheduler.spec_stats
+            counters |= {
+                "spec_decode_num_drafts": ("Steps that checked drafted tokens.", spec.num_drafts),
+                "spec_decode_num_draft_tokens": ("Drafted tokens.", spec.num_draft_tokens),
+                "spec_decode_num_accepted_tokens": (
+                    "Drafted tokens accepted.",
+                    spec.num_accepted_tokens,
+                ),
+            }
         for metric, (doc, value) in counters.items():
             counter = CounterMetricFamily(PREFIX + metric, doc, labels=_LABELS)
             counter.add_metric(name, float(value))
@@ -71,6 +81,15 @@ class EngineCollector(Collector):
         for reason, count in sorted(engine.stats.finished.items()):
             finished.add_metric([*name, reason], float(count))
         yield finished
+        if scheduler.speculation is not None:
+            per_position = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                "Drafted tokens accepted, by position in the draft.",
+                labels=(*_LABELS, "position"),
+            )
+            for position, count in enumerate(scheduler.spec_stats.accepted_per_position):
+                per_position.add_metric([*name, str(position)], float(count))
+            yield per_position
         yield _by_reason(
             "request_aborted",
             "Requests ended early (once each), by reason: client_disconnect, write_timeout, "

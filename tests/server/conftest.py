@@ -19,7 +19,7 @@ from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
-from tests.unit.fake_runner import VOCAB, reference_output
+from tests.unit.fake_runner import VOCAB, next_token, reference_output
 from tests.unit.test_engine import FakeRunnerFactory
 
 BLOCK_SIZE = 4
@@ -45,8 +45,9 @@ class ServerRunnerFactory(FakeRunnerFactory):
         step_delay: float = 0.0,
         num_blocks: int = NUM_BLOCKS,
         fail_at_step: int | None = None,
+        next_token: Callable[[list[int]], int] = next_token,
     ) -> None:
-        super().__init__(fail_at_step=fail_at_step, num_blocks=num_blocks)
+        super().__init__(fail_at_step=fail_at_step, num_blocks=num_blocks, next_token=next_token)
         self.step_delay = step_delay
 
     def __call__(self, *args: Any) -> Any:
@@ -62,8 +63,10 @@ class ServerRunnerFactory(FakeRunnerFactory):
                 params = chunk.sampling_params
                 rid = chunk.request_id
                 if chunk.sample and params.logprobs is not None:
-                    token = result.sampled_token_ids[rid]
-                    result.logprobs[rid] = fake_logprobs(token, params.logprobs)
+                    result.logprobs[rid] = [
+                        fake_logprobs(token, params.logprobs)
+                        for token in result.sampled_token_ids[rid]
+                    ]
                 if chunk.prompt_logprob_targets and params.prompt_logprobs is not None:
                     result.prompt_logprobs[rid] = [
                         fake_logprobs(t, params.prompt_logprobs)
@@ -79,6 +82,7 @@ async def build_engine(
     step_delay: float = 0.0,
     fail_at_step: int | None = None,
     num_blocks: int = NUM_BLOCKS,
+    next_token: Callable[[list[int]], int] = next_token,
     **sched: Any,
 ) -> AsyncEngine:
     return await AsyncEngine.create(
@@ -86,7 +90,7 @@ async def build_engine(
         CacheConfig(block_size=BLOCK_SIZE),
         SchedulerConfig(**{"max_num_batched_tokens": 256, **sched}),
         runner_factory=ServerRunnerFactory(
-            step_delay, num_blocks=num_blocks, fail_at_step=fail_at_step
+            step_delay, num_blocks=num_blocks, fail_at_step=fail_at_step, next_token=next_token
         ),
         tokenizer=make_tokenizer(),
     )

@@ -7,6 +7,9 @@ function of that context, so a wrong block table, slot or prefix hit changes the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from aioinfer.core.spec_decode import verify
 from aioinfer.core.step import StepPlan, StepResult
 
 VOCAB = 50
@@ -16,8 +19,19 @@ def next_token(context: list[int]) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(context)) % (VOCAB - 3)) + 3
 
 
+def repeating_next_token(context: list[int]) -> int:
+    """A model that mostly repeats its context (drafts from prompt lookup then verify), with a
+    twist every so often that depends on the whole context (and rejects a draft)."""
+    if len(context) % 7 == 0:
+        return next_token(context)
+    return context[-5] if len(context) >= 5 else next_token(context)
+
+
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, next_token: Callable[[list[int]], int] = next_token
+    ) -> None:
+        self.next_token = next_token
         self.block_size = block_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.plans: list[StepPlan] = []
@@ -35,18 +49,29 @@ class FakeRunner:
             context = [self._read(chunk.block_table, p) for p in range(end)]
             assert None not in context, f"{chunk.request_id} reads an unwritten slot"
             if chunk.sample:
-                token = next_token(context)  # type: ignore[arg-type]
-                if token in chunk.banned_token_ids:
-                    token = 3 if 3 not in chunk.banned_token_ids else 4
-                result.sampled_token_ids[chunk.request_id] = token
+                # A token after each position from the last real one on (drafts follow it).
+                first = end - len(chunk.draft_token_ids)
+                sampled = [
+                    self._sample(context[:stop], chunk.banned_token_ids)  # type: ignore[arg-type]
+                    for stop in range(first, end + 1)
+                ]
+                result.sampled_token_ids[chunk.request_id] = verify(chunk.draft_token_ids, sampled)
         return result
+
+    def _sample(self, context: list[int], banned: tuple[int, ...]) -> int:
+        token = self.next_token(context)
+        if token in banned:
+            token = 3 if 3 not in banned else 4
+        return token
 
     def _read(self, block_table: tuple[int, ...], pos: int) -> int | None:
         block = block_table[pos // self.block_size]
         return self.slots[block * self.block_size + pos % self.block_size]
 
 
-def reference_output(prompt: list[int], max_tokens: int, stop_ids=()) -> list[int]:
+def reference_output(
+    prompt: list[int], max_tokens: int, stop_ids=(), next_token=next_token
+) -> list[int]:
     """The tokens an unbatched, unpreempted run produces."""
     tokens, out = list(prompt), []
     while len(out) < max_tokens:

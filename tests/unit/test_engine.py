@@ -18,22 +18,25 @@ from aioinfer.engine.async_engine import AsyncEngine, _child_params
 from aioinfer.engine.llm import LLM
 from aioinfer.engine.stream import EngineDeadError
 from tests.tokenizer_fixtures import make_tokenizer
-from tests.unit.fake_runner import FakeRunner, reference_output
+from tests.unit.fake_runner import FakeRunner, next_token, reference_output
 
 NUM_BLOCKS, BLOCK_SIZE = 64, 4
 
 
 class FakeRunnerFactory:
-    def __init__(self, fail_at_step: int | None = None, num_blocks: int = NUM_BLOCKS):
+    def __init__(
+        self, fail_at_step: int | None = None, num_blocks: int = NUM_BLOCKS, next_token=next_token
+    ):
         self.fail_at_step = fail_at_step
         self.num_blocks = num_blocks
+        self.next_token = next_token
 
     @staticmethod
     def resolve(model_config):
         return SimpleNamespace(served_name="fake-model")
 
     def __call__(self, resolved, model_config, cache_config, scheduler_config, offline):
-        fake = FakeRunner(self.num_blocks, cache_config.block_size)
+        fake = FakeRunner(self.num_blocks, cache_config.block_size, self.next_token)
         fail_at = self.fail_at_step
         info = SimpleNamespace(
             served_name="fake-model",
