@@ -213,7 +213,7 @@ async def start_chat(
             prompts[0].token_ids, engine.tokenizer, include=req.include_reasoning is not False
         )
         if constraints is not None:
-            constraints = ctx.reasoning.gate(constraints, engine.tokenizer)
+            constraints = ctx.reasoning.gate(constraints)
     generation = start_generation(
         state,
         engine,

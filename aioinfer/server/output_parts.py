@@ -87,6 +87,9 @@ class OutputParts:
         self.tool_mode = tool_mode
         self.want_logprobs = want_logprobs
         self._thinking = ctx.reasoning.stream() if ctx.reasoning is not None else None
+        self._reasoning_count = (
+            ctx.reasoning.counter(ctx.token_text) if ctx.reasoning is not None else None
+        )
         self._answering = False  # the reasoning ended (ReasoningDone was said)
         self._text_opened = False
         self._call_opened = False  # a named tool_choice's call
@@ -101,6 +104,8 @@ class OutputParts:
             split = self.ctx.reasoning
             assert split is not None
             reasoning, answer = self._thinking.feed(seq.text, final=seq.finish_reason is not None)
+            if self._reasoning_count is not None:
+                self._reasoning_count.feed(seq.token_ids, reasoning)
             if reasoning and split.include:
                 parts.append(ReasoningDelta(reasoning))
             if answer and not self._answering:
@@ -112,6 +117,11 @@ class OutputParts:
                 return parts  # no answer yet; or none at all, and so no text
             return parts + self._answer("", seq, logprobs=False)
         return self._answer(seq.text, seq, logprobs=True)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """How many of the output's tokens so far were reasoning (0 without a parser)."""
+        return 0 if self._reasoning_count is None else self._reasoning_count.count
 
     @property
     def _plain_and_unopened(self) -> bool:

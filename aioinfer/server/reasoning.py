@@ -18,7 +18,8 @@ PURE: no torch, no asyncio.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aioinfer.core.constraints import ConstraintFactory, with_reasoning_gate
@@ -38,7 +39,14 @@ class ReasoningParser:
         """How one request's outputs are split, given its prompt's token ids."""
         tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
         opened = self.always_open or tail.rstrip().endswith(START)
-        return ReasoningSplit(opened, include)
+        start, end = _single_token(tokenizer, START), _single_token(tokenizer, END)
+        if start is None or end is None:
+            return ReasoningSplit(opened, include, count_text=_text_counter(tokenizer))
+        return ReasoningSplit(opened, include, tags=(start, end))
+
+
+def _text_counter(tokenizer: Any) -> Callable[[str], int]:
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass(frozen=True)
@@ -48,22 +56,61 @@ class ReasoningSplit:
 
     opened: bool
     include: bool
+    # The tags' token ids where each is one token (Qwen3's and DeepSeek-R1's vocabularies);
+    # else count_text tells a reasoning text's length in tokens.
+    tags: tuple[int, int] | None = None
+    count_text: Callable[[str], int] | None = field(default=None, compare=False)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.opened)
+
+    def counter(self, token_text: Callable[[int], str]) -> ReasoningTokens:
+        return ReasoningTokens(self, token_text)
 
     def parse(self, text: str) -> tuple[str | None, str]:
         """A whole output's reasoning (None when it has none) and answer."""
         reasoning, answer = self.stream().feed(text, final=True)
         return reasoning or None, answer
 
-    def gate(self, constraints: ConstraintFactory, tokenizer: Any) -> ConstraintFactory:
+    def gate(self, constraints: ConstraintFactory) -> ConstraintFactory:
         """`constraints` with the grammar held back while the model reasons, where the tags
         are single tokens (as in Qwen3's and DeepSeek-R1's vocabularies)."""
-        start, end = _single_token(tokenizer, START), _single_token(tokenizer, END)
-        if start is None or end is None:
+        if self.tags is None:
             return constraints
+        start, end = self.tags
         return with_reasoning_gate(constraints, start, end, opened=self.opened)
+
+
+class ReasoningTokens:
+    """One choice's reasoning tokens (usage's reasoning_tokens), fed its token ids and its
+    reasoning text as they come. With single-token tags: the tokens between `<think>` and
+    `</think>` (from the output's first token when the prompt opened the block), as vLLM counts
+    them; otherwise the reasoning text's length in tokens, piece by piece."""
+
+    def __init__(self, split: ReasoningSplit, token_text: Callable[[int], str]) -> None:
+        self._split = split
+        self._token_text = token_text
+        self._mode = "reasoning" if split.opened else "start"
+        self.count = 0
+
+    def feed(self, token_ids: list[int], reasoning: str) -> None:
+        if self._split.tags is None:
+            if reasoning and self._split.count_text is not None:
+                self.count += self._split.count_text(reasoning)
+            return
+        start, end = self._split.tags
+        for token in token_ids:
+            if self._mode == "answer":
+                return
+            if self._mode == "reasoning":
+                if token == end:
+                    self._mode = "answer"
+                else:
+                    self.count += 1
+            elif token == start:
+                self._mode = "reasoning"
+            elif self._token_text(token).strip():
+                self._mode = "answer"  # the output did not open with `<think>`
 
 
 def _single_token(tokenizer: Any, text: str) -> int | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
 from aioinfer.core.step import TokenLogprobs
-from aioinfer.server.reasoning import ReasoningSplit, ReasoningStream
+from aioinfer.server.reasoning import ReasoningSplit, ReasoningStream, ReasoningTokens
 from aioinfer.server.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -37,12 +37,17 @@ from aioinfer.server.tools import ToolMode, new_call_id
 TokenText = Callable[[int], str]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None
+) -> UsageInfo:
+    info: UsageInfo = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if reasoning_tokens is not None:
+        info["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return info
 
 
 @dataclass
@@ -231,12 +236,16 @@ def chat_response(
     "auto", calls are read from the text."""
     choices: list[ChatChoice] = []
     completion_tokens = 0
+    reasoning_tokens = None if ctx.reasoning is None else 0
     for seq in final.outputs:
         completion_tokens += len(seq.token_ids)
         logprobs = chat_logprobs(seq.logprobs or [], ctx.token_text) if want_logprobs else None
         reasoning = None
         if ctx.reasoning is not None:  # what follows reads only the answer
             reasoning, answer = ctx.reasoning.parse(seq.text)
+            counter = ctx.reasoning.counter(ctx.token_text)
+            counter.feed(seq.token_ids, reasoning or "")
+            reasoning_tokens = (reasoning_tokens or 0) + counter.count
             seq = replace(seq, text=answer)
         message: ChatResponseMessage = {"role": "assistant", "content": seq.text}
         finish_reason = seq.finish_reason
@@ -274,7 +283,7 @@ def chat_response(
         "created": ctx.created,
         "model": ctx.model,
         "choices": choices,
-        "usage": usage(ctx.prompt_tokens, completion_tokens),
+        "usage": usage(ctx.prompt_tokens, completion_tokens, reasoning_tokens),
     }
     if ctx.return_token_ids:
         response["prompt_token_ids"] = ctx.prompts[0].token_ids
@@ -345,7 +354,10 @@ class _ChunkStream:
         self.completion_tokens = 0
 
     def _usage_now(self) -> UsageInfo:
-        return usage(self.ctx.prompt_tokens, self.completion_tokens)
+        return usage(self.ctx.prompt_tokens, self.completion_tokens, self._reasoning_tokens())
+
+    def _reasoning_tokens(self) -> int | None:
+        return None
 
     def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
         if self.options.continuous_usage:
@@ -468,6 +480,7 @@ class ChatChunks(_ChunkStream):
         self.tool_parser = tool_parser
         self._parsing: dict[int, ToolCallStream] = {}  # tool_choice "auto": per choice
         self._reasoning: dict[int, ReasoningStream] = {}  # --reasoning-parser: per choice
+        self._reasoning_counts: dict[int, ReasoningTokens] = {}
         # Named tool_choice: each choice's call id, set by its first delta. "required": each
         # choice's text so far (in pieces: joined once), which becomes calls once complete.
         self._call_ids: dict[int, str] = {}
@@ -521,7 +534,14 @@ class ChatChunks(_ChunkStream):
             return "", seq
         stream = self._reasoning.setdefault(seq.index, split.stream())
         reasoning, answer = stream.feed(seq.text, final=seq.finish_reason is not None)
+        counter = self._reasoning_counts.setdefault(seq.index, split.counter(self.ctx.token_text))
+        counter.feed(seq.token_ids, reasoning)
         return (reasoning if split.include else ""), replace(seq, text=answer)
+
+    def _reasoning_tokens(self) -> int | None:
+        if self.ctx.reasoning is None:
+            return None
+        return sum(c.count for c in self._reasoning_counts.values())
 
     def _content(self, seq: CompletionOutput) -> tuple[ChatDelta, str | None]:
         """The delta of one choice's new text, and its finish_reason once it finished."""

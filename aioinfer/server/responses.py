@@ -11,10 +11,16 @@ from typing import Any, Literal
 from typing_extensions import NotRequired, TypedDict
 
 
+class CompletionTokensDetails(TypedDict):
+    reasoning_tokens: int
+
+
 class UsageInfo(TypedDict):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # With --reasoning-parser (chat): how many of completion_tokens were reasoning.
+    completion_tokens_details: NotRequired[CompletionTokensDetails]
 
 
 class CompletionLogprobs(TypedDict):

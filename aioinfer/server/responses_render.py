@@ -258,7 +258,7 @@ class ResponseEvents:
                 "cache_write_tokens": self.ctx.prompt_tokens - self.cached_tokens,
             },
             "output_tokens": self.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self._parts.reasoning_tokens},
             "total_tokens": self.ctx.prompt_tokens + self.output_tokens,
         }
 

@@ -203,3 +203,41 @@ async def test_the_responses_api_returns_the_reasoning_as_an_item(live_factory, 
         await oai.close()
     finally:
         await engine.shutdown()
+
+
+@pytest.mark.parametrize("close_at_once", [False, True])
+async def test_usage_counts_the_reasoning_tokens(live_factory, thinking_path, close_at_once):
+    """completion_tokens_details.reasoning_tokens (chat, whole and streamed) and
+    output_tokens_details.reasoning_tokens (Responses): the tokens before `</think>`. The
+    template opens the block; the random model never closes it unless biased to at once."""
+    engine = await AsyncEngine.create(
+        ModelConfig(model=str(thinking_path), dtype="float32", max_model_len=128),
+        CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )
+    try:
+        end = engine.tokenizer.convert_tokens_to_ids("</think>")
+        server = await live_factory(engine, ServerConfig(reasoning_parser="qwen3"))
+        bias = {str(end): 100} if close_at_once else {}
+        expected = 0 if close_at_once else 12
+        oai = server.openai()
+        kwargs: dict[str, Any] = {"model": engine.model_name, "messages": HELLO}
+        kwargs |= {"max_tokens": 12, "temperature": 0, "logit_bias": bias}
+        completion = await oai.chat.completions.create(**kwargs)
+        assert completion.usage is not None and completion.usage.completion_tokens == 12
+        details = completion.usage.completion_tokens_details
+        assert details is not None and details.reasoning_tokens == expected
+        chunks = [c async for c in await oai.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True})]  # fmt: skip
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens_details is not None
+        assert usage.completion_tokens_details.reasoning_tokens == expected
+        if not close_at_once:  # the Responses API has no logit_bias
+            response = await oai.responses.create(
+                model=engine.model_name, input="Hi", max_output_tokens=12, temperature=0
+            )
+            assert response.usage is not None
+            assert response.usage.output_tokens_details.reasoning_tokens == expected
+        await oai.close()
+    finally:
+        await engine.shutdown()

@@ -132,14 +132,21 @@ class _TagVocab:
         self.single = single
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return [7 if text == "<think>" else 8] if self.single else [1, 2, 3]
+        if text in ("<think>", "</think>") and self.single:
+            return [7 if text == "<think>" else 8]
+        return list(range(1, len(text.split()) + 3))
+
+    def decode(self, ids: list[int]) -> str:
+        return "x"
 
 
 def test_the_gate_needs_the_tags_as_single_tokens():
     _, factory, _, _, _ = _choice_constraints()
-    split = ReasoningSplit(opened=True, include=True)
-    assert split.gate(factory, _TagVocab(single=False)) is factory
-    gated = split.gate(factory, _TagVocab(single=True))()
+    split = REASONING_PARSERS["deepseek_r1"].split([1], _TagVocab(single=False), include=True)
+    assert split.tags is None
+    assert split.gate(factory) is factory
+    split = REASONING_PARSERS["deepseek_r1"].split([1], _TagVocab(single=True), include=True)
+    gated = split.gate(factory)()
     assert gated.reasoning is not None
     assert (gated.reasoning.start_id, gated.reasoning.end_id) == (7, 8)
 
@@ -171,3 +178,35 @@ def test_a_named_call_needs_arguments_and_arguments_need_json():
     assert ToolMode(named="f").calls('{"x": 1}') is not None
     text = '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'
     assert HermesToolParser().parse(text) == (text, [])
+
+
+def _counted(opened: bool, token_ids: list[int], pieces: int = 1) -> int:
+    """reasoning_tokens of an output fed in `pieces` deltas; ids 7 and 8 are the tags, 0 is
+    whitespace."""
+    split = ReasoningSplit(opened=opened, include=True, tags=(7, 8))
+    counter = split.counter(lambda t: " " if t == 0 else f"t{t}")
+    step = max(1, -(-len(token_ids) // pieces))
+    for i in range(0, len(token_ids), step):
+        counter.feed(token_ids[i : i + step], "")
+    return counter.count
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 10])
+def test_reasoning_tokens_are_those_between_the_tags(pieces):
+    assert _counted(False, [7, 1, 2, 3, 8, 4, 5], pieces) == 3
+    assert _counted(False, [0, 0, 7, 1, 8, 4], pieces) == 1  # whitespace before `<think>`
+    assert _counted(False, [4, 7, 1, 8, 5], pieces) == 0  # not at the start: an answer
+    assert _counted(True, [1, 2, 8, 4, 7, 5, 8], pieces) == 2  # the prompt opened the block
+    assert _counted(True, [1, 2, 3], pieces) == 3  # cut short while thinking
+    assert _counted(True, [8, 4, 5], pieces) == 0
+
+
+def test_reasoning_tokens_without_single_token_tags_count_the_reasoning_text():
+    tokenizer = make_tokenizer()
+    split = REASONING_PARSERS["qwen3"].split([1], tokenizer, include=False)
+    assert split.tags is None
+    counter = split.counter(lambda t: "x")
+    reasoning, _ = split.parse("<think>They greet me.</think>Hello!")
+    assert reasoning == "They greet me."
+    counter.feed([], reasoning)
+    assert counter.count == len(tokenizer.encode(reasoning, add_special_tokens=False)) > 0
