@@ -41,7 +41,7 @@ from aioinfer.server.protocol import (
     CompletionRequest,
     RequestValidationError,
 )
-from aioinfer.server.reasoning import make_reasoning_parser
+from aioinfer.server.reasoning import continued_text, make_reasoning_parser
 from aioinfer.server.render import (
     ChatChunks,
     CompletionChunks,
@@ -201,16 +201,21 @@ async def start_chat(
     admit(engine, 1, params.n)
     constraints = await prepare_constraints(engine, params, req.structured_param)
     messages = req.template_messages()
+    options = req.template_options()
     ids = await render_chat_off_loop(
-        engine.tokenizer, messages, req.template_options(), state.config.chat_template_defaults
+        engine.tokenizer, messages, options, state.config.chat_template_defaults
     )
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
     prompts = truncate_prompts(engine, [Prompt(ids)], params)
     ctx = _response_context("chatcmpl", request, engine, prompts, req, params.n, response_id)
     reasoning_parser = make_reasoning_parser(state.config.reasoning_parser)
     if reasoning_parser is not None:
+        continued = continued_text(messages) if options["continue_final_message"] else None
         ctx.reasoning = reasoning_parser.split(
-            prompts[0].token_ids, engine.tokenizer, include=req.include_reasoning is not False
+            prompts[0].token_ids,
+            engine.tokenizer,
+            include=req.include_reasoning is not False,
+            continued=continued,
         )
         if constraints is not None:
             constraints = ctx.reasoning.gate(constraints)

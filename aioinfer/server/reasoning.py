@@ -35,14 +35,29 @@ class ReasoningParser:
     name: str
     always_open: bool  # the output starts inside the block whatever the prompt
 
-    def split(self, prompt_ids: list[int], tokenizer: Any, *, include: bool) -> ReasoningSplit:
-        """How one request's outputs are split, given its prompt's token ids."""
+    def split(
+        self, prompt_ids: list[int], tokenizer: Any, *, include: bool, continued: str | None = None
+    ) -> ReasoningSplit:
+        """How one request's outputs are split, given its prompt's token ids and, where the
+        output continues the last assistant message (continue_final_message, a prefill), that
+        message's text: a block it opens and does not close is open, one it closes is not."""
         tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
         opened = self.always_open or tail.rstrip().endswith(START)
+        if continued is not None and (START in continued or END in continued):
+            opened = continued.rfind(START) > continued.rfind(END)
         start, end = _single_token(tokenizer, START), _single_token(tokenizer, END)
         if start is None or end is None:
             return ReasoningSplit(opened, include, count_text=_text_counter(tokenizer))
         return ReasoningSplit(opened, include, tags=(start, end))
+
+
+def continued_text(messages: list[dict[str, Any]]) -> str:
+    """The text of the last message, the one continue_final_message continues."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else []
+    return "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
 
 
 def _text_counter(tokenizer: Any) -> Callable[[str], int]:

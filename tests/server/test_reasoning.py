@@ -94,6 +94,24 @@ async def test_deepseek_r1_output_starts_as_reasoning(live_factory, real_engine,
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_continuing_an_open_block_continues_the_reasoning(live_factory, real_engine, stream):
+    """continue_final_message on an assistant message that opened `<think>` and did not close
+    it: the output starts inside the block; one that closed it: the output is answer."""
+    server = await live_factory(real_engine, ServerConfig(reasoning_parser="qwen3"))
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    opened = [*HELLO, {"role": "assistant", "content": "<think>\nThey greet"}]
+    forced = _forced(" me.\n</think>\n\nHello!")
+    forced["extra_body"] |= cont
+    out = await _chat(server, stream, messages=opened, **forced)
+    assert (out["reasoning"], out["content"]) == ("me.", "Hello!")
+    closed = [*HELLO, {"role": "assistant", "content": "<think>Hm.</think>Hel"}]
+    forced = _forced("lo!")
+    forced["extra_body"] |= cont
+    out = await _chat(server, stream, messages=closed, **forced)
+    assert (out["reasoning"], out["content"]) == (None, "lo!")
+
+
+@pytest.mark.parametrize("stream", [False, True])
 async def test_the_tool_parser_reads_the_answer_after_the_reasoning(
     live_factory, real_engine, stream
 ):

@@ -11,7 +11,7 @@ from aioinfer.config import REASONING_PARSER_NAMES
 from aioinfer.core.constraints import ConstraintBuilder, mask_allows, with_reasoning_gate
 from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
-from aioinfer.server.reasoning import REASONING_PARSERS, ReasoningSplit
+from aioinfer.server.reasoning import REASONING_PARSERS, ReasoningSplit, continued_text
 from tests.tokenizer_fixtures import make_tokenizer
 
 
@@ -210,3 +210,30 @@ def test_reasoning_tokens_without_single_token_tags_count_the_reasoning_text():
     assert reasoning == "They greet me."
     counter.feed([], reasoning)
     assert counter.count == len(tokenizer.encode(reasoning, add_special_tokens=False)) > 0
+
+
+@pytest.mark.parametrize(
+    ("parser", "continued", "opened"),
+    [
+        ("qwen3", None, False),
+        ("qwen3", "<think>\nLet me see", True),
+        ("qwen3", "<think>a</think>The answer", False),
+        ("qwen3", "Sure", False),
+        ("deepseek_r1", None, True),
+        ("deepseek_r1", "Let me see", True),  # R1's block opens in its prompt
+        ("deepseek_r1", "a</think>The answer", False),
+        ("deepseek_r1", "<think>a</think>b<think>c", True),
+    ],
+)
+def test_a_continued_message_decides_whether_the_block_is_open(parser, continued, opened):
+    split = REASONING_PARSERS[parser].split(
+        [5, 6], make_tokenizer(), include=True, continued=continued
+    )
+    assert split.opened is opened
+
+
+def test_continued_text_reads_strings_and_text_parts():
+    assert continued_text([{"role": "assistant", "content": "<think>x"}]) == "<think>x"
+    parts = [{"type": "text", "text": "<think>"}, {"type": "text", "text": "y"}]
+    assert continued_text([{"role": "assistant", "content": parts}]) == "<think>y"
+    assert continued_text([]) == ""
