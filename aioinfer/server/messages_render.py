@@ -237,7 +237,8 @@ class MessageEvents:
         if self._started:
             return []
         self._started = True
-        return [self._event("message_start", message=self.message())]
+        # Anthropic's streams send a ping right after the start; clients skip it.
+        return [self._event("message_start", message=self.message()), self._event("ping")]
 
     def _tell(self, part: OutputPart) -> list[MessageStreamEvent]:
         """The events of one part of the output."""

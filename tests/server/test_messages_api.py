@@ -113,6 +113,7 @@ async def test_a_streamed_message_tells_the_same_text_in_order(ant, engine):
     events = [event async for event in await ant.messages.create(**kwargs, stream=True)]
     kinds = [event.type for event in events]
     deltas = [e for e in events if e.type == "content_block_delta"]
+    # The client skips the ping (test_stream_framing... sees it).
     assert kinds == [
         "message_start",
         "content_block_start",
@@ -145,7 +146,7 @@ async def test_stream_framing_names_each_event_and_sends_no_done(client):
     assert response.headers["Content-Type"].startswith("text/event-stream")
     events = named_events(raw)
     assert [e["type"] for e in events] == [
-        "message_start", "content_block_start", *["content_block_delta"] * 3,
+        "message_start", "ping", "content_block_start", *["content_block_delta"] * 3,
         "content_block_stop", "message_delta", "message_stop",
     ]  # fmt: skip
     assert events[-2] == {
@@ -153,12 +154,13 @@ async def test_stream_framing_names_each_event_and_sends_no_done(client):
         "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
         "usage": {"output_tokens": 3},
     }
-    assert events[1] == {
+    assert events[1] == {"type": "ping"}
+    assert events[2] == {
         "type": "content_block_start",
         "index": 0,
         "content_block": {"type": "text", "text": ""},
     }
-    assert events[2]["delta"]["type"] == "text_delta" and events[5] == {
+    assert events[3]["delta"]["type"] == "text_delta" and events[6] == {
         "type": "content_block_stop",
         "index": 0,
     }
