@@ -279,6 +279,8 @@ async def test_with_deepseek_r1_reasoning_the_output_is_a_thinking_block(live_fa
          "invalid_request_error", ["tool_choice", "not among the tools"]),
         ({"tool_choice": {"type": "any"}}, "invalid_request_error",
          ["tool_choice", "only allowed when tools"]),
+        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "frob"}}}},
+         "invalid_request_error", ["output_config.format is invalid", "frob"]),
         ({"max_tokens": 0}, "invalid_request_error", ["max_tokens", "greater than"]),
         ({"max_tokens": None}, "invalid_request_error", ["max_tokens"]),
         ({"max_tokens": 500}, "invalid_request_error", ["max_tokens", "context"]),
@@ -300,6 +302,8 @@ async def test_requests_that_cannot_be_served_are_errors_in_anthropic_s_envelope
     message = envelope_error(raw, kind)
     for fragment in fragments:
         assert fragment in message, message
+    # The message names the Messages fields, not the chat fields they become.
+    assert not any(name in message for name in ("response_format", "max_completion_tokens"))
     assert_pool_free(engine)
 
 

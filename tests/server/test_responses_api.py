@@ -245,7 +245,7 @@ async def test_a_streamed_response_is_stored_too(oai, engine):
           "text": {"format": {"type": "json_object"}}}, "tool_choice", "cannot both"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}},
-         "text.format", "invalid"),
+         "text.format", "text.format is invalid"),
         ({"background": True}, "background", "background"),
         ({"include": ["file_search_call.results"]}, "include", "not supported"),
         ({"truncation": "auto"}, "truncation", "disabled"),
