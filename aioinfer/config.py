@@ -213,8 +213,9 @@ def _speculation(value: str | Mapping[str, Any] | None) -> NgramSpeculation | No
             f"[1, {MAX_SPECULATIVE_TOKENS}], got {num!r}"
         )
     # vLLM's defaults: either bound alone sets both; neither means 5.
-    low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-    low, high = low or high or 5, high or low or 5
+    given_low, given_high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    low: int = next(v for v in (given_low, given_high, 5) if v is not None)
+    high: int = next(v for v in (given_high, given_low, 5) if v is not None)
     if not 1 <= low <= high:
         raise ValueError(
             "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
@@ -224,6 +225,12 @@ def _speculation(value: str | Mapping[str, Any] | None) -> NgramSpeculation | No
     if batch is not None and batch < 1:
         raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {batch}")
     return NgramSpeculation(num, low, high, batch)
+
+
+def sampled_rows_per_request(scheduler_config: SchedulerConfig) -> int:
+    """The most logits rows one request samples in a step: 1, or 1 + its drafts."""
+    spec = scheduler_config.speculation
+    return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
 
 @dataclass(frozen=True)

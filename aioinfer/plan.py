@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, sampled_rows_per_request
 from aioinfer.sizing import GiB, default_token_budget, kv_bytes_per_block, max_model_len
 
 if TYPE_CHECKING:
@@ -130,12 +130,18 @@ def count_parameters(cfg: DecoderConfig) -> int:
 
 
 def estimate_activation_bytes(
-    cfg: DecoderConfig, num_tokens: int, num_seqs: int, dtype_bytes: int, device: str = "cuda"
+    cfg: DecoderConfig,
+    num_tokens: int,
+    num_seqs: int,
+    dtype_bytes: int,
+    device: str = "cuda",
+    rows_per_request: int = 1,
 ) -> int:
     """The peak the server's profiling pass allocates beyond weights and KV cache, estimated.
 
     The pass feeds `num_tokens` tokens (T) split evenly over R = min(num_seqs, T) requests of
-    S = T / R tokens, and samples one row per request with top-k and top-p. The peak is the
+    S = T / R tokens, and samples one row per request with top-k and top-p (1 + the drafts
+    with speculative decoding: up to min(T, R x rows_per_request) rows in all). The peak is the
     largest of three moments (b = dtype bytes; "hidden" counts the layer's input, which the
     model's layer loop still holds, the new residual and the normed input):
 
@@ -157,8 +163,9 @@ def estimate_activation_bytes(
     """
     t, h, b = num_tokens, cfg.hidden_size, dtype_bytes
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    rows = max(1, min(num_seqs, num_tokens))
-    per_request = -(-num_tokens // rows)
+    requests = max(1, min(num_seqs, num_tokens))
+    per_request = -(-num_tokens // requests)
+    rows = min(num_tokens, requests * min(rows_per_request, per_request))
     mlp = t * (3 * h + 2 * cfg.intermediate_size) * b
     attention = t * (2 * h + 3 * q + 3 * kv) * b + 4 * per_request * kv * b
     sampling = t * h * b + rows * cfg.vocab_size * SAMPLER_BYTES_PER_LOGIT
@@ -212,7 +219,12 @@ def make_plan(
         available = num_blocks * per_block
     elif gpu is not None:
         activations = estimate_activation_bytes(
-            cfg, budget, scheduler_config.max_num_seqs, dtype_bytes, device
+            cfg,
+            budget,
+            scheduler_config.max_num_seqs,
+            dtype_bytes,
+            device,
+            rows_per_request=sampled_rows_per_request(scheduler_config),
         )
         available = int(
             gpu.total_bytes * cache_config.gpu_memory_utilization

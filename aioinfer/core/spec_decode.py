@@ -83,17 +83,15 @@ def _find_earlier(buf: bytearray, num_tokens: int, n: int) -> int | None:
 
 def draft_rows(chunk: ScheduledChunk) -> list[ScheduledChunk]:
     """One sampling row per position of a chunk with drafts: row j samples as if drafts[:j] had
-    been accepted (its output index and, for penalties, its history move on by j)."""
+    been accepted. Its output index moves on by j, and its draft_token_ids are drafts[:j], which
+    the sampler reads after the (shared) history, for penalties."""
     drafts = chunk.draft_token_ids
     if not drafts:
         return [chunk]
-    rows = [chunk]
-    for j in range(1, len(drafts) + 1):
-        history = None if chunk.history is None else chunk.history + drafts[:j]
-        rows.append(
-            dataclasses.replace(chunk, output_index=chunk.output_index + j, history=history)
-        )
-    return rows
+    return [
+        dataclasses.replace(chunk, output_index=chunk.output_index + j, draft_token_ids=drafts[:j])
+        for j in range(len(drafts) + 1)
+    ]
 
 
 def verify(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:

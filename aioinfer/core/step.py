@@ -55,7 +55,9 @@ class ScheduledChunk:
     prompt_logprob_targets: tuple[int, ...] | None = None
     # Speculative tokens fed after the request's last token (the tail of token_ids): a token is
     # sampled at each of their positions too, and the runner keeps those that verify (see
-    # core/spec_decode.py). Only with sample=True.
+    # core/spec_decode.py). Only with sample=True. The sampler samples one row per chunk,
+    # after history + draft_token_ids: the runner gives it one chunk per position, each with
+    # the drafts before that position (draft_rows).
     draft_token_ids: tuple[int, ...] = ()
 
     @property

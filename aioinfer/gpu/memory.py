@@ -42,8 +42,8 @@ def device_memory_used(device: torch.device) -> int:
 def profile_available_kv_bytes(
     runner: ModelRunner, num_tokens: int, utilization: float, weights_bytes: int
 ) -> int:
-    """Run one dummy forward of `num_tokens` tokens (and the sampler at max_num_seqs rows) and
-    return the bytes left for the KV cache."""
+    """Run one dummy forward of `num_tokens` tokens (and the sampler at max_num_seqs rows, times
+    1 + the drafts each may check) and return the bytes left for the KV cache."""
     from aioinfer.core.sampling_params import SamplingParams
     from aioinfer.core.step import ScheduledChunk, StepPlan
 
@@ -68,7 +68,13 @@ def profile_available_kv_bytes(
         n = -(-length // block_size)
         table = tuple(range(block, block + n))
         block += n
-        chunks.append(ScheduledChunk(f"profile-{r}", (0,) * length, 0, table, True, params))
+        # The chunk's tail as drafts: one sampled row per draft position.
+        drafts = (0,) * min(runner.sampled_rows_per_request - 1, length - 1)
+        chunks.append(
+            ScheduledChunk(
+                f"profile-{r}", (0,) * length, 0, table, True, params, draft_token_ids=drafts
+            )
+        )
     runner.execute(StepPlan(0, tuple(chunks)))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aioinfer import sizing
-from aioinfer.config import GENERATION_DEFAULT_KEYS, CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.config import (
+    GENERATION_DEFAULT_KEYS,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    sampled_rows_per_request,
+)
 from aioinfer.core.spec_decode import draft_rows, verify
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import memory
@@ -116,6 +122,8 @@ class ModelRunner:
             self.device, offline
         )
         self.max_num_seqs = scheduler_config.max_num_seqs
+        # With drafts a request samples a row per draft too (the memory profile counts them).
+        self.sampled_rows_per_request = sampled_rows_per_request(scheduler_config)
         self.num_layers = int(hf_config.num_hidden_layers)
         self.num_kv_heads = int(hf_config.num_key_value_heads)
         self.head_dim = int(

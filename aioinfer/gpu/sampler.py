@@ -352,15 +352,23 @@ class Sampler:
                 raise ValueError(
                     f"history must be set for request {chunks[i].request_id!r}: it has penalties"
                 )
-        histories = [chunks[i].history or () for i in rows]
-        width = max(1, max(len(h) for h in histories))
-        pad = self.vocab_size
-        padded = [list(h) + [pad] * (width - len(h)) for h in histories]
+        # A row samples after its history and the drafts before it (core/spec_decode.py); the
+        # rows of one request share the history, converted to an array once.
+        widths = [len(chunks[i].history or ()) + len(chunks[i].draft_token_ids) for i in rows]
+        padded = np.full((len(rows), max(1, *widths)), self.vocab_size, dtype=np.int64)
+        arrays: dict[int, np.ndarray] = {}
+        for r, i in enumerate(rows):
+            history = chunks[i].history or ()
+            base = arrays.get(id(history))
+            if base is None:
+                base = arrays[id(history)] = np.fromiter(history, np.int64, len(history))
+            padded[r, : len(base)] = base
+            padded[r, len(base) : widths[r]] = chunks[i].draft_token_ids
         params = [chunks[i].sampling_params for i in rows]
         f32 = torch.float32
         return PenaltyBatch(
             rows=self._tensor(rows, torch.int64),
-            history=self._tensor(padded, torch.int64),
+            history=torch.from_numpy(padded).to(self.device, non_blocking=True),
             prompt_lens=self._column([chunks[i].prompt_len for i in rows], torch.int64),
             repetition=self._column([p.repetition_penalty for p in params], f32),
             frequency=self._column([p.frequency_penalty for p in params], f32),

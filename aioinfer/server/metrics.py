@@ -153,7 +153,8 @@ class RequestTimer:
 
     def observe(self, output: RequestOutput) -> None:
         now = time.perf_counter()
-        # Sequences of one request advance together: a delta holds up to this many steps.
+        # A delta's tokens (several steps' when the reader lagged, or one step's accepted
+        # drafts) share the gap since the last one, a token each.
         steps = max((len(seq.token_ids) for seq in output.outputs), default=0)
         if steps:
             if self._last is None:

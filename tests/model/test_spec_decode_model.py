@@ -4,12 +4,17 @@ without drafts; drafts are both accepted and rejected along the way."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
+import torch
 
 from aioinfer import LLM, SamplingParams
+from aioinfer.core.spec_decode import draft_rows
+from aioinfer.core.step import ScheduledChunk
+from aioinfer.gpu.sampler import Sampler
 from aioinfer.model.kernels import cpu_native
 from tests.model.test_llm_vs_hf import hf_greedy, model_dir  # noqa: F401 (fixture)
 from tests.tokenizer_fixtures import smollm2_gguf_path
@@ -120,3 +125,24 @@ def test_stop_strings_and_eos_inside_accepted_drafts(model_dir):  # noqa: F811
     assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in drafted] == ["stop"] * len(prompts)
     assert stats.num_drafts > 0
+
+
+def test_a_draft_row_is_penalised_as_if_its_drafts_were_history():
+    """The sampler reads a row's history as history + the drafts before it: the same tokens as
+    rows whose histories hold those drafts."""
+    vocab, drafts, history = 64, (5, 9, 5, 12), tuple(range(20, 60))
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7,
+                            presence_penalty=0.4)  # fmt: skip
+    chunk = ScheduledChunk("r", (history[-1], *drafts), 39, (1, 2, 3, 4), True, params,
+                           history=history, prompt_len=30, draft_token_ids=drafts)  # fmt: skip
+    explicit = [
+        dataclasses.replace(chunk, draft_token_ids=(), history=history + drafts[:j])
+        for j in range(len(drafts) + 1)
+    ]
+    # Token 5 leads token 7 by a little: once 5 was drafted, its penalty puts 7 first.
+    logits = torch.zeros(len(explicit), vocab)
+    logits[:, 5], logits[:, 7] = 1.0, 0.9
+    sampler = Sampler(vocab, torch.device("cpu"))
+    got = sampler.sample(logits, sampler.prepare(draft_rows(chunk))).token_ids.tolist()
+    assert got == sampler.sample(logits, sampler.prepare(explicit)).token_ids.tolist()
+    assert got == [5, 7, 7, 7, 7]

@@ -180,7 +180,9 @@ def test_default_token_budget_follows_the_runner(monkeypatch, total_gib, offline
     assert default_token_budget("cpu", None, offline) == cpu
 
 
-def measured_activation_peak(folder: Path, dtype: str, num_tokens: int, num_seqs: int) -> int:
+def measured_activation_peak(
+    folder: Path, dtype: str, num_tokens: int, num_seqs: int, rows_per_request: int = 1
+) -> int:
     """Bytes the profiling pass of `gpu/memory.py` allocates at its peak, beyond the weights and
     the KV cache, measured on the CPU with torch's memory profiler. The model runs torch's ops,
     as on a GPU: the CPU's native decoder layers work in a scratch buffer of their own."""
@@ -204,7 +206,12 @@ def measured_activation_peak(folder: Path, dtype: str, num_tokens: int, num_seqs
         n = -(-per_req // block_size)
         table = tuple(range(block, block + n))
         block += n
-        chunks.append(ScheduledChunk(f"profile-{r}", (0,) * per_req, 0, table, True, params))
+        drafts = (0,) * min(rows_per_request - 1, per_req - 1)  # a sampled row each
+        chunks.append(
+            ScheduledChunk(
+                f"profile-{r}", (0,) * per_req, 0, table, True, params, draft_token_ids=drafts
+            )
+        )
     plan = StepPlan(0, tuple(chunks))
     with torch.inference_mode():
         runner.execute(plan)  # first-call allocations (lazy buffers) stay out of the peak
@@ -223,24 +230,27 @@ WIDE = {"vocab_size": 8192, "hidden_size": 256, "intermediate_size": 704,
 ATTENTION_HEAVY = {"hidden_size": 256, "intermediate_size": 64, "num_attention_heads": 8,
                    "num_key_value_heads": 8}  # fmt: skip
 ACTIVATION_CASES = {
-    # name: (config overrides, dtype, tokens, sequences); the comment says which moment peaks
-    "mlp": (WIDE, "float32", 1024, 8),
-    "mlp-bf16": (WIDE, "bfloat16", 1024, 8),
-    "attention": (ATTENTION_HEAVY, "float32", 1024, 64),
-    "sampling": (WIDE, "float32", 512, 64),
+    # name: (config overrides, dtype, tokens, sequences, sampled rows per sequence); the name
+    # says which moment peaks
+    "mlp": (WIDE, "float32", 1024, 8, 1),
+    "mlp-bf16": (WIDE, "bfloat16", 1024, 8, 1),
+    "attention": (ATTENTION_HEAVY, "float32", 1024, 64, 1),
+    "sampling": (WIDE, "float32", 512, 64, 1),
+    "sampling-drafts": (WIDE, "float32", 512, 32, 5),  # 4 speculative tokens each
 }
 
 
 @pytest.mark.parametrize("case", sorted(ACTIVATION_CASES))
 def test_activation_estimate_is_within_ten_percent_of_the_measured_peak(case, tmp_path):
-    overrides, dtype, num_tokens, num_seqs = ACTIVATION_CASES[case]
+    overrides, dtype, num_tokens, num_seqs, rows = ACTIVATION_CASES[case]
     config = LlamaConfig(**{**BASE_CONFIG, "max_position_embeddings": 4096, **overrides})
     config.architectures = ["LlamaForCausalLM"]
     folder = config_dir(tmp_path, config)
-    measured = measured_activation_peak(folder, dtype, num_tokens, num_seqs)
+    measured = measured_activation_peak(folder, dtype, num_tokens, num_seqs, rows)
     estimate = estimate_activation_bytes(
-        decoder_config(config), num_tokens, num_seqs, DTYPE_BYTES[dtype], device="cpu"
-    )
+        decoder_config(config), num_tokens, num_seqs, DTYPE_BYTES[dtype], device="cpu",
+        rows_per_request=rows,
+    )  # fmt: skip
     assert estimate == pytest.approx(measured, rel=0.10)
 
 

@@ -70,7 +70,7 @@ def test_verify_keeps_matching_drafts_and_the_token_after_them():
         verify((4, 5, 6), [4, 5, 6])
 
 
-def test_draft_rows_move_the_output_index_and_the_history_on():
+def test_draft_rows_move_the_output_index_and_the_drafts_before_them_on():
     chunk = ScheduledChunk(
         request_id="r",
         token_ids=(8, 4, 5),
@@ -84,7 +84,9 @@ def test_draft_rows_move_the_output_index_and_the_history_on():
     )
     rows = draft_rows(chunk)
     assert [r.output_index for r in rows] == [3, 4, 5]
-    assert [r.history for r in rows] == [(1, 2, 8), (1, 2, 8, 4), (1, 2, 8, 4, 5)]
+    # Each row follows the shared history and the drafts before its position.
+    assert all(r.history is chunk.history for r in rows)
+    assert [r.draft_token_ids for r in rows] == [(), (4,), (4, 5)]
     plain = ScheduledChunk("p", (8,), 10, (1,), True, SamplingParams())
     assert draft_rows(plain) == [plain]
 
@@ -103,6 +105,16 @@ def test_draft_rows_move_the_output_index_and_the_history_on():
             "prompt_lookup_min <= prompt_lookup_max",
         ),
         ("[1]", "must be a JSON object"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0, '
+            '"prompt_lookup_max": 3}',
+            "need 1 <= prompt_lookup_min",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
+            '"prompt_lookup_max": 0}',
+            "prompt_lookup_min <= prompt_lookup_max, got 2 and 0",
+        ),
     ],
 )
 def test_bad_speculative_configs_name_what_is_wrong(value, message):
