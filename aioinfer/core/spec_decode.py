@@ -44,14 +44,18 @@ class NgramProposer:
             return ()
         buf = self._sync(request_id, token_ids)
         num_tokens = len(token_ids)
-        for n in range(
-            min(self.spec.prompt_lookup_max, num_tokens - 1), self.spec.prompt_lookup_min - 1, -1
-        ):
-            start = _find_earlier(buf, num_tokens, n)
-            if start is not None:
-                stop = min(start + num_drafts, num_tokens)
-                return tuple(memoryview(buf)[start * _ITEM : stop * _ITEM].cast("i").tolist())
-        return ()
+        low, high = self.spec.prompt_lookup_min, min(self.spec.prompt_lookup_max, num_tokens - 1)
+        # A longer suffix can only occur where the shortest does: one scan when none does.
+        start = _find_earlier(buf, num_tokens, low) if low <= high else None
+        if start is None:
+            return ()
+        for n in range(high, low, -1):
+            longer = _find_earlier(buf, num_tokens, n)
+            if longer is not None:
+                start = longer
+                break
+        stop = min(start + num_drafts, num_tokens)
+        return tuple(memoryview(buf)[start * _ITEM : stop * _ITEM].cast("i").tolist())
 
     def forget(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
