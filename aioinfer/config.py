@@ -249,6 +249,12 @@ class SchedulerConfig:
         "Seconds a request may wait for its first step; beyond it the request is dropped "
         "with a 503 (default: no limit).",
     )
+    scheduling_policy: str = _opt(
+        "fcfs",
+        "fcfs: requests run in arrival order, and the newest running one is preempted first. "
+        "priority: by each request's `priority` (lower first, then arrival); the waiting "
+        "queue is ordered by it, and the running request with the largest is preempted first.",
+    )
     speculative_config: str | Mapping[str, Any] | None = _opt(
         None,
         "Speculative decoding by prompt lookup, as a JSON object with vLLM's keys, e.g. "
@@ -265,6 +271,11 @@ class SchedulerConfig:
             self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "queue_timeout"
         )
         self.speculation  # noqa: B018 (checks the JSON)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be one of ('fcfs', 'priority'), got "
+                f"{self.scheduling_policy!r}"
+            )
 
     @property
     def speculation(self) -> NgramSpeculation | None:

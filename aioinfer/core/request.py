@@ -51,6 +51,7 @@ class Request:
         detokenizer: IncrementalDetokenizer | None = None,
         constraints: TokenConstraints | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must hold at least one token")
@@ -62,6 +63,7 @@ class Request:
         self.detokenizer = detokenizer
         self.constraints = constraints
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority  # with the priority policy: lower runs first
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0

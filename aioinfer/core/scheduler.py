@@ -6,6 +6,10 @@ or their next prefill chunk), then waiting ones in arrival order, after prefix-c
 the pool runs out of blocks the newest running request is preempted: its blocks are freed and it
 waits at the front of the queue to recompute from its prefix.
 
+With the priority policy, the waiting queue is ordered by (priority, arrival) instead (lower
+first; a preempted request goes back to its place), and the victim is the running request with
+the largest (priority, arrival) among those not yet given a share of the step.
+
 `schedule()` and `apply()` alternate: a plan is applied before the next one is built. A request's
 `num_computed_tokens` advances when its tokens are scheduled; `apply()` appends what was sampled.
 """
@@ -53,13 +57,17 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         speculation: NgramSpeculation | None = None,
+        policy: str = "fcfs",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and "
                 f"{max_num_batched_tokens}"
             )
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
         self.kv = kv
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}
@@ -78,7 +86,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.policy == "priority":
+            self._queue_by_priority(request)
+        else:
+            self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request in any state and free its blocks at once. Idempotent: returns the
@@ -138,7 +149,8 @@ class Scheduler:
                 i += 1
                 continue
             while self.kv.allocate(request, num_new) is None:
-                victim = self.running.pop()
+                victim = self._victim(i)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -212,6 +224,24 @@ class Scheduler:
             return None
         return request.prompt_token_ids[start + 1 : min(end + 1, request.num_prompt_tokens)]
 
+    def _victim(self, first: int) -> Request:
+        """The running request to preempt, among running[first:] (those before it already
+        have their share of this step)."""
+        if self.policy == "priority":
+            return max(self.running[first:], key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _queue_by_priority(self, request: Request) -> None:
+        """Into the waiting queue after every request of a smaller or equal key."""
+        key = (request.priority, request.arrival_time)
+        index = len(self.waiting)
+        while (
+            index > 0
+            and (self.waiting[index - 1].priority, self.waiting[index - 1].arrival_time) > key
+        ):
+            index -= 1
+        self.waiting.insert(index, request)
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
@@ -219,7 +249,10 @@ class Scheduler:
         request.num_preemptions += 1
         request.prompt_logprobs.clear()
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.policy == "priority":
+            self._queue_by_priority(request)
+        else:
+            self.waiting.appendleft(request)
 
     # ----------------------------------------------------------------- applying a result
 

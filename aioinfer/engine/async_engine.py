@@ -157,6 +157,7 @@ class AsyncEngine:
             max_num_seqs=self.info.max_num_seqs,
             max_num_batched_tokens=self.info.max_num_batched_tokens,
             speculation=self.scheduler_config.speculation,
+            policy=self.scheduler_config.scheduling_policy,
         )
         self._step_loop = StepLoop(
             self.scheduler, self.gpu, self._fan_out, self._die, before_step=self.expire_queued
@@ -256,10 +257,11 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas until every one of the n sequences finished. Leaving the
         iteration early (a break, a cancelled handler) aborts the request."""
-        stream = self.add_request(prompt_token_ids, params, request_id, prompt)
+        stream = self.add_request(prompt_token_ids, params, request_id, prompt, priority=priority)
         try:
             while True:
                 output = await stream.get()
@@ -299,13 +301,19 @@ class AsyncEngine:
         request_id: str | None = None,
         prompt: str | None = None,
         constraints: ConstraintFactory | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Admit one request (all n sequences) to the scheduler; raises ValueError for what
         does not fit this model, EngineDeadError once the engine died or was shut down.
         `constraints` is what `self.constraints.prepare(params)` gave, where the caller ran it
-        off the loop (a grammar compile, bad words to tokenize); else it runs here."""
+        off the loop (a grammar compile, bad words to tokenize); else it runs here. `priority`
+        orders requests under --scheduling-policy priority (lower first)."""
         self._check_running()
         assert self.scheduler is not None and self.constraints is not None
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise ValueError(
+                f"priority is only used with --scheduling-policy priority, got {priority}"
+            )
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         max_tokens = self.validate_prompt(prompt_token_ids, params)
         self._check_params(params)
@@ -326,6 +334,7 @@ class AsyncEngine:
                 eos_token_ids=self.eos_token_ids,
                 detokenizer=self._make_detokenizer(prompt_token_ids, params),
                 constraints=make_constraints() if make_constraints else None,
+                priority=priority,
             )
             for index, child_id in enumerate(child_ids)
         ]

@@ -96,12 +96,18 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in input order. A prompt is text, a list of token ids, or a dict with
-        "prompt" or "prompt_token_ids"."""
+        "prompt" or "prompt_token_ids". `priority`: one per prompt, with
+        scheduling_policy="priority" (lower first), as vLLM's."""
         batch = self._normalise_prompts(prompts)
         encoded = [self._encode(p) for p in batch]
-        return self._run(encoded, sampling_params, use_tqdm)
+        if priority is not None and len(priority) != len(encoded):
+            raise ValueError(
+                f"priority must have one entry per prompt ({len(encoded)}), got {len(priority)}"
+            )
+        return self._run(encoded, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -182,6 +188,7 @@ class LLM:
         encoded: list[tuple[str | None, list[int]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         if self._loop.is_closed():
             raise RuntimeError("this LLM was shut down")
@@ -196,7 +203,10 @@ class LLM:
                     f"sampling_params must be one or one per prompt ({len(encoded)}), "
                     f"got {len(params_list)}"
                 )
-        task = self._loop.create_task(self._generate_all(encoded, params_list, use_tqdm))
+        priorities = list(priority) if priority is not None else [0] * len(encoded)
+        task = self._loop.create_task(
+            self._generate_all(encoded, params_list, use_tqdm, priorities)
+        )
         try:
             return self._loop.run_until_complete(task)
         except BaseException:
@@ -213,6 +223,7 @@ class LLM:
         encoded: list[tuple[str | None, list[int]]],
         params_list: list[SamplingParams],
         use_tqdm: bool,
+        priorities: list[int],
     ) -> list[RequestOutput]:
         streams: list[RequestStream] = []
         progress: _Progress | None = None
@@ -230,11 +241,11 @@ class LLM:
         try:
             # Every request is validated and queued before the first step runs; one that fails
             # validation aborts those queued before it.
-            for (text, ids), params in zip(encoded, params_list, strict=True):
+            for (text, ids), params, priority in zip(encoded, params_list, priorities, strict=True):
                 kept = self.engine.truncate_prompt(ids, params)
                 text, ids = (text, ids) if kept is ids else (None, kept)
                 params = self._fit_max_tokens(ids, params)
-                streams.append(self.engine.add_request(ids, params, prompt=text))
+                streams.append(self.engine.add_request(ids, params, prompt=text, priority=priority))
             if use_tqdm:
                 progress = _Progress(len(streams), self.engine)
             outputs = await asyncio.gather(

@@ -123,6 +123,7 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
         clamp_max_tokens=not req.max_tokens_given,
         prompt_only=req.prompt_only,
         constraints=constraints,
+        priority=req.priority,
     )
     echo_texts = None
     if req.echo:  # after admission, which checked the prompts' token ids
@@ -227,6 +228,7 @@ async def start_chat(
         clamp_max_tokens=not req.max_tokens_given,
         what="messages",
         constraints=constraints,
+        priority=req.priority,
     )
     record.start(ctx, ["\n".join(str(m["content"]) for m in messages)])
     return ChatStart(ctx, generation, tool_parser)

@@ -201,6 +201,7 @@ def start_generation(
     what: str = "prompt",
     prompt_only: bool = False,
     constraints: ConstraintFactory | None = None,
+    priority: int = 0,
 ) -> Generation:
     """Admit one engine request per prompt, all or none. A default max_tokens (not the
     client's) shrinks to what the context leaves. `constraints`: from `prepare_constraints`."""
@@ -215,7 +216,12 @@ def start_generation(
             request_id = base if len(ctx.prompts) == 1 else f"{base}-{index}"
             streams.append(
                 engine.add_request(
-                    prompt.token_ids, prompt_params, request_id, prompt.text, constraints
+                    prompt.token_ids,
+                    prompt_params,
+                    request_id,
+                    prompt.text,
+                    constraints,
+                    priority=priority,
                 )
             )
     except BaseException as exc:
@@ -250,6 +256,7 @@ def _engine_failed(exc: EngineDeadError) -> ServiceUnavailableError:
 
 
 _ENGINE_PARAMS = (
+    "priority",
     "max_tokens",
     "logprobs",
     "prompt_logprobs",

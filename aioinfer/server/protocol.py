@@ -124,6 +124,9 @@ class _GenerationRequest(OpenAIRequest):
     truncate_prompt_tokens: int | None = Field(
         None, description="Keep only the prompt's last k tokens (-1: what the context holds)."
     )
+    priority: int = Field(
+        0, description="With --scheduling-policy priority: lower runs first (vLLM's field)."
+    )
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object or json_schema (with json_schema.schema)."
     )

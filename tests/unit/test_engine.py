@@ -162,13 +162,14 @@ async def test_engine_fault_fails_every_request_and_refuses_new_ones():
         await engine.shutdown()
 
 
-def fake_llm(factory: FakeRunnerFactory, max_num_batched_tokens: int) -> LLM:
+def fake_llm(factory: FakeRunnerFactory, max_num_batched_tokens: int = 32, **options) -> LLM:
     return LLM(
         "fake",
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=max_num_batched_tokens,
         runner_factory=factory,
         tokenizer_object=make_tokenizer(),
+        **options,
     )
 
 
