@@ -6,6 +6,7 @@ the grammar is not held back)."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -169,93 +170,80 @@ def thinking_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture
+async def thinking_engine(thinking_path: Path) -> AsyncIterator[AsyncEngine]:
+    engine = await AsyncEngine.create(
+        ModelConfig(model=str(thinking_path), dtype="float32", max_model_len=128),
+        CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )
+    yield engine
+    await engine.shutdown()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_grammar_constrains_the_answer_after_the_reasoning(
-    live_factory, thinking_path, stream
+    live_factory, thinking_engine, stream
 ):
     """The model (biased to close its block at once) reasons freely, then the choice holds.
     Were the grammar applied from the first token, "yes" or "no" would be all reasoning."""
-    engine = await AsyncEngine.create(
-        ModelConfig(model=str(thinking_path), dtype="float32", max_model_len=128),
-        CacheConfig(kv_cache_memory=0.01),
-        SchedulerConfig(),
-    )
-    try:
-        end = engine.tokenizer.convert_tokens_to_ids("</think>")
-        server = await live_factory(engine, ServerConfig(reasoning_parser="qwen3"))
-        body = {"structured_outputs": {"choice": ["yes", "no"]}}
-        out = await _chat(server, stream, logit_bias={str(end): 100}, extra_body=body)
-        assert out["reasoning"] is None and out["content"] in ("yes", "no")
-        assert out["finish"] == "stop"
-    finally:
-        await engine.shutdown()
+    end = thinking_engine.tokenizer.convert_tokens_to_ids("</think>")
+    server = await live_factory(thinking_engine, ServerConfig(reasoning_parser="qwen3"))
+    body = {"structured_outputs": {"choice": ["yes", "no"]}}
+    out = await _chat(server, stream, logit_bias={str(end): 100}, extra_body=body)
+    assert out["reasoning"] is None and out["content"] in ("yes", "no")
+    assert out["finish"] == "stop"
 
 
-async def test_the_responses_api_returns_the_reasoning_as_an_item(live_factory, thinking_path):
+async def test_the_responses_api_returns_the_reasoning_as_an_item(live_factory, thinking_engine):
     """The same greedy output through chat and through /v1/responses, streamed and not: the
     template opens the block, so the random model's output is reasoning."""
-    engine = await AsyncEngine.create(
-        ModelConfig(model=str(thinking_path), dtype="float32", max_model_len=128),
-        CacheConfig(kv_cache_memory=0.01),
-        SchedulerConfig(),
-    )
-    try:
-        server = await live_factory(engine, ServerConfig(reasoning_parser="qwen3"))
-        chat = await _chat(server, False, max_tokens=12, temperature=0)
-        assert chat["reasoning"] and chat["content"] is None
-        oai = server.openai()
-        kwargs: dict[str, Any] = {
-            "model": engine.model_name,
-            "input": "Hi",
-            "max_output_tokens": 12,
-            "temperature": 0,
-        }
-        response = await oai.responses.create(**kwargs)
-        assert [item.type for item in response.output] == ["reasoning"]
-        assert response.output[0].content[0].text == chat["reasoning"]  # type: ignore[union-attr,index]
-        streamed = ""
-        async for event in await oai.responses.create(**kwargs, stream=True):
-            if event.type == "response.reasoning_text.delta":
-                streamed += event.delta
-        assert streamed == chat["reasoning"]
-        await oai.close()
-    finally:
-        await engine.shutdown()
+    server = await live_factory(thinking_engine, ServerConfig(reasoning_parser="qwen3"))
+    chat = await _chat(server, False, max_tokens=12, temperature=0)
+    assert chat["reasoning"] and chat["content"] is None
+    oai = server.openai()
+    kwargs: dict[str, Any] = {
+        "model": thinking_engine.model_name,
+        "input": "Hi",
+        "max_output_tokens": 12,
+        "temperature": 0,
+    }
+    response = await oai.responses.create(**kwargs)
+    assert [item.type for item in response.output] == ["reasoning"]
+    assert response.output[0].content[0].text == chat["reasoning"]  # type: ignore[union-attr,index]
+    streamed = ""
+    async for event in await oai.responses.create(**kwargs, stream=True):
+        if event.type == "response.reasoning_text.delta":
+            streamed += event.delta
+    assert streamed == chat["reasoning"]
+    await oai.close()
 
 
 @pytest.mark.parametrize("close_at_once", [False, True])
-async def test_usage_counts_the_reasoning_tokens(live_factory, thinking_path, close_at_once):
+async def test_usage_counts_the_reasoning_tokens(live_factory, thinking_engine, close_at_once):
     """completion_tokens_details.reasoning_tokens (chat, whole and streamed) and
     output_tokens_details.reasoning_tokens (Responses): the tokens before `</think>`. The
     template opens the block; the random model never closes it unless biased to at once."""
-    engine = await AsyncEngine.create(
-        ModelConfig(model=str(thinking_path), dtype="float32", max_model_len=128),
-        CacheConfig(kv_cache_memory=0.01),
-        SchedulerConfig(),
-    )
-    try:
-        end = engine.tokenizer.convert_tokens_to_ids("</think>")
-        server = await live_factory(engine, ServerConfig(reasoning_parser="qwen3"))
-        bias = {str(end): 100} if close_at_once else {}
-        expected = 0 if close_at_once else 12
-        oai = server.openai()
-        kwargs: dict[str, Any] = {"model": engine.model_name, "messages": HELLO}
-        kwargs |= {"max_tokens": 12, "temperature": 0, "logit_bias": bias}
-        completion = await oai.chat.completions.create(**kwargs)
-        assert completion.usage is not None and completion.usage.completion_tokens == 12
-        details = completion.usage.completion_tokens_details
-        assert details is not None and details.reasoning_tokens == expected
-        chunks = [c async for c in await oai.chat.completions.create(
-            **kwargs, stream=True, stream_options={"include_usage": True})]  # fmt: skip
-        usage = chunks[-1].usage
-        assert usage is not None and usage.completion_tokens_details is not None
-        assert usage.completion_tokens_details.reasoning_tokens == expected
-        if not close_at_once:  # the Responses API has no logit_bias
-            response = await oai.responses.create(
-                model=engine.model_name, input="Hi", max_output_tokens=12, temperature=0
-            )
-            assert response.usage is not None
-            assert response.usage.output_tokens_details.reasoning_tokens == expected
-        await oai.close()
-    finally:
-        await engine.shutdown()
+    end = thinking_engine.tokenizer.convert_tokens_to_ids("</think>")
+    server = await live_factory(thinking_engine, ServerConfig(reasoning_parser="qwen3"))
+    bias = {str(end): 100} if close_at_once else {}
+    expected = 0 if close_at_once else 12
+    oai = server.openai()
+    kwargs: dict[str, Any] = {"model": thinking_engine.model_name, "messages": HELLO}
+    kwargs |= {"max_tokens": 12, "temperature": 0, "logit_bias": bias}
+    completion = await oai.chat.completions.create(**kwargs)
+    assert completion.usage is not None and completion.usage.completion_tokens == 12
+    details = completion.usage.completion_tokens_details
+    assert details is not None and details.reasoning_tokens == expected
+    chunks = [c async for c in await oai.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True})]  # fmt: skip
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == expected
+    if not close_at_once:  # the Responses API has no logit_bias
+        response = await oai.responses.create(
+            model=thinking_engine.model_name, input="Hi", max_output_tokens=12, temperature=0
+        )
+        assert response.usage is not None
+        assert response.usage.output_tokens_details.reasoning_tokens == expected
+    await oai.close()
