@@ -7,8 +7,8 @@ the pool runs out of blocks the newest running request is preempted: its blocks 
 waits at the front of the queue to recompute from its prefix.
 
 With the priority policy, the waiting queue is ordered by (priority, arrival) instead (lower
-first; a preempted request goes back to its place), and the victim is the running request with
-the largest (priority, arrival) among those not yet given a share of the step.
+first; a preempted request goes back to its place), running requests take their shares in that
+order too, and so the victim is always the running request with the largest (priority, arrival).
 
 `schedule()` and `apply()` alternate: a plan is applied before the next one is built. A request's
 `num_computed_tokens` advances when its tokens are scheduled; `apply()` appends what was sampled.
@@ -16,7 +16,9 @@ the largest (priority, arrival) among those not yet given a share of the step.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from aioinfer.config import NgramSpeculation
@@ -24,6 +26,45 @@ from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.request import Request, RequestStatus
 from aioinfer.core.spec_decode import NgramProposer, SpecDecodeStats
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult, TokenLogprobs
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
+class PriorityQueue:
+    """The waiting queue of the priority policy, with the deque methods the scheduler uses:
+    kept sorted by (priority, arrival), a binary search and a list insert per request. A
+    preempted request (appendleft) goes back to its place, like any other."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, float]] = []
+        self._items: list[Request] = []
+
+    def append(self, request: Request) -> None:
+        key = _priority_key(request)
+        index = bisect.bisect_right(self._keys, key)
+        self._keys.insert(index, key)
+        self._items.insert(index, request)
+
+    appendleft = append
+
+    def popleft(self) -> Request:
+        del self._keys[0]
+        return self._items.pop(0)
+
+    def remove(self, request: Request) -> None:
+        index = self._items.index(request)
+        del self._keys[index], self._items[index]
+
+    def __getitem__(self, index: int) -> Request:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._items)
 
 
 @dataclass
@@ -71,7 +112,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] | PriorityQueue = (
+            PriorityQueue() if policy == "priority" else deque()
+        )
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
         self._step_id = 0
@@ -86,10 +129,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        if self.policy == "priority":
-            self._queue_by_priority(request)
-        else:
-            self.waiting.append(request)
+        self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request in any state and free its blocks at once. Idempotent: returns the
@@ -137,6 +177,10 @@ class Scheduler:
         return StepPlan(self._step_id, tuple(chunks), tuple(finished))
 
     def _schedule_running(self, budget: int, chunks: list[ScheduledChunk]) -> tuple[int, bool]:
+        if self.policy == "priority":
+            # Smallest key first: whoever runs short of blocks, the victim (the last) has a
+            # larger key than every request already given its share of the step.
+            self.running.sort(key=_priority_key)
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -149,8 +193,7 @@ class Scheduler:
                 i += 1
                 continue
             while self.kv.allocate(request, num_new) is None:
-                victim = self._victim(i)
-                self.running.remove(victim)
+                victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -224,24 +267,6 @@ class Scheduler:
             return None
         return request.prompt_token_ids[start + 1 : min(end + 1, request.num_prompt_tokens)]
 
-    def _victim(self, first: int) -> Request:
-        """The running request to preempt, among running[first:] (those before it already
-        have their share of this step)."""
-        if self.policy == "priority":
-            return max(self.running[first:], key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
-    def _queue_by_priority(self, request: Request) -> None:
-        """Into the waiting queue after every request of a smaller or equal key."""
-        key = (request.priority, request.arrival_time)
-        index = len(self.waiting)
-        while (
-            index > 0
-            and (self.waiting[index - 1].priority, self.waiting[index - 1].arrival_time) > key
-        ):
-            index -= 1
-        self.waiting.insert(index, request)
-
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
@@ -249,10 +274,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.prompt_logprobs.clear()
         self.num_preemptions += 1
-        if self.policy == "priority":
-            self._queue_by_priority(request)
-        else:
-            self.waiting.appendleft(request)
+        self.waiting.appendleft(request)  # by priority: back to its place
 
     # ----------------------------------------------------------------- applying a result
 

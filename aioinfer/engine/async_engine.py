@@ -382,12 +382,17 @@ class AsyncEngine:
             return 0
         now = time.monotonic() if now is None else now
         expired: dict[str, float] = {}
+        # Under first come, first served, never-started requests wait in arrival order: the
+        # scan stops at the first young one. By priority, a young one may stand before old ones.
+        in_arrival_order = self.scheduler.policy == "fcfs"
         for request in self.scheduler.waiting:
             if not _never_started(request):
                 continue  # preempted requests come first: they already produced output
             waited = now - request.arrival_time
             if waited < timeout:
-                break  # never-started requests wait in arrival order
+                if in_arrival_order:
+                    break
+                continue
             child = self._children.get(request.request_id)
             if child is not None:
                 expired.setdefault(child.stream.request_id, waited)

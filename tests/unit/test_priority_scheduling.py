@@ -3,6 +3,7 @@ the running request with the largest key, and exact outputs whatever the order."
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -13,7 +14,7 @@ from aioinfer.config import SchedulerConfig, ServerConfig
 from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams
-from aioinfer.core.scheduler import Scheduler
+from aioinfer.core.scheduler import PriorityQueue, Scheduler
 from aioinfer.server.app import create_app
 from tests.server.conftest import build_engine
 from tests.server.test_http import error_of, post
@@ -74,6 +75,35 @@ def test_the_running_request_with_the_largest_key_is_preempted(policy, victim):
     assert [rid for rid, r in requests.items() if r.num_preemptions] == [victim]
     for rid, r in requests.items():
         assert outputs[rid] == reference_output(list(r.prompt_token_ids), 8)
+
+
+def test_a_low_priority_request_that_started_first_is_the_one_preempted():
+    """Running requests take their shares of a step in priority order, so the one that runs
+    short of blocks is never preempted for a request of a larger key."""
+    sched, runner = engine(num_blocks=10, budget=64)  # 9 usable blocks of 4 tokens
+    low = request("low", [5] * 8, 9, 0.0, max_tokens=12)
+    sched.add(low)
+    plan = sched.schedule()
+    sched.apply(plan, runner.execute(plan))
+    high = request("high", [6] * 8, 0, 1.0, max_tokens=12)
+    sched.add(high)
+    run_to_completion(sched, runner)
+    assert (high.num_preemptions, low.num_preemptions > 0) == (0, True)
+
+
+def test_the_priority_queue_keeps_its_order_through_removals_and_returns():
+    queue = PriorityQueue()
+    requests = [request(f"r{i}", [5], p, float(i)) for i, p in enumerate([3, 1, 3, 0, 1])]
+    for r in requests:
+        queue.append(r)
+    assert [r.request_id for r in queue] == ["r3", "r1", "r4", "r0", "r2"]
+    queue.remove(requests[4])
+    first = queue.popleft()
+    assert first.request_id == "r3" and len(queue) == 3
+    queue.appendleft(first)  # a preempted request goes back to its place: the front here
+    queue.appendleft(requests[4])
+    assert [r.request_id for r in queue] == ["r3", "r1", "r4", "r0", "r2"]
+    assert queue[0] is first
 
 
 @settings(max_examples=40, deadline=None)
@@ -146,3 +176,23 @@ async def test_http_priority_needs_the_priority_policy(aiohttp_client):
             assert response.status == status, raw
         finally:
             await engine.shutdown()
+
+
+async def test_the_queue_timeout_sees_old_requests_behind_young_high_priority_ones():
+    engine = await build_engine(
+        step_delay=0.05, max_num_seqs=1, queue_timeout=5.0, scheduling_policy="priority"
+    )
+    try:
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        engine.add_request([5, 6, 7], params, "running")
+        await asyncio.sleep(0.2)  # it holds the only seat from now on
+        engine.add_request([5, 6], params, "old", priority=5)
+        engine.add_request([5, 6], params, "young", priority=0)
+        requests = engine.scheduler.requests
+        assert [r.request_id for r in engine.scheduler.waiting] == ["young", "old"]
+        now = requests["old"].arrival_time + 6.0
+        requests["young"].arrival_time = now - 1.0
+        assert engine.expire_queued(now) == 1
+        assert "old" not in requests and "young" in requests
+    finally:
+        await engine.shutdown()
