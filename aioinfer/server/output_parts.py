@@ -105,7 +105,7 @@ class OutputParts:
             assert split is not None
             reasoning, answer = self._thinking.feed(seq.text, final=seq.finish_reason is not None)
             if self._reasoning_count is not None:
-                self._reasoning_count.feed(seq.token_ids, reasoning)
+                self._reasoning_count.feed(seq.token_ids)
             if reasoning and split.include:
                 parts.append(ReasoningDelta(reasoning))
             if answer and not self._answering:

@@ -19,7 +19,7 @@ PURE: no torch, no asyncio.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aioinfer.core.constraints import ConstraintFactory, with_reasoning_gate
@@ -39,29 +39,36 @@ class ReasoningParser:
         self, prompt_ids: list[int], tokenizer: Any, *, include: bool, continued: str | None = None
     ) -> ReasoningSplit:
         """How one request's outputs are split, given its prompt's token ids and, where the
-        output continues the last assistant message (continue_final_message, a prefill), that
-        message's text: a block it opens and does not close is open, one it closes is not."""
+        output continues an assistant message (continue_final_message, a prefill), that
+        message's text, read as the output's start: one that opens with `<think>` and does not
+        close it leaves the block open; one that closes it (or, for a parser whose prompt opens
+        the block, any `</think>`) leaves the answer to follow."""
         tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
         opened = self.always_open or tail.rstrip().endswith(START)
-        if continued is not None and (START in continued or END in continued):
-            opened = continued.rfind(START) > continued.rfind(END)
+        if continued is not None:
+            text = continued.lstrip()
+            if text.startswith(START):
+                opened = END not in text
+            elif opened and END in text:
+                opened = False
+            elif text:
+                opened = self.always_open  # the message began an answer, or R1's reasoning
         start, end = _single_token(tokenizer, START), _single_token(tokenizer, END)
-        if start is None or end is None:
-            return ReasoningSplit(opened, include, count_text=_text_counter(tokenizer))
-        return ReasoningSplit(opened, include, tags=(start, end))
+        return ReasoningSplit(
+            opened, include, None if start is None or end is None else (start, end)
+        )
 
 
-def continued_text(messages: list[dict[str, Any]]) -> str:
-    """The text of the last message, the one continue_final_message continues."""
-    content = messages[-1].get("content") if messages else None
+def continued_text(messages: list[dict[str, Any]]) -> str | None:
+    """The text of the last message when it is the assistant's (what continue_final_message
+    continues), else None."""
+    if not messages or messages[-1].get("role") != "assistant":
+        return None
+    content = messages[-1].get("content")
     if isinstance(content, str):
         return content
     parts = content if isinstance(content, list) else []
     return "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
-
-
-def _text_counter(tokenizer: Any) -> Callable[[str], int]:
-    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass(frozen=True)
@@ -71,10 +78,8 @@ class ReasoningSplit:
 
     opened: bool
     include: bool
-    # The tags' token ids where each is one token (Qwen3's and DeepSeek-R1's vocabularies);
-    # else count_text tells a reasoning text's length in tokens.
+    # The tags' token ids where each is one token (Qwen3's and DeepSeek-R1's vocabularies).
     tags: tuple[int, int] | None = None
-    count_text: Callable[[str], int] | None = field(default=None, compare=False)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.opened)
@@ -97,35 +102,45 @@ class ReasoningSplit:
 
 
 class ReasoningTokens:
-    """One choice's reasoning tokens (usage's reasoning_tokens), fed its token ids and its
-    reasoning text as they come. With single-token tags: the tokens between `<think>` and
-    `</think>` (from the output's first token when the prompt opened the block), as vLLM counts
-    them; otherwise the reasoning text's length in tokens, piece by piece."""
+    """One choice's reasoning tokens (usage's reasoning_tokens), fed its token ids as they come,
+    one at a time whatever the deltas, so a whole and a streamed response count the same.
+    With single-token tags: the tokens between `<think>` and `</think>` (from the output's
+    first token when the block is open; a `<think>` written again there is a tag, not
+    reasoning), as vLLM counts them. Otherwise the tokens that leave the text split inside
+    the block (the end tag's leading pieces among them)."""
 
     def __init__(self, split: ReasoningSplit, token_text: Callable[[int], str]) -> None:
         self._split = split
         self._token_text = token_text
-        self._mode = "reasoning" if split.opened else "start"
+        self._mode = "start"
+        self._text = split.stream() if split.tags is None else None
         self.count = 0
 
-    def feed(self, token_ids: list[int], reasoning: str) -> None:
-        if self._split.tags is None:
-            if reasoning and self._split.count_text is not None:
-                self.count += self._split.count_text(reasoning)
+    def feed(self, token_ids: list[int]) -> None:
+        if self._text is not None:
+            for token in token_ids:
+                self._text.feed(self._token_text(token))
+                self.count += self._text.in_reasoning
             return
+        assert self._split.tags is not None
         start, end = self._split.tags
         for token in token_ids:
             if self._mode == "answer":
                 return
-            if self._mode == "reasoning":
-                if token == end:
-                    self._mode = "answer"
-                else:
-                    self.count += 1
-            elif token == start:
-                self._mode = "reasoning"
-            elif self._token_text(token).strip():
-                self._mode = "answer"  # the output did not open with `<think>`
+            if self._mode == "start":
+                if token == start:
+                    self._mode = "reasoning"
+                    continue
+                if not self._token_text(token).strip():
+                    self.count += self._split.opened  # inside an open block, or before one
+                    continue
+                self._mode = "reasoning" if self._split.opened else "answer"
+                if self._mode == "answer":
+                    return
+            if token == end:
+                self._mode = "answer"
+            else:
+                self.count += 1
 
 
 def _single_token(tokenizer: Any, text: str) -> int | None:
@@ -148,6 +163,10 @@ class ReasoningStream:
         self._held: list[str] = []  # reasoning: trailing whitespace, dropped if the block ends
         self._reasoning_started = False  # its leading whitespace is dropped
         self._strip_answer = False  # after `</think>`: the answer's leading whitespace too
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._mode == "reasoning"
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         if self._mode == "start":

@@ -244,7 +244,7 @@ def chat_response(
         if ctx.reasoning is not None:  # what follows reads only the answer
             reasoning, answer = ctx.reasoning.parse(seq.text)
             counter = ctx.reasoning.counter(ctx.token_text)
-            counter.feed(seq.token_ids, reasoning or "")
+            counter.feed(seq.token_ids)
             reasoning_tokens = (reasoning_tokens or 0) + counter.count
             seq = replace(seq, text=answer)
         message: ChatResponseMessage = {"role": "assistant", "content": seq.text}
@@ -535,7 +535,7 @@ class ChatChunks(_ChunkStream):
         stream = self._reasoning.setdefault(seq.index, split.stream())
         reasoning, answer = stream.feed(seq.text, final=seq.finish_reason is not None)
         counter = self._reasoning_counts.setdefault(seq.index, split.counter(self.ctx.token_text))
-        counter.feed(seq.token_ids, reasoning)
+        counter.feed(seq.token_ids)
         return (reasoning if split.include else ""), replace(seq, text=answer)
 
     def _reasoning_tokens(self) -> int | None:

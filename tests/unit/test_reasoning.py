@@ -187,7 +187,7 @@ def _counted(opened: bool, token_ids: list[int], pieces: int = 1) -> int:
     counter = split.counter(lambda t: " " if t == 0 else f"t{t}")
     step = max(1, -(-len(token_ids) // pieces))
     for i in range(0, len(token_ids), step):
-        counter.feed(token_ids[i : i + step], "")
+        counter.feed(token_ids[i : i + step])
     return counter.count
 
 
@@ -201,15 +201,24 @@ def test_reasoning_tokens_are_those_between_the_tags(pieces):
     assert _counted(True, [8, 4, 5], pieces) == 0
 
 
-def test_reasoning_tokens_without_single_token_tags_count_the_reasoning_text():
+@pytest.mark.parametrize("pieces", [1, 4, 100])
+def test_reasoning_tokens_without_single_token_tags_follow_the_text_split(pieces):
+    """Tags of several tokens: the tokens fed while the text split is inside the block, one
+    token at a time, so a whole and a streamed output count the same."""
     tokenizer = make_tokenizer()
     split = REASONING_PARSERS["qwen3"].split([1], tokenizer, include=False)
     assert split.tags is None
-    counter = split.counter(lambda t: "x")
-    reasoning, _ = split.parse("<think>They greet me.</think>Hello!")
-    assert reasoning == "They greet me."
-    counter.feed([], reasoning)
-    assert counter.count == len(tokenizer.encode(reasoning, add_special_tokens=False)) > 0
+    ids = tokenizer.encode("<think>They greet me.</think>Hello!", add_special_tokens=False)
+    counter = split.counter(lambda t: tokenizer.decode([t]))
+    step = max(1, -(-len(ids) // pieces))
+    for i in range(0, len(ids), step):
+        counter.feed(ids[i : i + step])
+    inside = len(tokenizer.encode("They greet me.", add_special_tokens=False))
+    assert (
+        inside
+        <= counter.count
+        < len(ids) - len(tokenizer.encode("Hello!", add_special_tokens=False))
+    )
 
 
 @pytest.mark.parametrize(
@@ -222,7 +231,10 @@ def test_reasoning_tokens_without_single_token_tags_count_the_reasoning_text():
         ("deepseek_r1", None, True),
         ("deepseek_r1", "Let me see", True),  # R1's block opens in its prompt
         ("deepseek_r1", "a</think>The answer", False),
-        ("deepseek_r1", "<think>a</think>b<think>c", True),
+        ("deepseek_r1", "<think>a</think>b<think>c", False),  # a literal tag in the answer
+        ("qwen3", "What does <think> mean?", False),
+        ("qwen3", "The tag is <think>", False),
+        ("qwen3", "  <think>\nstill thinking", True),
     ],
 )
 def test_a_continued_message_decides_whether_the_block_is_open(parser, continued, opened):
@@ -236,4 +248,10 @@ def test_continued_text_reads_strings_and_text_parts():
     assert continued_text([{"role": "assistant", "content": "<think>x"}]) == "<think>x"
     parts = [{"type": "text", "text": "<think>"}, {"type": "text", "text": "y"}]
     assert continued_text([{"role": "assistant", "content": parts}]) == "<think>y"
-    assert continued_text([]) == ""
+    assert continued_text([]) is None
+    assert continued_text([{"role": "user", "content": "<think>"}]) is None
+
+
+def test_a_tag_written_again_inside_an_open_block_is_not_reasoning():
+    assert _counted(True, [7, 1, 8, 4]) == 1
+    assert _counted(True, [0, 7, 1, 2, 8]) == 3  # the whitespace is inside the open block
