@@ -115,7 +115,8 @@ class Scheduler:
         self.waiting: deque[Request] | PriorityQueue = (
             PriorityQueue() if policy == "priority" else deque()
         )
-        self.running: list[Request] = []  # admission order: the last one is preempted first
+        # Admission order (by priority under that policy): the last one is preempted first.
+        self.running: list[Request] = []
         self.num_preemptions = 0
         self._step_id = 0
         self._finished_since_last_plan: list[str] = []
