@@ -10,9 +10,9 @@ async def test_model_defaults_apply_to_unset_fields(client, engine, monkeypatch)
     seen = []
     add_request = engine.add_request
 
-    def spy(prompt_token_ids, params, *args):
+    def spy(prompt_token_ids, params, *args, **kwargs):
         seen.append(params)
-        return add_request(prompt_token_ids, params, *args)
+        return add_request(prompt_token_ids, params, *args, **kwargs)
 
     monkeypatch.setattr(engine, "add_request", spy)
     monkeypatch.setattr(engine, "default_sampling", {"temperature": 0.25, "top_k": 4})
