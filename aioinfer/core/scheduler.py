@@ -224,13 +224,10 @@ class Scheduler:
 
     def _drafts(self, request: Request, room: int) -> tuple[int, ...]:
         """Speculative tokens for a decoding request, within `room` more tokens of budget."""
-        spec = self.speculation
-        if self.proposer is None or spec is None or room <= 0 or not request.can_speculate:
+        if self.proposer is None or room <= 0 or not request.can_speculate:
             return ()
-        if (
-            spec.disable_by_batch_size is not None
-            and len(self.running) >= spec.disable_by_batch_size
-        ):
+        busy = self.proposer.spec.disable_by_batch_size
+        if busy is not None and len(self.running) >= busy:
             return ()
         # A draft past max_tokens could never be emitted.
         room = min(room, request.max_tokens - request.num_output_tokens - 1)
@@ -294,9 +291,9 @@ class Scheduler:
             if not chunk.sample or not token_ids:
                 continue
             drafts = chunk.draft_token_ids
-            if (
-                len(token_ids) > len(drafts) + 1
-                or list(drafts[: len(token_ids) - 1]) != token_ids[:-1]
+            # The runner emits the drafts it accepted, then one token (core/spec_decode.verify).
+            if len(token_ids) > len(drafts) + 1 or (
+                drafts and list(drafts[: len(token_ids) - 1]) != token_ids[:-1]
             ):
                 raise ValueError(
                     f"request {chunk.request_id!r}: the runner emitted {token_ids} for drafts "

@@ -62,10 +62,7 @@ class NgramProposer:
 
     def _sync(self, request_id: str, token_ids: Sequence[int]) -> bytearray:
         buf = self._tokens.setdefault(request_id, bytearray())
-        known = len(buf) // _ITEM
-        if known > len(token_ids):  # cannot happen: a request's tokens only grow
-            buf.clear()
-            known = 0
+        known = len(buf) // _ITEM  # a request's tokens only grow
         if known < len(token_ids):
             buf += array("i", token_ids[known:]).tobytes()
         return buf
