@@ -102,6 +102,18 @@ class ModelConfig:
     )
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit).")
+    runner: str = _opt(
+        "auto",
+        "generate: text generation. pooling: embeddings (/v1/embeddings, LLM.embed) from the "
+        "final hidden states. auto: pooling for *Model architectures and sentence-transformers "
+        "folders, else generate.",
+    )
+    pooler_config: str | Mapping[str, Any] | None = _opt(
+        None,
+        "How a pooling model makes an embedding, as a JSON object, e.g. "
+        '\'{"pooling_type": "MEAN", "normalize": false}\' (pooling_type LAST, MEAN or CLS; '
+        "default: the model's sentence-transformers settings, else LAST, normalized).",
+    )
 
     def __post_init__(self) -> None:
         # vLLM's (and torch's) other names for the same types.
@@ -114,14 +126,21 @@ class ModelConfig:
             "generation_config": ("auto", "vllm"),
             "attention_backend": ("auto", "triton", "native", "torch"),
             "cpu_kernels": ("auto", "native", "torch"),
+            "runner": ("auto", "generate", "pooling"),
         }
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         _check_positive(self, "max_model_len")
         self.generation_overrides  # noqa: B018 (checks the JSON)
+        self.pooler_overrides  # noqa: B018 (checks the JSON)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def pooler_overrides(self) -> dict[str, Any] | None:
+        """--pooler-config as a dict (the runner checks its keys against the model)."""
+        return _json_object("pooler_config", self.pooler_config)
 
     @property
     def generation_overrides(self) -> dict[str, float]:

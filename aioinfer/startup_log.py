@@ -53,6 +53,9 @@ def log_engine_started(engine: Any) -> None:
         info.device, info.max_model_len, cc.block_size, cc.enable_prefix_caching,
         mc.enforce_eager, info.attention_backend, info.cpu_kernels,
     )  # fmt: skip
+    pooler = getattr(info, "pooler", None)
+    if pooler is not None:
+        logger.info("Runner: pooling (%s): serving /v1/embeddings", pooler.describe())
     logger.info(
         "Chunked prefill is enabled with max_num_batched_tokens=%d.", info.max_num_batched_tokens
     )

@@ -53,7 +53,7 @@ class KVCacheManager:
         """The cached blocks that hold a prefix of a new request's tokens, and how many tokens
         they cover. At least one token is always left to compute, since its logits are needed.
         Mutates nothing but the request's hash list."""
-        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+        if not self.enable_prefix_caching or request.skips_prefix_cache:
             return [], 0
         self._extend_hashes(request, request.num_tokens)
         blocks: list[int] = []
@@ -117,7 +117,7 @@ class KVCacheManager:
         # The K/V of these tokens are written by the step being planned, before any later step
         # can read them, so the blocks may be shared from the next step on. Drafted tokens
         # (past the request's own) are not known to be right yet: their blocks wait.
-        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+        if not self.enable_prefix_caching or request.skips_prefix_cache:
             return
         num_tokens = min(num_tokens, request.num_tokens)
         self._extend_hashes(request, num_tokens)

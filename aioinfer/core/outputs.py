@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from aioinfer.core.step import TokenLogprobs
 
 
@@ -75,3 +77,25 @@ class OutputAccumulator:
         if self.final is None:
             raise RuntimeError("no output was produced")
         return self.final
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's shape: `.embedding` is the vector as a list of floats."""
+
+    data: np.ndarray  # float32, one dimension
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()  # type: ignore[no-any-return]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, and the engine's `encode`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -11,9 +11,12 @@ from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from aioinfer.core.block_pool import BlockHash
     from aioinfer.core.constraints import TokenConstraints
     from aioinfer.core.detokenizer import IncrementalDetokenizer
+    from aioinfer.core.pooling import PoolerConfig
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +55,7 @@ class Request:
         constraints: TokenConstraints | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        pooler: PoolerConfig | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must hold at least one token")
@@ -64,6 +68,9 @@ class Request:
         self.constraints = constraints
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority  # with the priority policy: lower runs first
+        # Set for an embedding request: its prompt is prefilled, pooled and never decoded.
+        self.pooler = pooler
+        self.pooled: np.ndarray | None = None  # the parts its chunks handed back, folded
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -107,12 +114,22 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None
 
     @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether every prompt token must be computed here: for its prompt logprobs, or for a
+        pooling that reads every token's hidden state."""
+        return self.wants_prompt_logprobs or (
+            self.pooler is not None and self.pooler.reads_every_token
+        )
+
+    @property
     def can_speculate(self) -> bool:
         """Whether drafted tokens may be checked in this step: a grammar's mask (and a bad
         word's ban) depends on the tokens before it, and before min_tokens the bans move with
         each token, so those requests decode one token at a time."""
         return (
-            self.constraints is None and self.num_output_tokens >= self.sampling_params.min_tokens
+            self.pooler is None
+            and self.constraints is None
+            and self.num_output_tokens >= self.sampling_params.min_tokens
         )
 
     def append_output(self, token_id: int) -> None:

@@ -10,6 +10,9 @@ With the priority policy, the waiting queue is ordered by (priority, arrival) in
 first; a preempted request goes back to its place), running requests take their shares in that
 order too, and so the victim is always the running request with the largest (priority, arrival).
 
+An embedding request (one with a pooler) is only prefilled: its chunks hand back pooled parts
+instead of sampling, and it finishes when its prompt is done.
+
 `schedule()` and `apply()` alternate: a plan is applied before the next one is built. A request's
 `num_computed_tokens` advances when its tokens are scheduled; `apply()` appends what was sampled.
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 from aioinfer.config import NgramSpeculation
 from aioinfer.core.kv_manager import KVCacheManager
+from aioinfer.core.pooling import fold
 from aioinfer.core.request import Request, RequestStatus
 from aioinfer.core.spec_decode import NgramProposer, SpecDecodeStats
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult, TokenLogprobs
@@ -241,7 +245,8 @@ class Scheduler:
         # Drafts are computed too until apply() learns how many were accepted.
         request.num_computed_tokens = end + len(drafts)
         params = request.sampling_params
-        sample = end == request.num_tokens
+        pooler = request.pooler
+        sample = end == request.num_tokens and pooler is None
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start:end]) + drafts,
@@ -256,6 +261,7 @@ class Scheduler:
             constraints=request.constraints if sample else None,
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
             draft_token_ids=drafts,
+            pooling=pooler.pooling_type if pooler is not None else None,
         )
 
     @staticmethod
@@ -271,6 +277,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.prompt_logprobs.clear()
+        request.pooled = None
         self.num_preemptions += 1
         self.waiting.appendleft(request)  # by priority: back to its place
 
@@ -287,6 +294,17 @@ class Scheduler:
             prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
             if prompt_logprobs:
                 request.prompt_logprobs.extend(prompt_logprobs)
+            if chunk.pooling is not None:
+                part = result.pooled.get(chunk.request_id)
+                request.pooled = fold(chunk.pooling, request.pooled, part)
+                if request.num_computed_tokens == request.num_tokens:
+                    # The prompt is done: its embedding is all an embedding request makes.
+                    if request.pooled is None:
+                        raise ValueError(f"request {chunk.request_id!r}: the runner pooled nothing")
+                    self.running.remove(request)
+                    self._finish(request, RequestStatus.FINISHED_STOPPED)
+                    updates.append(RequestUpdate(request, finished=True))
+                continue
             token_ids = result.sampled_token_ids.get(chunk.request_id)
             if not chunk.sample or not token_ids:
                 continue

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aioinfer.core.sampling_params import SamplingParams
 
@@ -59,6 +59,9 @@ class ScheduledChunk:
     # after history + draft_token_ids: the runner gives it one chunk per position, each with
     # the drafts before that position (draft_rows).
     draft_token_ids: tuple[int, ...] = ()
+    # An embedding request's pooling type (core/pooling.py): the runner hands back what it
+    # needs of this chunk's hidden states. Such a chunk never samples.
+    pooling: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -148,3 +151,6 @@ class StepResult:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per request that asked for prompt logprobs: one entry per prompt_logprob_targets token.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Per chunk with a pooling type, its part (core/pooling.fold): a float32 numpy vector, or
+    # nothing where the chunk holds none of what the type reads.
+    pooled: dict[str, Any] = field(default_factory=dict)

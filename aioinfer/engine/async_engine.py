@@ -19,7 +19,8 @@ from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.constraints import ConstraintBuilder, ConstraintFactory
 from aioinfer.core.detokenizer import IncrementalDetokenizer
 from aioinfer.core.kv_manager import KVCacheManager
-from aioinfer.core.outputs import RequestOutput
+from aioinfer.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from aioinfer.core.pooling import PoolerConfig, PoolingParams, embedding
 from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import RequestUpdate, Scheduler
@@ -28,6 +29,7 @@ from aioinfer.engine.stream import (
     EngineDeadError,
     EngineOverloadedError,
     QueueTimeoutError,
+    RequestAbortedError,
     RequestStream,
 )
 from aioinfer.gpu.thread import GpuThread
@@ -35,6 +37,7 @@ from aioinfer.gpu.thread import GpuThread
 logger = logging.getLogger(__name__)
 
 _request_counter = itertools.count()
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 
 
 @dataclass
@@ -104,6 +107,7 @@ class AsyncEngine:
         self.eos_token_ids: frozenset[int] = frozenset()
         self.default_sampling: dict[str, Any] = {}  # from the model's generation_config.json
         self.constraints: ConstraintBuilder | None = None  # set at start()
+        self.pooler: PoolerConfig | None = None  # set at start() when the model makes embeddings
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
         self._died = asyncio.Event()
@@ -144,6 +148,7 @@ class AsyncEngine:
         self.info.init_seconds = time.perf_counter() - t0
         self.eos_token_ids = frozenset(self.info.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.default_sampling = dict(self.info.default_sampling)
+        self.pooler = getattr(self.info, "pooler", None)
         self.constraints = ConstraintBuilder(
             self.tokenizer, self.info.vocab_size, self.eos_token_ids
         )
@@ -310,10 +315,12 @@ class AsyncEngine:
         orders requests under --scheduling-policy priority (lower first)."""
         self._check_running()
         assert self.scheduler is not None and self.constraints is not None
-        if priority != 0 and self.scheduler.policy != "priority":
+        if self.pooler is not None:
             raise ValueError(
-                f"priority is only used with --scheduling-policy priority, got {priority}"
+                "This model serves embeddings (--runner pooling): use /v1/embeddings or "
+                "LLM.embed; it does not generate text"
             )
+        self._check_priority(priority)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         max_tokens = self.validate_prompt(prompt_token_ids, params)
         self._check_params(params)
@@ -339,14 +346,122 @@ class AsyncEngine:
             for index, child_id in enumerate(child_ids)
         ]
         stream = RequestStream(request_id, prompt, list(prompt_token_ids), params.n)
+        self._queue(stream, requests)
+        return stream
+
+    def add_pooling_request(
+        self,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Admit one embedding request of a pooling model: its prompt is prefilled and pooled,
+        and the stream's final output carries the folded parts (`stream.pooled`; `encode`
+        makes them an embedding). Raises ValueError as add_request does."""
+        self._check_running()
+        assert self.scheduler is not None
+        pooler = self.pooler
+        if pooler is None:
+            raise ValueError(
+                "This model generates text (--runner generate): it does not serve embeddings; "
+                "start it with --runner pooling"
+            )
+        self._check_priority(priority)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            prompt_token_ids = prompt_token_ids[-keep:]
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("input must not be empty")
+        if num_prompt > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt} tokens in the input for embedding generation. "
+                f"Please reduce the length of the input."
+            )
+        vocab = self.info.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input token ids must be in [0, {vocab}), got {bad[0]}")
+        hidden = self.info.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden:
+            raise ValueError(
+                f"dimensions must be <= {hidden} (the model's embedding size), got "
+                f"{params.dimensions}"
+            )
+        request_id = request_id or self.make_request_id()
+        if request_id in self._parents or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # Never sampled: one token's worth of params keeps the request's bookkeeping whole.
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            _POOLING_SAMPLING,
+            max_tokens=1,
+            pooler=pooler,
+            priority=priority,
+        )
+        stream = RequestStream(request_id, prompt, list(prompt_token_ids), 1)
+        self._queue(stream, [request])
+        return stream
+
+    async def encode(
+        self,
+        prompt_token_ids: list[int],
+        params: PoolingParams | None = None,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput:
+        """The embedding of one prompt (a pooling model). Cancelling the caller aborts it."""
+        params = params or PoolingParams()
+        stream = self.add_pooling_request(prompt_token_ids, params, request_id, prompt, priority)
+        return await self.embedding_of(stream, params)
+
+    async def embedding_of(
+        self, stream: RequestStream, params: PoolingParams
+    ) -> EmbeddingRequestOutput:
+        """Wait for the request of `add_pooling_request` and make its embedding. Leaving early
+        (a cancelled caller) aborts it; RequestAbortedError when it was aborted meanwhile."""
+        try:
+            while not (await stream.get()).finished:
+                pass
+        finally:
+            if not stream.taken_final:
+                self.abort(stream.request_id)
+        if stream.pooled is None:
+            raise RequestAbortedError(f"request {stream.request_id!r} was aborted")
+        assert self.pooler is not None
+        vector = embedding(
+            self.pooler.pooling_type,
+            stream.pooled,
+            len(stream.prompt_token_ids),
+            params,
+            self.pooler,
+        )
+        return EmbeddingRequestOutput(
+            stream.request_id, stream.prompt, stream.prompt_token_ids, EmbeddingOutput(vector)
+        )
+
+    def _check_priority(self, priority: int) -> None:
+        assert self.scheduler is not None
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise ValueError(
+                f"priority is only used with --scheduling-policy priority, got {priority}"
+            )
+
+    def _queue(self, stream: RequestStream, requests: list[Request]) -> None:
+        """Hand a request's sequences, checked and built, to the scheduler."""
+        assert self.scheduler is not None and self._step_loop is not None
         for index, request in enumerate(requests):
             self.scheduler.add(request)
             self._children[request.request_id] = _Child(stream, index)
-        self._parents[request_id] = _Parent(stream, child_ids)
-        self.stats.prompt_tokens += len(prompt_token_ids) * params.n
-        assert self._step_loop is not None
+        self._parents[stream.request_id] = _Parent(stream, [r.request_id for r in requests])
+        self.stats.prompt_tokens += sum(r.num_prompt_tokens for r in requests)
         self._step_loop.notify()
-        return stream
 
     def abort(
         self, request_id: str, reason: str = "abort", error: BaseException | None = None
@@ -461,6 +576,8 @@ class AsyncEngine:
                 stream.num_cached_tokens = request.num_cached_tokens
                 if request.wants_prompt_logprobs:
                     stream.put_prompt_logprobs(request.prompt_logprobs)
+            if request.pooled is not None:
+                stream.pooled = request.pooled
             wants_logprobs = request.sampling_params.logprobs is not None
             stream.put(
                 child.index,

@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar, cast
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
-from aioinfer.core.outputs import OutputAccumulator, RequestOutput
+from aioinfer.core.outputs import EmbeddingRequestOutput, OutputAccumulator, RequestOutput
+from aioinfer.core.pooling import PoolingParams
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
@@ -23,6 +24,8 @@ from aioinfer.engine.stream import RequestStream
 
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
+_T = TypeVar("_T")
+_P = TypeVar("_P", SamplingParams, PoolingParams)
 
 
 # vLLM's LLM options that change nothing for one model on one device: accepted, so that vLLM
@@ -60,7 +63,8 @@ def split_options(**options: Any) -> tuple[ModelConfig, CacheConfig, SchedulerCo
 
 
 class LLM:
-    """Batch generation: `LLM(model, **options)`, then `generate(...)` or `chat(...)`.
+    """Batch generation: `LLM(model, **options)`, then `generate(...)` or `chat(...)`; with a
+    pooling model (`runner="pooling"`), `embed(...)`.
 
     `model` is a hub id, a local folder or a .gguf file; empty means the bundled
     SmolLM2-135M-Instruct. Options are the fields of ModelConfig, CacheConfig and
@@ -140,6 +144,25 @@ class LLM:
             encoded.append((text, encode_rendered_chat(self.engine.tokenizer, text)))
         return self._run(encoded, sampling_params, use_tqdm)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeddings in input order, from a pooling model (`LLM(model, runner="pooling")`, or
+        an embedding checkpoint); `outputs.embedding` is the vector, as in vLLM."""
+        batch = self._normalise_prompts(prompts)
+        encoded = [self._encode(p) for p in batch]
+        params_list = _per_prompt(pooling_params or PoolingParams(), len(encoded), "pooling_params")
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params_list
+            ]
+        return self._run_task(self._embed_all(encoded, params_list, use_tqdm))
+
     def shutdown(self) -> None:
         if not self._loop.is_closed():
             self._loop.run_until_complete(self.engine.shutdown())
@@ -190,23 +213,18 @@ class LLM:
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        if self._loop.is_closed():
-            raise RuntimeError("this LLM was shut down")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(encoded)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(encoded):
-                raise ValueError(
-                    f"sampling_params must be one or one per prompt ({len(encoded)}), "
-                    f"got {len(params_list)}"
-                )
+        params_list = _per_prompt(sampling_params, len(encoded), "sampling_params")
         priorities = list(priority) if priority is not None else [0] * len(encoded)
-        task = self._loop.create_task(
-            self._generate_all(encoded, params_list, use_tqdm, priorities)
-        )
+        return self._run_task(self._generate_all(encoded, params_list, use_tqdm, priorities))
+
+    def _run_task(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Drive the engine on this LLM's loop until `coro` is done."""
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("this LLM was shut down")
+        task = self._loop.create_task(coro)
         try:
             return self._loop.run_until_complete(task)
         except BaseException:
@@ -260,6 +278,42 @@ class LLM:
             if progress is not None:
                 progress.close()
 
+    async def _embed_all(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params_list: list[PoolingParams],
+        use_tqdm: bool,
+    ) -> list[EmbeddingRequestOutput]:
+        streams: list[RequestStream] = []
+        progress: _Progress | None = None
+
+        async def collect(stream: RequestStream, params: PoolingParams) -> EmbeddingRequestOutput:
+            output = await self.engine.embedding_of(stream, params)
+            if progress is not None:
+                progress.advance()
+            return output
+
+        try:
+            # All are validated and queued before the first step runs, as in _generate_all.
+            for (text, ids), params in zip(encoded, params_list, strict=True):
+                streams.append(self.engine.add_pooling_request(ids, params, prompt=text))
+            if use_tqdm:
+                # Counted from before the queueing: the prompts' tokens count when queued.
+                progress = _Progress(len(streams), self.engine, "prompt")
+                progress.start_tokens -= sum(len(s.prompt_token_ids) for s in streams)
+            return list(
+                await asyncio.gather(
+                    *(collect(s, p) for s, p in zip(streams, params_list, strict=True))
+                )
+            )
+        except BaseException:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+
     def _fit_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """As vLLM's offline engine: output stops at the context's end ("length") rather than
         the request failing when prompt + max_tokens exceed it."""
@@ -291,6 +345,16 @@ class LLM:
         return text
 
 
+def _per_prompt(value: _P | Sequence[_P], count: int, name: str) -> list[_P]:
+    """One params object for every prompt, or a list of one per prompt."""
+    if not isinstance(value, Sequence):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"{name} must be one or one per prompt ({count}), got {len(values)}")
+    return values
+
+
 def _token_ids(value: Any) -> list[int]:
     if not isinstance(value, (list, tuple)) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
@@ -318,11 +382,14 @@ def _template_message(message: Message) -> Message:
 class _Progress:
     """A rich progress bar with output tokens per second."""
 
-    def __init__(self, total: int, engine: AsyncEngine) -> None:
+    def __init__(self, total: int, engine: AsyncEngine, counter: str = "generation") -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self.engine = engine
-        self.start_tokens = engine.stats.generation_tokens
+        # Output tokens per second; input tokens for embeddings, which output none.
+        self.counter = counter
+        self.label = "output" if counter == "generation" else "input"
+        self.start_tokens = self._tokens()
         self.start = time.perf_counter()
         self.bar = Progress(
             TextColumn("Processed prompts"),
@@ -334,10 +401,13 @@ class _Progress:
         self.task = self.bar.add_task("generate", total=total, speed="")
         self.bar.start()
 
+    def _tokens(self) -> int:
+        return int(getattr(self.engine.stats, f"{self.counter}_tokens"))
+
     def advance(self) -> None:
-        tokens = self.engine.stats.generation_tokens - self.start_tokens
+        tokens = self._tokens() - self.start_tokens
         rate = tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.update(self.task, advance=1, speed=f"{rate:.1f} output tok/s")
+        self.bar.update(self.task, advance=1, speed=f"{rate:.1f} {self.label} tok/s")
 
     def close(self) -> None:
         self.bar.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
 from aioinfer.core.step import TokenLogprobs
@@ -25,6 +26,10 @@ class QueueTimeoutError(RuntimeError):
     """The request waited longer than --queue-timeout for its first step and was dropped."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (a shutdown) before it produced what its caller awaits."""
+
+
 class RequestStream:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int):
         self.request_id = request_id
@@ -38,6 +43,8 @@ class RequestStream:
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self.taken_final = False
+        # An embedding request's folded pooled parts (core/pooling.py), set when it finishes.
+        self.pooled: Any = None
 
     @property
     def finished(self) -> bool:

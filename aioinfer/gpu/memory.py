@@ -68,11 +68,20 @@ def profile_available_kv_bytes(
         n = -(-length // block_size)
         table = tuple(range(block, block + n))
         block += n
-        # The chunk's tail as drafts: one sampled row per draft position.
+        # The chunk's tail as drafts: one sampled row per draft position. A pooling model
+        # samples nothing (and has no LM head): its chunks pool instead.
         drafts = (0,) * min(runner.sampled_rows_per_request - 1, length - 1)
+        pooler = runner.pooler
         chunks.append(
             ScheduledChunk(
-                f"profile-{r}", (0,) * length, 0, table, True, params, draft_token_ids=drafts
+                f"profile-{r}",
+                (0,) * length,
+                0,
+                table,
+                pooler is None,
+                params,
+                draft_token_ids=drafts if pooler is None else (),
+                pooling=pooler.pooling_type if pooler is not None else None,
             )
         )
     runner.execute(StepPlan(0, tuple(chunks)))

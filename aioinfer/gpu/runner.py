@@ -26,6 +26,7 @@ from aioinfer.config import (
     SchedulerConfig,
     sampled_rows_per_request,
 )
+from aioinfer.core.pooling import PoolerConfig, resolve_pooler
 from aioinfer.core.spec_decode import draft_rows, verify
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import memory
@@ -67,6 +68,9 @@ class RunnerInfo:
     graphs_off_reason: str | None = None
     # "native" when the CPU kernels replaced the model's linears, norms and activations.
     cpu_kernels: str = "torch"
+    # Set when the model serves embeddings (--runner pooling) instead of generating text.
+    pooler: PoolerConfig | None = None
+    hidden_size: int = 0
     init_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -105,10 +109,16 @@ class ModelRunner:
         hf_config = resolved.hf_config
         self.hf_config = hf_config
         torch.manual_seed(model_config.seed)
+        architecture = (getattr(hf_config, "architectures", None) or [""])[0]
+        self.pooler = resolve_pooler(
+            model_config.runner, model_config.pooler_overrides, architecture, resolved.folder
+        )
 
         start = time.perf_counter()
         mem_before = memory.device_memory_used(self.device)
-        self.model = load_model(resolved, self.dtype, self.device, model_config.seed)
+        self.model = load_model(
+            resolved, self.dtype, self.device, model_config.seed, pooling=self.pooler is not None
+        )
         cpu_kernels = select_cpu_kernels(
             self.model, model_config.cpu_kernels, self.device, self.dtype
         )
@@ -180,7 +190,7 @@ class ModelRunner:
             )
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         graph_seconds = graph_bytes = None
-        graphs_off = _graphs_off_reason(model_config, self.device, self.attn_backend)
+        graphs_off = _graphs_off_reason(model_config, self.device, self.attn_backend, self.pooler)
         if graphs_off is None:
             self.graph_runner = CudaGraphRunner(
                 self.model,
@@ -215,6 +225,8 @@ class ModelRunner:
             graph_capture_seconds=graph_seconds,
             graph_memory_gib=None if graph_bytes is None else graph_bytes / GiB,
             graphs_off_reason=graphs_off,
+            pooler=self.pooler,
+            hidden_size=int(hf_config.hidden_size),
         )
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
@@ -240,6 +252,7 @@ class ModelRunner:
         result = StepResult(plan.step_id)
         self._sample(chunks, hidden, metadata, result)
         self._prompt_logprobs(chunks, hidden, metadata, result)
+        self._pool(chunks, hidden, metadata, result)
         return result
 
     def prepare_inputs(
@@ -306,6 +319,34 @@ class ModelRunner:
             result.prompt_logprobs[chunk.request_id] = compute_prompt_logprobs(
                 logits, targets, num_top
             )
+
+    def _pool(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        hidden: torch.Tensor,
+        metadata: AttentionMetadata,
+        result: StepResult,
+    ) -> None:
+        """Each pooling chunk's part (core/pooling.fold): the sum of its rows for MEAN, its last
+        row for LAST, the prompt's first row for CLS; in float32, brought to the host at once."""
+        qsl = metadata.query_start_loc_host
+        parts: list[torch.Tensor] = []
+        owners: list[str] = []
+        for i, chunk in enumerate(chunks):
+            if chunk.pooling is None:
+                continue
+            if chunk.pooling == "MEAN":
+                parts.append(hidden[qsl[i] : qsl[i + 1]].float().sum(0))
+            elif chunk.pooling == "LAST":
+                parts.append(hidden[qsl[i + 1] - 1].float())
+            elif chunk.start_pos == 0:  # CLS
+                parts.append(hidden[qsl[i]].float())
+            else:
+                continue
+            owners.append(chunk.request_id)
+        if parts:
+            rows = torch.stack(parts).cpu().numpy()
+            result.pooled.update(zip(owners, rows, strict=True))
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -407,11 +448,13 @@ def _native_kernels(cpu_kernels: str) -> NativeKernels | None:
 
 
 def _graphs_off_reason(
-    model_config: ModelConfig, device: torch.device, attn_backend: Any
+    model_config: ModelConfig, device: torch.device, attn_backend: Any, pooler: Any
 ) -> str | None:
     """Why decode steps run eagerly, or None when CUDA graphs are captured."""
     if model_config.enforce_eager:
         return "enforce_eager is set"
+    if pooler is not None:
+        return "a pooling model runs no decode steps"
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
     if getattr(attn_backend, "name", "torch") != "triton":

@@ -202,7 +202,9 @@ class LlamaForCausalLM(nn.Module):
         self.hf_config = hf_config
         self.config = self.decoder_config(hf_config)
         self.model = LlamaModel(self.config)
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = nn.Linear(
+            self.config.hidden_size, self.config.vocab_size, bias=False
+        )
         self.tie_weights()
 
     @classmethod
@@ -245,8 +247,13 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config ties them; call after loading."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def drop_lm_head(self) -> None:
+        """For embeddings: the final hidden states are the output, so the head is never built
+        into memory nor read from the checkpoint (`compute_logits` is then unavailable)."""
+        self.lm_head = None
 
     def fuse_gemms(self) -> None:
         """Fewer, larger kernels per layer for the GPU path, once the weights are loaded on
@@ -266,6 +273,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        if self.lm_head is None:
+            raise RuntimeError("this model was loaded for embeddings, without its LM head")
         return self.lm_head(hidden_states).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:

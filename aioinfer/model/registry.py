@@ -13,6 +13,12 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # The bare decoders of embedding checkpoints (no LM head; keys without "model."): the same
+    # classes, run with --runner pooling.
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": MistralForCausalLM,
+    "Qwen2Model": Qwen2ForCausalLM,
+    "Qwen3Model": Qwen3ForCausalLM,
 }
 # Configs built in code often leave `architectures` unset; their model_type still names the family.
 _MODEL_TYPES: dict[str, str] = {

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 from aiohttp import web
 
+from aioinfer.server.embeddings_protocol import EmbeddingRequest
 from aioinfer.server.errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from aioinfer.server.messages_protocol import MessagesRequest, MessageTokensCountRequest
 from aioinfer.server.protocol import (
@@ -53,6 +54,7 @@ _R = TypeVar(
     "_R",
     CompletionRequest,
     ChatCompletionRequest,
+    EmbeddingRequest,
     ResponsesRequest,
     MessagesRequest,
     MessageTokensCountRequest,

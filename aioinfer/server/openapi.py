@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter
 
+from aioinfer.server.embeddings_protocol import EmbeddingRequest, EmbeddingResponse
 from aioinfer.server.messages_protocol import MessagesRequest, MessageTokensCountRequest
 from aioinfer.server.messages_render import (
     AnthropicErrorResponse,
@@ -173,6 +174,13 @@ def openapi_document(version: str) -> dict[str, Any]:
                 error_shape=AnthropicErrorResponse,
             )
             | _ANTHROPIC_KEYS
+        },
+        "/v1/embeddings": {
+            "post": op(
+                "Create embeddings (a pooling model: --runner pooling)",
+                ok(EmbeddingResponse),
+                EmbeddingRequest,
+            )
         },
         "/tokenize": {"post": op("Tokenize", ok(TokenizeResponse), TokenizeRequest)},
         "/detokenize": {"post": op("Detokenize", ok(DetokenizeResponse), DetokenizeRequest)},

@@ -43,7 +43,9 @@ def count_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
 
 
 def encode_prompts(
-    tokenizer: Any, prompt: str | list[str] | list[int] | list[list[int]]
+    tokenizer: Any,
+    prompt: str | list[str] | list[int] | list[list[int]],
+    add_special_tokens: bool = True,
 ) -> list[Prompt]:
     """One Prompt per text or token-id list (the shapes were checked by the protocol)."""
     if isinstance(prompt, str):
@@ -54,7 +56,7 @@ def encode_prompts(
         return [Prompt(list(prompt))]
     else:
         return [Prompt(list(ids)) for ids in prompt]
-    encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    encoded = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
     return [Prompt(list(ids), text) for ids, text in zip(encoded, texts, strict=True)]
 
 

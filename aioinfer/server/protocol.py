@@ -261,7 +261,7 @@ class CompletionRequest(_GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        if _is_prompt(value):
+        if is_prompt(value):
             return value
         raise ValueError(
             "must be a string, a list of strings, a list of token ids or a list of token-id "
@@ -535,7 +535,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_prompt(value: Any) -> bool:
+def is_prompt(value: Any) -> bool:
     if isinstance(value, str):
         return True
     if not isinstance(value, list) or not value:

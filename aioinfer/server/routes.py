@@ -1,6 +1,6 @@
 """The route table, and the small endpoints: health, version, metrics, the OpenAPI document,
 models, tokenize and detokenize. Generation lives in `completions`, `responses_api` and
-`messages_api`."""
+`messages_api`; embeddings in `embeddings`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from aioinfer import __version__
 from aioinfer.server.bodies import check_model, json_response, parse_request
 from aioinfer.server.completions import create_chat_completion, create_completion
+from aioinfer.server.embeddings import create_embedding
 from aioinfer.server.errors import BadRequestError, ServiceUnavailableError
 from aioinfer.server.messages_api import count_message_tokens, create_message
 from aioinfer.server.prompts import off_loop_if_long, render_chat_off_loop
@@ -32,6 +33,7 @@ def setup_routes(app: web.Application) -> None:
     router.add_get("/v1/models/{model}", retrieve_model)
     router.add_post("/v1/completions", create_completion)
     router.add_post("/v1/chat/completions", create_chat_completion)
+    router.add_post("/v1/embeddings", create_embedding)
     router.add_post("/v1/responses", create_response)
     router.add_get("/v1/responses/{response_id}", retrieve_response)
     router.add_delete("/v1/responses/{response_id}", delete_response)

@@ -46,8 +46,11 @@ class ServerRunnerFactory(FakeRunnerFactory):
         num_blocks: int = NUM_BLOCKS,
         fail_at_step: int | None = None,
         next_token: Callable[[list[int]], int] = next_token,
+        pooler: Any = None,
     ) -> None:
-        super().__init__(fail_at_step=fail_at_step, num_blocks=num_blocks, next_token=next_token)
+        super().__init__(
+            fail_at_step=fail_at_step, num_blocks=num_blocks, next_token=next_token, pooler=pooler
+        )
         self.step_delay = step_delay
 
     def __call__(self, *args: Any) -> Any:
@@ -83,14 +86,20 @@ async def build_engine(
     fail_at_step: int | None = None,
     num_blocks: int = NUM_BLOCKS,
     next_token: Callable[[list[int]], int] = next_token,
+    pooler: Any = None,
     **sched: Any,
 ) -> AsyncEngine:
+    """`pooler`: a PoolerConfig, for an engine that serves embeddings."""
     return await AsyncEngine.create(
         ModelConfig(model="fake"),
         CacheConfig(block_size=BLOCK_SIZE),
         SchedulerConfig(**{"max_num_batched_tokens": 256, **sched}),
         runner_factory=ServerRunnerFactory(
-            step_delay, num_blocks=num_blocks, fail_at_step=fail_at_step, next_token=next_token
+            step_delay,
+            num_blocks=num_blocks,
+            fail_at_step=fail_at_step,
+            next_token=next_token,
+            pooler=pooler,
         ),
         tokenizer=make_tokenizer(),
     )

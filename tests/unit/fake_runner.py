@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from aioinfer.core.spec_decode import verify
 from aioinfer.core.step import StepPlan, StepResult
 
 VOCAB = 50
+FAKE_HIDDEN = 4  # the size of the fake model's hidden states (pooling)
 
 
 def next_token(context: list[int]) -> int:
@@ -56,6 +59,11 @@ class FakeRunner:
                     for stop in range(first, end + 1)
                 ]
                 result.sampled_token_ids[chunk.request_id] = verify(chunk.draft_token_ids, sampled)
+            if chunk.pooling is not None:
+                rows = [fake_hidden(context, p) for p in range(chunk.start_pos, end)]  # type: ignore[arg-type]
+                part = _pool_part(chunk.pooling, rows, chunk.start_pos)
+                if part is not None:
+                    result.pooled[chunk.request_id] = part
         return result
 
     def _sample(self, context: list[int], banned: tuple[int, ...]) -> int:
@@ -81,3 +89,23 @@ def reference_output(
         if t in stop_ids:
             break
     return out
+
+
+def fake_hidden(context: list[int], pos: int) -> list[float]:
+    """The fake model's final hidden state at `pos`: it reads the context up to there from the
+    cache, as attention does, so a wrong slot or prefix hit changes it."""
+    return [float(context[pos]), float(pos), float(next_token(context[: pos + 1])), 1.0]
+
+
+def _pool_part(pooling: str, rows: list[list[float]], start_pos: int) -> np.ndarray | None:
+    if pooling == "MEAN":
+        return np.asarray(rows, dtype=np.float32).sum(0)
+    if pooling == "LAST":
+        return np.asarray(rows[-1], dtype=np.float32)
+    return np.asarray(rows[0], dtype=np.float32) if start_pos == 0 else None
+
+
+def reference_pooled(prompt: list[int], pooling: str) -> np.ndarray:
+    """The pooled vector of a whole prompt, before any normalization, in float64."""
+    rows = np.asarray([fake_hidden(prompt, p) for p in range(len(prompt))], dtype=np.float64)
+    return {"MEAN": rows.mean(0), "LAST": rows[-1], "CLS": rows[0]}[pooling]

@@ -18,18 +18,23 @@ from aioinfer.engine.async_engine import AsyncEngine, _child_params
 from aioinfer.engine.llm import LLM
 from aioinfer.engine.stream import EngineDeadError
 from tests.tokenizer_fixtures import make_tokenizer
-from tests.unit.fake_runner import FakeRunner, next_token, reference_output
+from tests.unit.fake_runner import FAKE_HIDDEN, FakeRunner, next_token, reference_output
 
 NUM_BLOCKS, BLOCK_SIZE = 64, 4
 
 
 class FakeRunnerFactory:
     def __init__(
-        self, fail_at_step: int | None = None, num_blocks: int = NUM_BLOCKS, next_token=next_token
+        self,
+        fail_at_step: int | None = None,
+        num_blocks: int = NUM_BLOCKS,
+        next_token=next_token,
+        pooler=None,
     ):
         self.fail_at_step = fail_at_step
         self.num_blocks = num_blocks
         self.next_token = next_token
+        self.pooler = pooler  # a PoolerConfig: the fake model serves embeddings
 
     @staticmethod
     def resolve(model_config):
@@ -47,6 +52,8 @@ class FakeRunnerFactory:
             num_blocks=self.num_blocks,
             eos_token_ids=(1,),
             default_sampling={},
+            pooler=self.pooler,
+            hidden_size=FAKE_HIDDEN,
         )
 
         def execute(plan):

@@ -62,14 +62,28 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
 
 
 def load_model(
-    resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+    resolved: ResolvedModel,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    pooling: bool = False,
 ) -> LlamaForCausalLM:
-    """The registry's model class for `resolved.hf_config`, with its weights on `device`."""
+    """The registry's model class for `resolved.hf_config`, with its weights on `device`.
+    `pooling`: for embeddings, without the LM head (neither read nor allocated)."""
     from aioinfer.model.registry import get_model_class
 
-    model_cls = get_model_class(resolved.hf_config)
+    hf_config = resolved.hf_config
+    model_cls = get_model_class(hf_config)
+    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
+    if not pooling and architecture.endswith("Model"):
+        raise ValueError(
+            f"architecture {architecture!r} is a decoder without an LM head: it makes "
+            "embeddings (--runner pooling), not text"
+        )
     with torch.device("meta"), _skip_init():
-        model = model_cls(resolved.hf_config)
+        model = model_cls(hf_config)
+    if pooling:
+        model.drop_lm_head()
     load_weights(model, resolved, dtype, device, seed)
     return model
 

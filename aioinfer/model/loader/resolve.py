@@ -50,6 +50,9 @@ HUB_PATTERNS = [
     "vocab*",
     "merges.txt",
     "chat_template*",
+    # sentence-transformers' description of an embedding model (core/pooling.py reads it).
+    "modules.json",
+    "*_Pooling/config.json",
 ]
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 

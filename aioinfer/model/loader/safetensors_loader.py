@@ -40,12 +40,14 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def iter_safetensors(folder: Path, wanted: Container[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for each key in `wanted`, one at a time; other keys are never read."""
+    """(name, CPU tensor) for each key in `wanted`, one at a time; other keys are never read.
+    A bare decoder's keys (`layers.0...` of a Qwen3Model checkpoint) fill `model.layers.0...`."""
     for path in safetensors_files(folder):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in wanted:
-                    yield name, f.get_tensor(name)
+                target = name if name in wanted else f"model.{name}"
+                if target in wanted:
+                    yield target, f.get_tensor(name)
 
 
 def check_safetensors_file(path: Path) -> None:

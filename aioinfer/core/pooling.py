@@ -1,0 +1,187 @@
+"""Embeddings from a decoder's final hidden states: vLLM's pooling runner.
+
+A pooling request is a prompt that is prefilled and never decoded. Each chunk of it hands back
+what its pooling type needs of the chunk's hidden states (`chunk_part`, on the runner's side),
+the scheduler folds the parts (`fold`), and once the prompt is done `embedding` makes the
+vector: the mean, or the last or first token's state, cut to `dimensions` (Matryoshka) and
+L2-normalized when asked.
+
+    LAST  the last prompt token's state (decoder embedding models: Qwen3-Embedding, gte-Qwen2)
+    MEAN  the mean over the prompt's tokens
+    CLS   the first token's state
+
+Which type a model uses comes from `--pooler-config`, else from its sentence-transformers files
+(`modules.json`, `1_Pooling/config.json`), else LAST with normalization, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
+# sentence-transformers' 1_Pooling/config.json flags -> our pooling types.
+_ST_POOLING_MODES = {
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_cls_token": "CLS",
+}
+_ST_MODULE = "sentence_transformers.models."
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns hidden states into an embedding."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
+            )
+
+    @property
+    def reads_every_token(self) -> bool:
+        """Whether a prompt's every hidden state counts, so that no prefix may come from the
+        prefix cache: MEAN reads them all, CLS the first."""
+        return self.pooling_type != "LAST"
+
+    def describe(self) -> str:
+        return (
+            f"{self.pooling_type} pooling, {'normalized' if self.normalize else 'not normalized'}"
+        )
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """Per request (vLLM's names): `dimensions` keeps the first d values (before normalizing);
+    `normalize` None takes the model's setting."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and keep < 1 and keep != -1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}")
+
+
+def fold(
+    pooling_type: str, folded: np.ndarray | None, part: np.ndarray | None
+) -> np.ndarray | None:
+    """The parts of a prompt's chunks so far, with one more chunk's: summed for MEAN (in
+    float64), the latest for LAST, the first for CLS."""
+    if part is None:
+        return folded
+    if pooling_type == "MEAN":
+        part64 = part.astype(np.float64)
+        return part64 if folded is None else folded + part64
+    if pooling_type == "CLS" and folded is not None:
+        return folded
+    return part
+
+
+def embedding(
+    pooling_type: str,
+    folded: np.ndarray,
+    num_tokens: int,
+    params: PoolingParams,
+    config: PoolerConfig,
+) -> np.ndarray:
+    """The float32 embedding of a prompt of `num_tokens` tokens from its folded parts."""
+    vector = folded / num_tokens if pooling_type == "MEAN" else folded.astype(np.float64)
+    if params.dimensions is not None:
+        vector = vector[: params.dimensions]
+    normalize = config.normalize if params.normalize is None else params.normalize
+    if normalize:
+        # As torch's F.normalize: a zero vector stays zero.
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+    return vector.astype(np.float32)
+
+
+def resolve_pooler(
+    runner: str,
+    override: dict[str, Any] | None,
+    architecture: str,
+    folder: Path | None,
+) -> PoolerConfig | None:
+    """The pooler of a pooling model, or None for text generation. `auto` pools for
+    architectures named `*Model` (a decoder without an LM head) and for sentence-transformers
+    folders; `override` (--pooler-config) wins over what the folder says."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    from_folder = sentence_transformers_pooler(folder) if folder is not None else None
+    if runner == "generate":
+        if override is not None:
+            raise ValueError("pooler_config needs --runner pooling (or auto on an embedding model)")
+        return None
+    if runner == "auto" and not (architecture.endswith("Model") or from_folder is not None):
+        if override is not None:
+            raise ValueError(
+                f"pooler_config needs --runner pooling: {architecture!r} is a text-generation "
+                "architecture"
+            )
+        return None
+    base = from_folder or PoolerConfig()
+    if override is None:
+        return base
+    unknown = sorted(set(override) - {"pooling_type", "normalize"})
+    if unknown:
+        raise ValueError(f"pooler_config may set pooling_type and normalize, got {unknown}")
+    normalize = override.get("normalize", base.normalize)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"pooler_config: normalize must be true or false, got {normalize!r}")
+    pooling_type = override.get("pooling_type", base.pooling_type)
+    return PoolerConfig(str(pooling_type).upper(), normalize)
+
+
+def sentence_transformers_pooler(folder: Path) -> PoolerConfig | None:
+    """The pooler a sentence-transformers folder describes, or None when it is not one.
+    Raises ValueError for modules the runner cannot apply (a Dense projection, max pooling)."""
+    modules = _read_json(folder / "modules.json")
+    if not isinstance(modules, list):
+        return None
+    types = {str(m.get("type", "")): m for m in modules if isinstance(m, dict)}
+    pooling = types.get(_ST_MODULE + "Pooling")
+    if pooling is None:
+        return None
+    unsupported = sorted(
+        t.removeprefix(_ST_MODULE)
+        for t in types
+        if t.removeprefix(_ST_MODULE) not in ("Transformer", "Pooling", "Normalize")
+    )
+    if unsupported:
+        raise ValueError(
+            f"{folder / 'modules.json'} has sentence-transformers modules that are not "
+            f"supported: {unsupported}"
+        )
+    settings = _read_json(folder / str(pooling.get("path", "")) / "config.json") or {}
+    chosen = [kind for flag, kind in _ST_POOLING_MODES.items() if settings.get(flag)]
+    others = [
+        k
+        for k, v in settings.items()
+        if k.startswith("pooling_mode_") and v and k not in _ST_POOLING_MODES
+    ]
+    if len(chosen) != 1 or others:
+        raise ValueError(
+            f"the sentence-transformers pooling of {folder} must be exactly one of "
+            f"{sorted(_ST_POOLING_MODES)}, got {sorted(chosen + others) or 'none'}"
+        )
+    return PoolerConfig(chosen[0], normalize=_ST_MODULE + "Normalize" in types)
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)

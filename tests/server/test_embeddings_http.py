@@ -1,0 +1,145 @@
+"""POST /v1/embeddings over the fake runner (its hidden states read the KV cache back): the
+official client's default base64 and plain floats, every input shape, usage, ids, and a 400 that
+names the field for what cannot be served."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from aioinfer.config import ServerConfig
+from aioinfer.core.pooling import PoolerConfig
+from aioinfer.engine.async_engine import AsyncEngine
+from aioinfer.server.app import create_app
+from tests.server.conftest import MODEL, assert_pool_free, build_engine, text_prompt_ids
+from tests.server.test_http import error_of, post
+from tests.unit.fake_runner import FAKE_HIDDEN, reference_pooled
+
+
+def expected(prompt: list[int], pooling: str = "LAST", dims: int | None = None) -> np.ndarray:
+    vector = reference_pooled(prompt, pooling)[:dims]
+    return vector / np.linalg.norm(vector)
+
+
+@pytest.fixture
+async def pooling_engine() -> AsyncIterator[AsyncEngine]:
+    # A budget of 8 tokens: most inputs are pooled over several chunks.
+    engine = await build_engine(pooler=PoolerConfig("MEAN"), max_num_batched_tokens=8)
+    yield engine
+    await engine.shutdown()
+
+
+@pytest.fixture
+async def pooling_client(aiohttp_client: Callable[..., Any], pooling_engine: AsyncEngine) -> Any:
+    return await aiohttp_client(create_app(pooling_engine, ServerConfig()))
+
+
+async def test_the_openai_client_gets_each_inputs_embedding(live_factory, pooling_engine):
+    server = await live_factory(pooling_engine)
+    client = server.openai()
+    texts = ["The quick brown fox", "jumps over", "the lazy dog, again and again and again"]
+    try:
+        # The client asks for base64 unless told otherwise, and decodes it.
+        as_base64 = await client.embeddings.create(model=MODEL, input=texts)
+        as_floats = await client.embeddings.create(
+            model=MODEL, input=texts, encoding_format="float"
+        )
+    finally:
+        await client.close()
+    ids = [text_prompt_ids(t) for t in texts]
+    for result in (as_base64, as_floats):
+        assert result.model == MODEL and result.object == "list"
+        assert [d.index for d in result.data] == [0, 1, 2]
+        for data, prompt in zip(result.data, ids, strict=True):
+            assert data.object == "embedding"
+            np.testing.assert_allclose(data.embedding, expected(prompt, "MEAN"), rtol=1e-5)
+        assert result.usage.prompt_tokens == result.usage.total_tokens == sum(map(len, ids))
+    assert_pool_free(pooling_engine)
+
+
+async def test_token_id_inputs_dimensions_and_normalize(pooling_client, pooling_engine):
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41]]
+    response, raw = await post(
+        pooling_client, "/v1/embeddings", {"input": prompts, "dimensions": 3}
+    )
+    assert response.status == 200, raw
+    body = response_json(raw)
+    for data, prompt in zip(body["data"], prompts, strict=True):
+        np.testing.assert_allclose(data["embedding"], expected(prompt, "MEAN", 3), rtol=1e-5)
+    assert body["id"].startswith("embd-") and body["usage"]["prompt_tokens"] == 13
+    response, raw = await post(
+        pooling_client,
+        "/v1/embeddings",
+        {"input": prompts[0], "normalize": False},
+        headers={"X-Request-Id": "mine"},
+    )
+    body = response_json(raw)
+    assert body["id"] == "embd-mine"
+    np.testing.assert_allclose(
+        body["data"][0]["embedding"], reference_pooled(prompts[0], "MEAN"), rtol=1e-5
+    )
+    assert_pool_free(pooling_engine)
+
+
+def response_json(raw: bytes) -> dict[str, Any]:
+    return orjson.loads(raw)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"input": "hi", "dimensions": 0}, "dimensions", "dimensions must be >= 1"),
+        ({"input": "hi", "dimensions": FAKE_HIDDEN + 1}, "dimensions", "dimensions must be <="),
+        ({"input": [[5] * 129]}, "input", "you requested 129 tokens in the input"),
+        ({"input": []}, "input", "must be a string, a list of strings"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
+        ({"input": "hi", "priority": 1}, "priority", "--scheduling-policy priority"),
+        ({"input": [5, 10**6]}, "input", "token ids must be in"),
+        ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1 or -1"),
+    ],
+)
+async def test_bad_requests_name_the_field(pooling_client, pooling_engine, body, param, fragment):
+    _response, raw = await post(pooling_client, "/v1/embeddings", body)
+    error = error_of(raw, 400)
+    assert error["param"] == param and fragment in error["message"], error
+    assert_pool_free(pooling_engine)
+
+
+async def test_too_many_inputs_name_the_input(pooling_client):
+    _, raw = await post(pooling_client, "/v1/embeddings", {"input": [[5]] * 5000})
+    error = error_of(raw, 400)
+    assert error["param"] == "input" and "at most 4096" in error["message"]
+
+
+async def test_a_long_input_is_cut_when_asked(pooling_client):
+    response, raw = await post(
+        pooling_client, "/v1/embeddings", {"input": [[7] * 300], "truncate_prompt_tokens": -1}
+    )
+    assert response.status == 200, raw
+    assert response_json(raw)["usage"]["prompt_tokens"] == 128
+
+
+async def test_a_pooling_server_does_not_generate_and_still_tokenizes(pooling_client):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        response, raw = await post(pooling_client, path, body)
+        assert "serves embeddings" in error_of(raw, 400)["message"]
+    response, raw = await post(pooling_client, "/tokenize", {"prompt": "hi"})
+    assert response.status == 200 and response_json(raw)["count"] == len(text_prompt_ids("hi"))
+    response = await pooling_client.get("/v1/models")
+    assert response.status == 200
+
+
+async def test_a_text_generation_server_refuses_embeddings(client, engine):
+    _, raw = await post(client, "/v1/embeddings", {"input": "hi"})
+    error = error_of(raw, 400)
+    assert error["param"] == "model" and "--runner pooling" in error["message"]
+    _response, raw = await post(client, "/v1/embeddings", {"input": "hi", "model": "other"})
+    assert error_of(raw, 404)["param"] == "model"
+    assert_pool_free(engine)
