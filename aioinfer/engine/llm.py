@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -256,7 +256,7 @@ class LLM:
                         progress.advance()
                     return acc.result()
 
-        try:
+        with self._batch(streams, lambda: progress):
             # Every request is validated and queued before the first step runs; one that fails
             # validation aborts those queued before it.
             for (text, ids), params, priority in zip(encoded, params_list, priorities, strict=True):
@@ -270,13 +270,6 @@ class LLM:
                 *(collect(s, p.n) for s, p in zip(streams, params_list, strict=True))
             )
             return [self._with_decoded_logprobs(output) for output in outputs]
-        except BaseException:
-            for stream in streams:
-                self.engine.abort(stream.request_id)
-            raise
-        finally:
-            if progress is not None:
-                progress.close()
 
     async def _embed_all(
         self,
@@ -293,7 +286,7 @@ class LLM:
                 progress.advance()
             return output
 
-        try:
+        with self._batch(streams, lambda: progress):
             # All are validated and queued before the first step runs, as in _generate_all.
             for (text, ids), params in zip(encoded, params_list, strict=True):
                 streams.append(self.engine.add_pooling_request(ids, params, prompt=text))
@@ -306,13 +299,23 @@ class LLM:
                     *(collect(s, p) for s, p in zip(streams, params_list, strict=True))
                 )
             )
+
+    @contextlib.contextmanager
+    def _batch(
+        self, streams: list[RequestStream], progress: Callable[[], _Progress | None]
+    ) -> Iterator[None]:
+        """Around a batch's queueing and waiting: any failure (a prompt refused, Ctrl-C)
+        aborts what was queued, and the progress bar (if one was made) closes."""
+        try:
+            yield
         except BaseException:
             for stream in streams:
                 self.engine.abort(stream.request_id)
             raise
         finally:
-            if progress is not None:
-                progress.close()
+            bar = progress()
+            if bar is not None:
+                bar.close()
 
     def _fit_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """As vLLM's offline engine: output stops at the context's end ("length") rather than

@@ -14,8 +14,7 @@ from pydantic import Field, field_validator
 from typing_extensions import TypedDict
 
 from aioinfer.core.pooling import PoolingParams
-from aioinfer.server.protocol import OpenAIRequest, RequestValidationError, is_prompt
-from aioinfer.server.validation import short_repr
+from aioinfer.server.protocol import OpenAIRequest, RequestValidationError, check_prompt_shape
 
 
 class EmbeddingRequest(OpenAIRequest):
@@ -46,12 +45,7 @@ class EmbeddingRequest(OpenAIRequest):
     @field_validator("input", mode="before")
     @classmethod
     def _input_shape(cls, value: Any) -> Any:
-        if is_prompt(value):
-            return value
-        raise ValueError(
-            "must be a string, a list of strings, a list of token ids or a list of token-id "
-            f"lists, none of them empty; got {short_repr(value)}"
-        )
+        return check_prompt_shape(value)
 
     def to_pooling_params(self) -> PoolingParams:
         try:

@@ -205,6 +205,12 @@ def start_generation(
 ) -> Generation:
     """Admit one engine request per prompt, all or none. A default max_tokens (not the
     client's) shrinks to what the context leaves. `constraints`: from `prepare_constraints`."""
+    if engine.pooler is not None:
+        raise BadRequestError(
+            f"The model {engine.model_name!r} serves embeddings (--runner pooling): it does not "
+            "generate text; use /v1/embeddings",
+            param="model",
+        )
     streams: list[RequestStream] = []
     try:
         for index, prompt in enumerate(ctx.prompts):

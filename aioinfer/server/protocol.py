@@ -261,12 +261,7 @@ class CompletionRequest(_GenerationRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        if is_prompt(value):
-            return value
-        raise ValueError(
-            "must be a string, a list of strings, a list of token ids or a list of token-id "
-            f"lists, none of them empty; got {short_repr(value)}"
-        )
+        return check_prompt_shape(value)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -533,6 +528,16 @@ def _capped(limit: int | None, defaults: Mapping[str, Any]) -> int | None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_prompt_shape(value: Any) -> Any:
+    """A completions prompt (or embeddings input) as given; ValueError for any other shape."""
+    if is_prompt(value):
+        return value
+    raise ValueError(
+        "must be a string, a list of strings, a list of token ids or a list of token-id "
+        f"lists, none of them empty; got {short_repr(value)}"
+    )
 
 
 def is_prompt(value: Any) -> bool:

@@ -127,9 +127,11 @@ async def test_a_pooling_server_does_not_generate_and_still_tokenizes(pooling_cl
     for path, body in (
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/responses", {"input": "hi"}),
     ):
         response, raw = await post(pooling_client, path, body)
-        assert "serves embeddings" in error_of(raw, 400)["message"]
+        error = error_of(raw, 400)
+        assert error["param"] == "model" and "serves embeddings" in error["message"]
     response, raw = await post(pooling_client, "/tokenize", {"prompt": "hi"})
     assert response.status == 200 and response_json(raw)["count"] == len(text_prompt_ids("hi"))
     response = await pooling_client.get("/v1/models")
