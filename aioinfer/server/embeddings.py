@@ -18,8 +18,10 @@ from aioinfer.server.errors import BadRequestError, ServiceUnavailableError
 from aioinfer.server.generation import admit, generation_error
 from aioinfer.server.prompts import count_prompts, encode_prompts, num_chars, off_loop_if_long
 from aioinfer.server.request_log import RequestRecord
+from aioinfer.server.state import STATE
 
 if TYPE_CHECKING:
+    from aioinfer.core.outputs import EmbeddingRequestOutput
     from aioinfer.engine.async_engine import AsyncEngine
 
 
@@ -62,8 +64,16 @@ async def create_embedding(request: web.Request, record: RequestRecord) -> web.S
         raise
     record.request_id = response_id
     record.prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+    metrics = request.app[STATE].metrics
+
+    async def embed(stream: RequestStream) -> EmbeddingRequestOutput:
+        timer = metrics.timer(engine.model_name)
+        output = await engine.embedding_of(stream, params)
+        timer.finished()
+        return output
+
     try:
-        outputs = await asyncio.gather(*(engine.embedding_of(s, params) for s in streams))
+        outputs = await asyncio.gather(*(embed(s) for s in streams))
     except BaseException as exc:
         for stream in streams:  # the others, when one failed
             engine.abort(stream.request_id)

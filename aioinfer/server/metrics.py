@@ -166,3 +166,7 @@ class RequestTimer:
             self._last = now
         if output.finished and self._last is not None:
             self._e2e.observe(now - self.start)
+
+    def finished(self) -> None:
+        """A request that outputs no tokens (an embedding) is done: its end-to-end latency."""
+        self._e2e.observe(time.perf_counter() - self.start)

@@ -79,6 +79,9 @@ async def test_token_id_inputs_dimensions_and_normalize(pooling_client, pooling_
     )
     body = response_json(raw)
     assert body["id"] == "embd-mine"
+    # One end-to-end latency per input, in the histogram generation requests fill.
+    metrics = await (await pooling_client.get("/metrics")).text()
+    assert 'e2e_request_latency_seconds_count{model_name="fake-model"} 3.0' in metrics
     np.testing.assert_allclose(
         body["data"][0]["embedding"], reference_pooled(prompts[0], "MEAN"), rtol=1e-5
     )
