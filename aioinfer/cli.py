@@ -384,6 +384,8 @@ def plan(
     num_gpu_blocks_override: int = _config_option("num_gpu_blocks_override"),
     max_num_seqs: int = _config_option("max_num_seqs"),
     max_num_batched_tokens: int = _config_option("max_num_batched_tokens"),
+    runner: str = _config_option("runner"),
+    pooler_config: str = _config_option("pooler_config"),
 ) -> None:
     """Predict serve's memory numbers without loading weights.
 
@@ -404,6 +406,8 @@ def plan(
         "num_gpu_blocks_override": num_gpu_blocks_override,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "runner": runner,
+        "pooler_config": pooler_config,
     }
     code = plan_main(
         model,

@@ -116,8 +116,9 @@ class MemoryPlan:
 # ----------------------------------------------------------------------------- the formulas
 
 
-def count_parameters(cfg: DecoderConfig) -> int:
-    """Parameters of the decoder `cfg` describes; a tied LM head shares the embedding."""
+def count_parameters(cfg: DecoderConfig, lm_head: bool = True) -> int:
+    """Parameters of the decoder `cfg` describes; a tied LM head shares the embedding, and a
+    pooling model (`lm_head` False) loads none."""
     h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attention = h * (q + 2 * kv) + q * h
@@ -125,7 +126,7 @@ def count_parameters(cfg: DecoderConfig) -> int:
     attention += 2 * cfg.head_dim * cfg.qk_norm
     mlp = 3 * h * inter + (2 * inter + h) * cfg.mlp_bias
     per_layer = attention + mlp + 2 * h  # plus the two RMSNorms
-    head = 0 if cfg.tie_word_embeddings else v * h
+    head = 0 if cfg.tie_word_embeddings or not lm_head else v * h
     return v * h + cfg.num_layers * per_layer + h + head
 
 
@@ -137,6 +138,7 @@ def estimate_activation_bytes(
     device: str = "cuda",
     rows_per_request: int = 1,
 ) -> int:
+    # rows_per_request 0: a pooling model, which samples nothing.
     """The peak the server's profiling pass allocates beyond weights and KV cache, estimated.
 
     The pass feeds `num_tokens` tokens (T) split evenly over R = min(num_seqs, T) requests of
@@ -203,8 +205,9 @@ def make_plan(
     dtype = _dtype_name(model_config.dtype, device)
     resolved = _resolve(model_config)
     cfg = _decoder_config(resolved.hf_config)
+    pooling = _pooler(model_config, resolved) is not None
     dtype_bytes = DTYPE_BYTES[dtype]
-    num_params = count_parameters(cfg)
+    num_params = count_parameters(cfg, lm_head=not pooling)
     weights = num_params * dtype_bytes
     max_len = max_model_len(resolved.hf_config, model_config.max_model_len)
     budget = scheduler_config.max_num_batched_tokens or default_token_budget(
@@ -224,7 +227,7 @@ def make_plan(
             scheduler_config.max_num_seqs,
             dtype_bytes,
             device,
-            rows_per_request=sampled_rows_per_request(scheduler_config),
+            rows_per_request=0 if pooling else sampled_rows_per_request(scheduler_config),
         )
         available = int(
             gpu.total_bytes * cache_config.gpu_memory_utilization
@@ -311,6 +314,16 @@ def _resolve(model_config: ModelConfig) -> Any:
 
     # "dummy" reads configs only: no weights are fetched, and a .gguf is not converted.
     return resolve_model(model_config.model, model_config.revision, "dummy")
+
+
+def _pooler(model_config: ModelConfig, resolved: Any) -> Any:
+    """The pooler `serve` would run the model with (None: text generation)."""
+    from aioinfer.core.pooling import resolve_pooler
+    from aioinfer.model.registry import architecture_of
+
+    architecture = architecture_of(resolved.hf_config)
+    overrides = model_config.pooler_overrides
+    return resolve_pooler(model_config.runner, overrides, architecture, resolved.folder)
 
 
 def _decoder_config(hf_config: Any) -> DecoderConfig:

@@ -92,14 +92,13 @@ def fold(
 
 
 def embedding(
-    pooling_type: str,
-    folded: np.ndarray,
-    num_tokens: int,
-    params: PoolingParams,
-    config: PoolerConfig,
+    folded: np.ndarray, num_tokens: int, params: PoolingParams, config: PoolerConfig
 ) -> np.ndarray:
     """The float32 embedding of a prompt of `num_tokens` tokens from its folded parts."""
-    vector = folded / num_tokens if pooling_type == "MEAN" else folded.astype(np.float64)
+    if config.pooling_type == "MEAN":
+        vector = folded / num_tokens
+    else:
+        vector = folded.astype(np.float64)
     if params.dimensions is not None:
         vector = vector[: params.dimensions]
     normalize = config.normalize if params.normalize is None else params.normalize
@@ -117,14 +116,20 @@ def resolve_pooler(
 ) -> PoolerConfig | None:
     """The pooler of a pooling model, or None for text generation. `auto` pools for
     architectures named `*Model` (a decoder without an LM head) and for sentence-transformers
-    folders; `override` (--pooler-config) wins over what the folder says."""
+    folders; `override` (--pooler-config) wins over what the folder says. `generate` reads no
+    sentence-transformers files, so a folder whose files cannot be pooled still generates."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
-    from_folder = sentence_transformers_pooler(folder) if folder is not None else None
     if runner == "generate":
         if override is not None:
             raise ValueError("pooler_config needs --runner pooling (or auto on an embedding model)")
-        return None
+        return None  # whatever sentence-transformers files the folder also holds
+    try:
+        from_folder = sentence_transformers_pooler(folder) if folder is not None else None
+    except ValueError as exc:
+        if runner == "auto":
+            raise ValueError(f"{exc}; --runner generate serves the model for text") from None
+        raise
     if runner == "auto" and not (architecture.endswith("Model") or from_folder is not None):
         if override is not None:
             raise ValueError(
@@ -148,9 +153,12 @@ def resolve_pooler(
 def sentence_transformers_pooler(folder: Path) -> PoolerConfig | None:
     """The pooler a sentence-transformers folder describes, or None when it is not one.
     Raises ValueError for modules the runner cannot apply (a Dense projection, max pooling)."""
-    modules = _read_json(folder / "modules.json")
-    if not isinstance(modules, list):
+    path = folder / "modules.json"
+    modules = _read_json(path)
+    if modules is None:
         return None
+    if not isinstance(modules, list):
+        raise ValueError(f"{path} must hold a list of sentence-transformers modules")
     types = {str(m.get("type", "")): m for m in modules if isinstance(m, dict)}
     pooling = types.get(_ST_MODULE + "Pooling")
     if pooling is None:
@@ -166,6 +174,14 @@ def sentence_transformers_pooler(folder: Path) -> PoolerConfig | None:
             f"supported: {unsupported}"
         )
     settings = _read_json(folder / str(pooling.get("path", "")) / "config.json") or {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"the sentence-transformers pooling config of {folder} is not an object")
+    if settings.get("include_prompt", True) is False:
+        # Instruction models pool without their prompt's tokens: not what LAST/MEAN/CLS give.
+        raise ValueError(
+            f"the sentence-transformers pooling of {folder} excludes the prompt "
+            "(include_prompt: false), which is not supported"
+        )
     chosen = [kind for flag, kind in _ST_POOLING_MODES.items() if settings.get(flag)]
     others = [
         k
@@ -183,5 +199,8 @@ def sentence_transformers_pooler(folder: Path) -> PoolerConfig | None:
 def _read_json(path: Path) -> Any:
     if not path.is_file():
         return None
-    with path.open(encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with path.open(encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None

@@ -24,6 +24,8 @@ from aioinfer.core.pooling import PoolerConfig, PoolingParams, embedding
 from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import RequestUpdate, Scheduler
+from aioinfer.engine.model_limits import ModelLimits
+from aioinfer.engine.runner_factory import default_runner_factory
 from aioinfer.engine.step_loop import StepLoop
 from aioinfer.engine.stream import (
     EngineDeadError,
@@ -64,6 +66,18 @@ class _Parent:
 
     stream: RequestStream
     child_ids: list[str]
+    group: _Group | None = None  # set when its API request holds several prompts (or inputs)
+
+
+@dataclass
+class _Group:
+    """An API request of several prompts (or inputs), each an engine request of its own. It has
+    started once any of them was scheduled: --queue-timeout does not drop its later prompts,
+    which wait behind its earlier ones."""
+
+    name: str
+    member_ids: set[str] = field(default_factory=set)  # its unfinished engine requests
+    one_finished: bool = False  # (and so was scheduled)
 
 
 def _count(counter: dict[str, int], key: str) -> None:
@@ -108,8 +122,10 @@ class AsyncEngine:
         self.default_sampling: dict[str, Any] = {}  # from the model's generation_config.json
         self.constraints: ConstraintBuilder | None = None  # set at start()
         self.pooler: PoolerConfig | None = None  # set at start() when the model makes embeddings
+        self.limits = ModelLimits(0, 0, 0)  # the model's, set at start()
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
+        self._groups: dict[str, _Group] = {}  # by name: API requests of several prompts
         self._died = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._step_loop: StepLoop | None = None
@@ -127,7 +143,7 @@ class AsyncEngine:
     async def start(self) -> None:
         """Resolve the model, then load weights (GPU thread) and the tokenizer (a worker thread)
         at the same time; build the scheduler over the KV blocks the runner allocated."""
-        factory = self._runner_factory or _default_runner_factory
+        factory = self._runner_factory or default_runner_factory
         t0 = time.perf_counter()
         resolved = await asyncio.wrap_future(
             self.gpu.call(lambda: factory.resolve(self.model_config))  # type: ignore[union-attr]
@@ -149,6 +165,12 @@ class AsyncEngine:
         self.eos_token_ids = frozenset(self.info.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.default_sampling = dict(self.info.default_sampling)
         self.pooler = getattr(self.info, "pooler", None)
+        self.limits = ModelLimits(
+            self.info.max_model_len,
+            self.info.vocab_size,
+            self.model_config.max_logprobs,
+            getattr(self.info, "hidden_size", 0),
+        )
         self.constraints = ConstraintBuilder(
             self.tokenizer, self.info.vocab_size, self.eos_token_ids
         )
@@ -213,48 +235,11 @@ class AsyncEngine:
     def make_request_id(self) -> str:
         return f"req-{next(_request_counter)}"
 
-    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The last `truncate_prompt_tokens` tokens of the prompt (-1: as many as leave room
-        for max_tokens, or for one token); the prompt itself when it is shorter or no limit
-        is set."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return prompt_token_ids
-        if keep > self.max_model_len:
-            raise ValueError(
-                f"truncate_prompt_tokens must be <= {self.max_model_len} (the maximum context "
-                f"length), got {keep}"
-            )
-        if keep == -1:
-            keep = max(1, self.max_model_len - (params.max_tokens or 1))
-        return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
-
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check the prompt against the model's limits; returns the resolved max_tokens.
-        Raises ValueError with both numbers when it does not fit."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("prompt must not be empty")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {num_prompt} tokens, which leaves no room for output."
-            )
-        vocab = self.info.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[0]}")
-        room = self.max_model_len - num_prompt
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
-                f"prompt, {params.max_tokens} for the completion). Please reduce the prompt or "
-                f"max_tokens."
-            )
-        return params.max_tokens
+    def truncate_prompt(
+        self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams
+    ) -> list[int]:
+        """The prompt cut to its `truncate_prompt_tokens` last tokens (see ModelLimits)."""
+        return self.limits.truncate(prompt_token_ids, params)
 
     async def generate(
         self,
@@ -288,8 +273,8 @@ class AsyncEngine:
             return
         if num_sequences > limit:
             raise ValueError(
-                f"n must be <= {limit} (--max-queued-requests) counted over all prompts of the "
-                f"request, got {num_sequences} sequences"
+                f"A request may queue at most {limit} sequences (--max-queued-requests; prompts "
+                f"x n, or inputs), got {num_sequences}"
             )
         waiting = self.scheduler.num_waiting
         if waiting + num_sequences > limit:
@@ -307,12 +292,14 @@ class AsyncEngine:
         prompt: str | None = None,
         constraints: ConstraintFactory | None = None,
         priority: int = 0,
+        group: str | None = None,
     ) -> RequestStream:
         """Admit one request (all n sequences) to the scheduler; raises ValueError for what
         does not fit this model, EngineDeadError once the engine died or was shut down.
         `constraints` is what `self.constraints.prepare(params)` gave, where the caller ran it
         off the loop (a grammar compile, bad words to tokenize); else it runs here. `priority`
-        orders requests under --scheduling-policy priority (lower first)."""
+        orders requests under --scheduling-policy priority (lower first). `group` names the API
+        request of several prompts this one is part of (see expire_queued)."""
         self._check_running()
         assert self.scheduler is not None and self.constraints is not None
         if self.pooler is not None:
@@ -321,9 +308,8 @@ class AsyncEngine:
                 "LLM.embed; it does not generate text"
             )
         self._check_priority(priority)
-        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
-        max_tokens = self.validate_prompt(prompt_token_ids, params)
-        self._check_params(params)
+        prompt_token_ids = self.limits.truncate(prompt_token_ids, params)
+        max_tokens = self.limits.check_generation(prompt_token_ids, params)
         make_constraints = constraints or self.constraints.prepare(params)
         request_id = request_id or self.make_request_id()
         child_ids = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]
@@ -346,7 +332,7 @@ class AsyncEngine:
             for index, child_id in enumerate(child_ids)
         ]
         stream = RequestStream(request_id, prompt, list(prompt_token_ids), params.n)
-        self._queue(stream, requests)
+        self._queue(stream, requests, group)
         return stream
 
     def add_pooling_request(
@@ -356,6 +342,7 @@ class AsyncEngine:
         request_id: str | None = None,
         prompt: str | None = None,
         priority: int = 0,
+        group: str | None = None,
     ) -> RequestStream:
         """Admit one embedding request of a pooling model: its prompt is prefilled and pooled,
         and the stream's final output carries the folded parts (`stream.pooled`; `encode`
@@ -365,33 +352,12 @@ class AsyncEngine:
         pooler = self.pooler
         if pooler is None:
             raise ValueError(
-                "This model generates text (--runner generate): it does not serve embeddings; "
-                "start it with --runner pooling"
+                "This model generates text: it does not serve embeddings (--runner pooling "
+                "makes embeddings from it)"
             )
         self._check_priority(priority)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
-            keep = self.max_model_len if keep == -1 else keep
-            prompt_token_ids = prompt_token_ids[-keep:]
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("input must not be empty")
-        if num_prompt > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {num_prompt} tokens in the input for embedding generation. "
-                f"Please reduce the length of the input."
-            )
-        vocab = self.info.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input token ids must be in [0, {vocab}), got {bad[0]}")
-        hidden = self.info.hidden_size
-        if params.dimensions is not None and params.dimensions > hidden:
-            raise ValueError(
-                f"dimensions must be <= {hidden} (the model's embedding size), got "
-                f"{params.dimensions}"
-            )
+        prompt_token_ids = self.limits.truncate(prompt_token_ids, params)
+        self.limits.check_embedding(prompt_token_ids, params)
         request_id = request_id or self.make_request_id()
         if request_id in self._parents or request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -405,7 +371,7 @@ class AsyncEngine:
             priority=priority,
         )
         stream = RequestStream(request_id, prompt, list(prompt_token_ids), 1)
-        self._queue(stream, [request])
+        self._queue(stream, [request], group)
         return stream
 
     async def encode(
@@ -419,29 +385,24 @@ class AsyncEngine:
         """The embedding of one prompt (a pooling model). Cancelling the caller aborts it."""
         params = params or PoolingParams()
         stream = self.add_pooling_request(prompt_token_ids, params, request_id, prompt, priority)
-        return await self.embedding_of(stream, params)
+        try:
+            return await self.embedding_of(stream, params)
+        finally:
+            if not stream.taken_final:
+                self.abort(stream.request_id)
 
     async def embedding_of(
         self, stream: RequestStream, params: PoolingParams
     ) -> EmbeddingRequestOutput:
-        """Wait for the request of `add_pooling_request` and make its embedding. Leaving early
-        (a cancelled caller) aborts it; RequestAbortedError when it was aborted meanwhile."""
-        try:
-            while not (await stream.get()).finished:
-                pass
-        finally:
-            if not stream.taken_final:
-                self.abort(stream.request_id)
+        """Wait for the request of `add_pooling_request` and make its embedding; RequestAborted
+        Error when it was aborted meanwhile. A caller that leaves early aborts the request
+        itself (with its own reason), as `encode` does."""
+        while not (await stream.get()).finished:
+            pass
         if stream.pooled is None:
             raise RequestAbortedError(f"request {stream.request_id!r} was aborted")
         assert self.pooler is not None
-        vector = embedding(
-            self.pooler.pooling_type,
-            stream.pooled,
-            len(stream.prompt_token_ids),
-            params,
-            self.pooler,
-        )
+        vector = embedding(stream.pooled, len(stream.prompt_token_ids), params, self.pooler)
         return EmbeddingRequestOutput(
             stream.request_id, stream.prompt, stream.prompt_token_ids, EmbeddingOutput(vector)
         )
@@ -453,13 +414,17 @@ class AsyncEngine:
                 f"priority is only used with --scheduling-policy priority, got {priority}"
             )
 
-    def _queue(self, stream: RequestStream, requests: list[Request]) -> None:
+    def _queue(self, stream: RequestStream, requests: list[Request], group: str | None) -> None:
         """Hand a request's sequences, checked and built, to the scheduler."""
         assert self.scheduler is not None and self._step_loop is not None
         for index, request in enumerate(requests):
             self.scheduler.add(request)
             self._children[request.request_id] = _Child(stream, index)
-        self._parents[stream.request_id] = _Parent(stream, [r.request_id for r in requests])
+        parent = _Parent(stream, [r.request_id for r in requests])
+        if group is not None:
+            parent.group = self._groups.setdefault(group, _Group(group))
+            parent.group.member_ids.add(stream.request_id)
+        self._parents[stream.request_id] = parent
         self.stats.prompt_tokens += sum(r.num_prompt_tokens for r in requests)
         self._step_loop.notify()
 
@@ -474,6 +439,7 @@ class AsyncEngine:
         parent = self._parents.pop(request_id, None)
         if parent is None or self.scheduler is None:
             return False
+        self._leave_group(parent, finished=False)
         for child_id in parent.child_ids:
             child = self._children.pop(child_id, None)
             request = self.scheduler.abort(child_id)
@@ -512,9 +478,18 @@ class AsyncEngine:
             if child is not None:
                 expired.setdefault(child.stream.request_id, waited)
         count = 0
+        groups_started: dict[str, bool] = {}
         for request_id, waited in expired.items():
             if not self._all_never_started(request_id):
                 continue  # a sibling of n > 1 already runs: the request has started
+            group = self._parents[request_id].group
+            if group is not None:
+                if group.name not in groups_started:
+                    groups_started[group.name] = group.one_finished or not all(
+                        self._all_never_started(member) for member in group.member_ids
+                    )
+                if groups_started[group.name]:
+                    continue  # another prompt of its API request has started
             error = QueueTimeoutError(
                 f"The request waited {waited:.1f} s in the queue, longer than the server's "
                 f"limit of {timeout:g} s (--queue-timeout); retry later"
@@ -542,25 +517,6 @@ class AsyncEngine:
             stop=params.stop_strings,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-
-    def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: limits of this model and server."""
-        max_logprobs = self.model_config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > max_logprobs:
-                raise ValueError(f"{name} must be <= {max_logprobs} (--max-logprobs), got {value}")
-        vocab = self.info.vocab_size
-        for token in params.logit_bias or {}:
-            if token >= vocab:
-                raise ValueError(
-                    f"logit_bias token id {token} is outside the vocabulary [0, {vocab})"
-                )
-        for token in params.stop_token_ids or ():
-            if token >= vocab:
-                raise ValueError(
-                    f"stop_token_ids token id {token} is outside the vocabulary [0, {vocab})"
-                )
 
     # ----------------------------------------------------------------- step-loop callbacks
 
@@ -592,8 +548,18 @@ class AsyncEngine:
                 reason = request.finish_reason or "stop"
                 self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
                 del self._children[update.request_id]
-                if stream.finished:
-                    self._parents.pop(stream.request_id, None)
+                parent = self._parents.pop(stream.request_id, None) if stream.finished else None
+                if parent is not None:
+                    self._leave_group(parent, finished=True)
+
+    def _leave_group(self, parent: _Parent, finished: bool) -> None:
+        group = parent.group
+        if group is None:
+            return
+        group.member_ids.discard(parent.stream.request_id)
+        group.one_finished |= finished
+        if not group.member_ids:
+            del self._groups[group.name]
 
     def _die(self, error: BaseException) -> None:
         self.dead_error = error
@@ -602,6 +568,7 @@ class AsyncEngine:
             parent.stream.fail(failure)
         self._children.clear()
         self._parents.clear()
+        self._groups.clear()
         self._died.set()
 
 
@@ -618,21 +585,3 @@ def _never_started(request: Request | None) -> bool:
 def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return frozenset([eos]) if isinstance(eos, int) else frozenset()
-
-
-class _DefaultRunnerFactory:
-    """Creates the real ModelRunner; imported lazily so that tests with fakes skip torch work."""
-
-    @staticmethod
-    def resolve(model_config: ModelConfig) -> Any:
-        from aioinfer.gpu.runner import ModelRunner
-
-        return ModelRunner.resolve(model_config)
-
-    def __call__(self, *args: Any) -> Any:
-        from aioinfer.gpu.runner import ModelRunner
-
-        return ModelRunner(*args)
-
-
-_default_runner_factory = _DefaultRunnerFactory()

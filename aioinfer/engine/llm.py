@@ -20,7 +20,7 @@ from aioinfer.core.pooling import PoolingParams
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
-from aioinfer.engine.stream import RequestStream
+from aioinfer.engine.stream import RequestStream, gather_or_cancel
 
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
@@ -294,10 +294,8 @@ class LLM:
                 # Counted from before the queueing: the prompts' tokens count when queued.
                 progress = _Progress(len(streams), self.engine, "prompt")
                 progress.start_tokens -= sum(len(s.prompt_token_ids) for s in streams)
-            return list(
-                await asyncio.gather(
-                    *(collect(s, p) for s, p in zip(streams, params_list, strict=True))
-                )
+            return await gather_or_cancel(
+                collect(s, p) for s, p in zip(streams, params_list, strict=True)
             )
 
     @contextlib.contextmanager

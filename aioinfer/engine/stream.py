@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
 from aioinfer.core.step import TokenLogprobs
+
+_T = TypeVar("_T")
 
 
 class EngineDeadError(RuntimeError):
@@ -114,6 +117,18 @@ class RequestStream:
             prompt_logprobs,
             self.num_cached_tokens,
         )
+
+
+async def gather_or_cancel(awaitables: Iterable[Awaitable[_T]]) -> list[_T]:
+    """The results in order, as asyncio.gather; but when one fails, or the caller is
+    cancelled, the others are cancelled and awaited too: none is left running unwatched."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 if sys.version_info >= (3, 11):

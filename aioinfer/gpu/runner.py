@@ -34,6 +34,7 @@ from aioinfer.gpu.cuda_graphs import CudaGraphRunner
 from aioinfer.gpu.forward_context import forward_context
 from aioinfer.gpu.sampler import Sampler, compute_prompt_logprobs
 from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
+from aioinfer.model.registry import architecture_of
 
 if TYPE_CHECKING:
     from aioinfer.model.kernels.cpu_native import NativeKernels
@@ -109,9 +110,11 @@ class ModelRunner:
         hf_config = resolved.hf_config
         self.hf_config = hf_config
         torch.manual_seed(model_config.seed)
-        architecture = (getattr(hf_config, "architectures", None) or [""])[0]
         self.pooler = resolve_pooler(
-            model_config.runner, model_config.pooler_overrides, architecture, resolved.folder
+            model_config.runner,
+            model_config.pooler_overrides,
+            architecture_of(hf_config),
+            resolved.folder,
         )
 
         start = time.perf_counter()

@@ -1,88 +1,88 @@
 """POST /v1/embeddings, served by a pooling model (--runner pooling): each input is prefilled
-and pooled, never decoded. All inputs are admitted or none; leaving early aborts them all."""
+and pooled, never decoded. All inputs are admitted or none; a client that leaves, or one input
+that fails, aborts them all."""
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from aioinfer.engine.stream import EngineDeadError, RequestAbortedError, RequestStream
+from aioinfer.engine.stream import (
+    EngineDeadError,
+    RequestAbortedError,
+    RequestStream,
+    gather_or_cancel,
+)
 from aioinfer.server.bodies import json_response, parse_request
-from aioinfer.server.completions import REQUEST_ID_HEADER, generation_handler
+from aioinfer.server.completions import (
+    CLIENT_CLOSED_REQUEST,
+    REQUEST_ID_HEADER,
+    generation_handler,
+)
 from aioinfer.server.embeddings_protocol import EmbeddingRequest, embedding_response
-from aioinfer.server.errors import BadRequestError, ServiceUnavailableError
-from aioinfer.server.generation import admit, generation_error
+from aioinfer.server.errors import BadRequestError, InternalServerError, ServiceUnavailableError
+from aioinfer.server.generation import admit, generation_error, queue_all
 from aioinfer.server.prompts import count_prompts, encode_prompts, num_chars, off_loop_if_long
 from aioinfer.server.request_log import RequestRecord
+from aioinfer.server.sse import ClientDisconnected
 from aioinfer.server.state import STATE
 
 if TYPE_CHECKING:
     from aioinfer.core.outputs import EmbeddingRequestOutput
+    from aioinfer.core.pooling import PoolingParams
     from aioinfer.engine.async_engine import AsyncEngine
+    from aioinfer.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+# Engine messages that start with one of these are about that field; the rest about `input`.
+_PARAMS = ("dimensions", "priority", "truncate_prompt_tokens")
 
 
 @generation_handler
 async def create_embedding(request: web.Request, record: RequestRecord) -> web.StreamResponse:
+    state = request.app[STATE]
     engine, req = await parse_request(request, EmbeddingRequest)
     if engine.pooler is None:
         raise BadRequestError(
             f"The model {engine.model_name!r} generates text: it does not serve embeddings "
-            "(start the server with --runner pooling)",
+            "(--runner pooling makes embeddings from it)",
             param="model",
         )
     params = req.to_pooling_params()
     num_inputs = count_prompts(req.input)
-    _admit(engine, num_inputs)
+    admit(engine, num_inputs, 1, field="input")
     prompts = await off_loop_if_long(
         num_chars(req.input), encode_prompts, engine.tokenizer, req.input, req.add_special_tokens
     )
-    _admit(engine, num_inputs)  # again: the queue may have filled meanwhile
+    admit(engine, num_inputs, 1, field="input")  # again: the queue may have filled meanwhile
     client_id = request.headers.get(REQUEST_ID_HEADER)
     unique = uuid.uuid4().hex
     response_id = f"embd-{client_id or unique}"
     engine_id = f"{response_id}-{unique[:8]}" if client_id else response_id
-    streams: list[RequestStream] = []
-    try:
-        for index, prompt in enumerate(prompts):
-            request_id = engine_id if len(prompts) == 1 else f"{engine_id}-{index}"
-            streams.append(
-                engine.add_pooling_request(
-                    prompt.token_ids, params, request_id, prompt.text, priority=req.priority
-                )
-            )
-    except BaseException as exc:
-        for stream in streams:
-            engine.abort(stream.request_id, "rejected")
-        if isinstance(exc, EngineDeadError):
-            raise ServiceUnavailableError(f"The engine failed: {exc}") from None
-        if isinstance(exc, ValueError):
-            raise BadRequestError(str(exc), param=_param_of(str(exc))) from None
-        raise
+
+    def add(index: int) -> RequestStream:
+        prompt = prompts[index]
+        request_id = engine_id if len(prompts) == 1 else f"{engine_id}-{index}"
+        return engine.add_pooling_request(
+            prompt.token_ids,
+            params,
+            request_id,
+            prompt.text,
+            req.priority,
+            group=engine_id if len(prompts) > 1 else None,
+        )
+
+    streams = queue_all(engine, len(prompts), add, _param_of)
     record.request_id = response_id
     record.prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
-    metrics = request.app[STATE].metrics
-
-    async def embed(stream: RequestStream) -> EmbeddingRequestOutput:
-        timer = metrics.timer(engine.model_name)
-        output = await engine.embedding_of(stream, params)
-        timer.finished()
-        return output
-
-    try:
-        outputs = await asyncio.gather(*(embed(s) for s in streams))
-    except BaseException as exc:
-        for stream in streams:  # the others, when one failed
-            engine.abort(stream.request_id)
-        if isinstance(exc, RequestAbortedError):
-            raise ServiceUnavailableError(f"The request was aborted: {exc}") from None
-        error = generation_error(exc)
-        if error is not None:
-            raise error from None
-        raise
+    outputs = await _embeddings(request, state, engine, streams, params)
+    if outputs is None:
+        return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
     record.finish_reasons = ["stop"] * len(outputs)
     body = embedding_response(
         response_id,
@@ -95,17 +95,45 @@ async def create_embedding(request: web.Request, record: RequestRecord) -> web.S
     return json_response(body)
 
 
-def _admit(engine: AsyncEngine, num_inputs: int) -> None:
-    """Admission control as for generation; a 400 names `input`, the field that counts here."""
+async def _embeddings(
+    request: web.Request,
+    state: ServerState,
+    engine: AsyncEngine,
+    streams: list[RequestStream],
+    params: PoolingParams,
+) -> list[EmbeddingRequestOutput] | None:
+    """Every input's embedding, in order; None when the client left first. Whatever ends the
+    wait early aborts the inputs not done yet."""
+    metrics = state.metrics
+
+    async def embed(stream: RequestStream) -> EmbeddingRequestOutput:
+        timer = metrics.timer(engine.model_name)
+        output = await engine.embedding_of(stream, params)
+        timer.finished()
+        return output
+
+    reason = "cancelled"
     try:
-        admit(engine, num_inputs, 1)
-    except BadRequestError as exc:
-        exc.param = "input"
-        raise
+        return await state.watcher.guard(request, gather_or_cancel(embed(s) for s in streams))
+    except ClientDisconnected as exc:
+        reason = exc.reason
+        logger.info("client left; aborted %s", streams[0].request_id)
+        return None
+    except RequestAbortedError as exc:
+        raise ServiceUnavailableError(f"The request was aborted: {exc}") from None
+    except EngineDeadError as exc:
+        raise InternalServerError(f"The engine failed: {exc}") from None
+    except Exception as exc:
+        error = generation_error(exc)  # a queue timeout: 503 with Retry-After
+        if error is None:
+            raise
+        raise error from None
+    finally:
+        for stream in streams:
+            if not stream.taken_final:
+                engine.abort(stream.request_id, reason)
 
 
 def _param_of(message: str) -> str:
-    for name in ("dimensions", "priority"):
-        if message.startswith(name):
-            return name
-    return "input"
+    first = message.split(" ", 1)[0]
+    return first if first in _PARAMS else "input"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
 
 from aioinfer.core.constraints import ConstraintFactory, InvalidGrammarError
@@ -38,15 +38,18 @@ MAX_SEQUENCES_PER_REQUEST = 4096
 RETRY_AFTER = "1"  # seconds, on 503s of a full or slow queue
 
 
-def admit(engine: AsyncEngine, num_prompts: int, n: int) -> None:
+def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") -> None:
     """Admission control, run after parsing and before any tokenization work: 400 for a
-    request that can never be admitted, a fast 503 with Retry-After while the queue is full."""
+    request that can never be admitted, a fast 503 with Retry-After while the queue is full.
+    `field` holds the prompts: "input" for embeddings, which have no n."""
     total = num_prompts * n
+    param = "n" if num_prompts == 1 and field == "prompt" else field
     if total > MAX_SEQUENCES_PER_REQUEST:
+        counted = "sequences (prompts x n)" if field == "prompt" else "inputs"
         raise BadRequestError(
-            f"A request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts x n), "
-            f"got {num_prompts} x {n}",
-            param="n" if num_prompts == 1 else "prompt",
+            f"A request may ask for at most {MAX_SEQUENCES_PER_REQUEST} {counted}, got "
+            + (f"{num_prompts} x {n}" if field == "prompt" else str(num_prompts)),
+            param=param,
         )
     try:
         engine.check_admission(total)
@@ -55,7 +58,7 @@ def admit(engine: AsyncEngine, num_prompts: int, n: int) -> None:
     except EngineDeadError as exc:
         raise _engine_failed(exc) from None
     except ValueError as exc:
-        raise BadRequestError(str(exc), param="n") from None
+        raise BadRequestError(str(exc), param=param) from None
 
 
 async def prepare_constraints(
@@ -211,35 +214,52 @@ def start_generation(
             "generate text; use /v1/embeddings",
             param="model",
         )
+
+    def add(index: int) -> RequestStream:
+        prompt = ctx.prompts[index]
+        prompt_params = params
+        room = engine.max_model_len - len(prompt.token_ids)
+        if clamp_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
+            prompt_params = params.clone(max_tokens=room)
+        base = ctx.engine_id or ctx.response_id
+        request_id = base if len(ctx.prompts) == 1 else f"{base}-{index}"
+        return engine.add_request(
+            prompt.token_ids,
+            prompt_params,
+            request_id,
+            prompt.text,
+            constraints,
+            priority=priority,
+            group=base if len(ctx.prompts) > 1 else None,
+        )
+
+    streams = queue_all(engine, len(ctx.prompts), add, lambda message: _engine_param(message, what))
+    timers = [state.metrics.timer(engine.model_name) for _ in streams]
+    return Generation(engine, streams, timers, prompt_only)
+
+
+def queue_all(
+    engine: AsyncEngine,
+    count: int,
+    add: Callable[[int], RequestStream],
+    param_of: Callable[[str], str],
+) -> list[RequestStream]:
+    """`add(i)` for each of a request's `count` prompts, all or none: when one is refused, those
+    queued before it are aborted. 400 naming `param_of(message)` for what does not fit, 503
+    once the engine died."""
     streams: list[RequestStream] = []
     try:
-        for index, prompt in enumerate(ctx.prompts):
-            prompt_params = params
-            room = engine.max_model_len - len(prompt.token_ids)
-            if clamp_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
-                prompt_params = params.clone(max_tokens=room)
-            base = ctx.engine_id or ctx.response_id
-            request_id = base if len(ctx.prompts) == 1 else f"{base}-{index}"
-            streams.append(
-                engine.add_request(
-                    prompt.token_ids,
-                    prompt_params,
-                    request_id,
-                    prompt.text,
-                    constraints,
-                    priority=priority,
-                )
-            )
+        for index in range(count):
+            streams.append(add(index))
     except BaseException as exc:
         for stream in streams:
             engine.abort(stream.request_id, "rejected")
         if isinstance(exc, EngineDeadError):
             raise _engine_failed(exc) from None
         if isinstance(exc, ValueError):
-            raise BadRequestError(str(exc), param=_engine_param(str(exc), what)) from None
+            raise BadRequestError(str(exc), param=param_of(str(exc))) from None
         raise
-    timers = [state.metrics.timer(engine.model_name) for _ in streams]
-    return Generation(engine, streams, timers, prompt_only)
+    return streams
 
 
 def generation_error(exc: BaseException) -> APIError | None:

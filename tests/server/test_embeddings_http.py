@@ -4,6 +4,7 @@ names the field for what cannot be served."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from aioinfer.core.pooling import PoolerConfig
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
 from tests.server.conftest import MODEL, assert_pool_free, build_engine, text_prompt_ids
+from tests.server.test_disconnect import raw_request, wait_until
 from tests.server.test_http import error_of, post
 from tests.unit.fake_runner import FAKE_HIDDEN, reference_pooled
 
@@ -148,3 +150,56 @@ async def test_a_text_generation_server_refuses_embeddings(client, engine):
     _response, raw = await post(client, "/v1/embeddings", {"input": "hi", "model": "other"})
     assert error_of(raw, 404)["param"] == "model"
     assert_pool_free(engine)
+
+
+async def test_a_client_that_leaves_aborts_every_input(live_factory):
+    # 20 ms a step and 8 tokens a step: 40 inputs of 30 tokens would take seconds.
+    engine = await build_engine(
+        step_delay=0.02, pooler=PoolerConfig("LAST"), max_num_batched_tokens=8
+    )
+    try:
+        server = await live_factory(engine)
+        body = {"input": [[5 + i % 40] * 30 for i in range(40)]}
+        _, writer = await raw_request(server, "/v1/embeddings", body)
+        await wait_until(lambda: engine.scheduler.num_running > 0)
+        writer.close()
+        await wait_until(lambda: engine.num_unfinished == 0, timeout=1.0)
+        # Every input not done when the client left (a few may be) was aborted at once.
+        aborted = engine.stats.aborted_by_reason
+        assert set(aborted) == {"client_disconnect"} and aborted["client_disconnect"] >= 30
+        assert aborted["client_disconnect"] + engine.stats.finished.get("stop", 0) == 40
+        await asyncio.sleep(0)
+        assert_pool_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/embeddings", {"input": [[5 + i] * 16 for i in range(24)]}),
+        ("/v1/completions", {"prompt": [[5 + i] * 16 for i in range(24)], "max_tokens": 1}),
+    ],
+)
+async def test_a_batch_that_started_is_not_timed_out_behind_itself(aiohttp_client, path, body):
+    """--queue-timeout counts until a request's first step: the later prompts of a batch wait
+    behind its earlier ones, not for a free server, and the batch succeeds."""
+    pooler = PoolerConfig() if path == "/v1/embeddings" else None
+    engine = await build_engine(
+        step_delay=0.02, pooler=pooler, max_num_batched_tokens=16, queue_timeout=0.1
+    )
+    try:
+        client = await aiohttp_client(create_app(engine, ServerConfig()))
+        response, raw = await post(client, path, body)
+        assert response.status == 200, raw  # 24 steps of 20 ms: far past the timeout
+        assert engine.stats.aborted == 0
+    finally:
+        await engine.shutdown()
+
+
+async def test_truncation_beyond_the_context_names_its_field(pooling_client):
+    _, raw = await post(
+        pooling_client, "/v1/embeddings", {"input": [5] * 10, "truncate_prompt_tokens": 500}
+    )
+    error = error_of(raw, 400)
+    assert error["param"] == "truncate_prompt_tokens" and "must be <= 128" in error["message"]

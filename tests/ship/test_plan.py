@@ -85,6 +85,8 @@ CPU_CASES = {
     "qwen2-tied-bf16-block32": ("qwen2-tied", {"dtype": "bfloat16", "block_size": 32}),
     "qwen3-short": ("qwen3", {"max_model_len": 100, "kv_cache_memory": 0.003}),
     "mha-override": ("llama-mha", {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 64}),
+    # Embeddings: the untied LM head is neither loaded nor counted.
+    "llama-pooling": ("llama", {"runner": "pooling", "pooler_config": '{"pooling_type": "MEAN"}'}),
 }
 
 

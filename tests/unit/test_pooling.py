@@ -63,7 +63,7 @@ def test_folded_chunk_parts_give_the_whole_prompts_embedding(
         part = {"MEAN": chunk.sum(0), "LAST": chunk[-1], "CLS": chunk[0] if start == 0 else None}
         folded = fold(pooling, folded, part[pooling])
     config = PoolerConfig(pooling, normalize=not normalize)
-    got = embedding(pooling, folded, num_tokens, PoolingParams(dims, normalize), config)
+    got = embedding(folded, num_tokens, PoolingParams(dims, normalize), config)
     whole = {"MEAN": rows.astype(np.float64).mean(0), "LAST": rows[-1], "CLS": rows[0]}[pooling]
     expected = whole[:dims] if dims else whole
     if normalize:  # the request's setting wins over the model's
@@ -73,7 +73,7 @@ def test_folded_chunk_parts_give_the_whole_prompts_embedding(
 
 
 def test_a_zero_vector_stays_zero_when_normalized():
-    got = embedding("LAST", np.zeros(4), 3, PoolingParams(), PoolerConfig())
+    got = embedding(np.zeros(4), 3, PoolingParams(), PoolerConfig())
     assert np.array_equal(got, np.zeros(4, dtype=np.float32))
 
 
@@ -159,6 +159,26 @@ def test_bad_runner_settings_are_refused(runner, override, architecture, message
         resolve_pooler(runner, override, architecture, None)
 
 
+def test_generate_reads_no_sentence_transformers_files(tmp_path):
+    """A causal LM that also ships files the pooling runner cannot apply still generates."""
+    sentence_transformers_folder(tmp_path, {"pooling_mode_lasttoken": True}, dense=True)
+    assert resolve_pooler("generate", None, "LlamaForCausalLM", tmp_path) is None
+    with pytest.raises(ValueError, match="--runner generate serves the model for text"):
+        resolve_pooler("auto", None, "LlamaForCausalLM", tmp_path)
+    (tmp_path / "modules.json").write_text("{not json")
+    assert resolve_pooler("generate", None, "LlamaForCausalLM", tmp_path) is None
+    with pytest.raises(ValueError, match=r"cannot read .*modules\.json"):
+        resolve_pooler("pooling", None, "LlamaForCausalLM", tmp_path)
+
+
+def test_pooling_without_the_prompt_is_refused(tmp_path):
+    sentence_transformers_folder(
+        tmp_path, {"pooling_mode_mean_tokens": True, "include_prompt": False}
+    )
+    with pytest.raises(ValueError, match="include_prompt: false"):
+        resolve_pooler("auto", None, "Qwen3ForCausalLM", tmp_path)
+
+
 def test_sentence_transformers_modules_the_runner_cannot_apply_are_refused(tmp_path):
     dense = tmp_path / "dense"
     dense.mkdir()
@@ -223,9 +243,7 @@ def test_pooling_requests_among_generation_under_chunking_and_preemption(seed):
         request = finished[rid]
         assert reasons[rid] == "stop" and request.output_token_ids == []
         assert outputs.get(rid, []) == []
-        got = embedding(
-            pooling, request.pooled, len(prompt), PoolingParams(), PoolerConfig(pooling)
-        )
+        got = embedding(request.pooled, len(prompt), PoolingParams(), PoolerConfig(pooling))
         np.testing.assert_allclose(got, unit(reference_pooled(prompt, pooling)), rtol=1e-5)
     for rid, prompt in generated.items():
         assert outputs[rid] == reference_output(prompt, 6)
@@ -246,9 +264,7 @@ def test_last_pooling_reuses_cached_prefixes_and_mean_never_does():
         sched.add(request)
         run_to_completion(sched, runner)
         expected = unit(reference_pooled(prompt, pooling))
-        got = embedding(
-            pooling, request.pooled, len(prompt), PoolingParams(), PoolerConfig(pooling)
-        )
+        got = embedding(request.pooled, len(prompt), PoolingParams(), PoolerConfig(pooling))
         np.testing.assert_allclose(got, expected, rtol=1e-5)
         # The second LAST request reads four cached blocks; MEAN and CLS compute every token.
         assert request.num_cached_tokens == {"a": 0, "b": 16, "c": 0, "d": 0}[rid]

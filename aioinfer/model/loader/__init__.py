@@ -70,11 +70,11 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The registry's model class for `resolved.hf_config`, with its weights on `device`.
     `pooling`: for embeddings, without the LM head (neither read nor allocated)."""
-    from aioinfer.model.registry import get_model_class
+    from aioinfer.model.registry import architecture_of, get_model_class
 
     hf_config = resolved.hf_config
     model_cls = get_model_class(hf_config)
-    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
+    architecture = architecture_of(hf_config)
     if not pooling and architecture.endswith("Model"):
         raise ValueError(
             f"architecture {architecture!r} is a decoder without an LM head: it makes "
