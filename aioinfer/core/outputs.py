@@ -99,3 +99,18 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair (vLLM's shape: `.outputs.score`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # both texts' tokens, the first's then the second's
+    outputs: ScoringOutput
+    finished: bool = True

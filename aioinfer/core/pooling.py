@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+
+_T = TypeVar("_T")
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
@@ -106,6 +108,29 @@ def embedding(
         # As torch's F.normalize: a zero vector stays zero.
         vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
     return vector.astype(np.float32)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity of two embeddings (0 where either is zero), in float64: the score of a
+    text pair with an embedding model, as vLLM's /score gives it."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    norms = float(np.linalg.norm(a64) * np.linalg.norm(b64))
+    return float(a64 @ b64) / norms if norms > 0 else 0.0
+
+
+def score_pairs(firsts: list[_T], seconds: list[_T]) -> list[tuple[_T, _T]]:
+    """The pairs to score: one first item against every second one (1:N), or pairwise (N:N).
+    ValueError naming text_1 or text_2 otherwise."""
+    for name, items in (("text_1", firsts), ("text_2", seconds)):
+        if not items:
+            raise ValueError(f"{name} must not be empty")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        raise ValueError(
+            f"text_1 must be one text or as many as text_2 ({len(seconds)}), got {len(firsts)}"
+        )
+    return list(zip(firsts, seconds, strict=True))
 
 
 def resolve_pooler(

@@ -15,8 +15,14 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
-from aioinfer.core.outputs import EmbeddingRequestOutput, OutputAccumulator, RequestOutput
-from aioinfer.core.pooling import PoolingParams
+from aioinfer.core.outputs import (
+    EmbeddingRequestOutput,
+    OutputAccumulator,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from aioinfer.core.pooling import PoolingParams, cosine, score_pairs
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
@@ -64,7 +70,7 @@ def split_options(**options: Any) -> tuple[ModelConfig, CacheConfig, SchedulerCo
 
 class LLM:
     """Batch generation: `LLM(model, **options)`, then `generate(...)` or `chat(...)`; with a
-    pooling model (`runner="pooling"`), `embed(...)`.
+    pooling model (`runner="pooling"`), `embed(...)` and `score(...)`.
 
     `model` is a hub id, a local folder or a .gguf file; empty means the bundled
     SmolLM2-135M-Instruct. Options are the fields of ModelConfig, CacheConfig and
@@ -162,6 +168,39 @@ class LLM:
                 for p in params_list
             ]
         return self._run_task(self._embed_all(encoded, params_list, use_tqdm))
+
+    def score(
+        self,
+        data_1: Prompt | Sequence[Prompt],
+        data_2: Prompt | Sequence[Prompt],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of each pair's embeddings (a pooling model): data_1's one text
+        against each of data_2 (1:N), or pair by pair (N:N); each distinct text is embedded
+        once."""
+        pairs = score_pairs(self._normalise_prompts(data_1), self._normalise_prompts(data_2))
+        texts: list[Prompt] = []
+        index: dict[str, int] = {}
+        for pair in pairs:
+            for text in pair:
+                key = repr(text)
+                if key not in index:
+                    index[key] = len(texts)
+                    texts.append(text)
+        outputs = self.embed(texts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        results = []
+        for number, (first, second) in enumerate(pairs):
+            a, b = outputs[index[repr(first)]], outputs[index[repr(second)]]
+            results.append(
+                ScoringRequestOutput(
+                    f"score-{number}",
+                    a.prompt_token_ids + b.prompt_token_ids,
+                    ScoringOutput(cosine(a.outputs.data, b.outputs.data)),
+                )
+            )
+        return results
 
     def shutdown(self) -> None:
         if not self._loop.is_closed():

@@ -24,6 +24,7 @@ from aioinfer.server.protocol import (
     TokenizeRequest,
 )
 from aioinfer.server.responses_protocol import ResponsesRequest
+from aioinfer.server.scores_protocol import RerankRequest, ScoreRequest
 from aioinfer.server.state import STATE
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ _R = TypeVar(
     CompletionRequest,
     ChatCompletionRequest,
     EmbeddingRequest,
+    ScoreRequest,
+    RerankRequest,
     ResponsesRequest,
     MessagesRequest,
     MessageTokensCountRequest,

@@ -39,30 +39,60 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Engine messages that start with one of these are about that field; the rest about `input`.
+# Engine messages that start with one of these are about that field; the rest about the inputs.
 _PARAMS = ("dimensions", "priority", "truncate_prompt_tokens")
 
 
 @generation_handler
 async def create_embedding(request: web.Request, record: RequestRecord) -> web.StreamResponse:
-    state = request.app[STATE]
     engine, req = await parse_request(request, EmbeddingRequest)
+    params = req.to_pooling_params()
+    outputs = await embed_inputs(
+        request, record, engine, req.input, params, "embd", "input", req.priority,
+        add_special_tokens=req.add_special_tokens,
+    )  # fmt: skip
+    if outputs is None:
+        return client_closed()
+    body = embedding_response(
+        record.request_id,
+        int(time.time()),
+        engine.model_name,
+        [o.outputs.data for o in outputs],
+        record.prompt_tokens,
+        req.encoding_format,
+    )
+    return json_response(body)
+
+
+async def embed_inputs(
+    request: web.Request,
+    record: RequestRecord,
+    engine: AsyncEngine,
+    inputs: str | list[str] | list[int] | list[list[int]],
+    params: PoolingParams,
+    prefix: str,
+    field: str,
+    priority: int = 0,
+    add_special_tokens: bool = True,
+) -> list[EmbeddingRequestOutput] | None:
+    """The embeddings of a request's inputs, in order (None when the client left first): a
+    400 naming `field` for what cannot be embedded, and the response id (`prefix`-...) and
+    token count in `record`."""
     if engine.pooler is None:
         raise BadRequestError(
             f"The model {engine.model_name!r} generates text: it does not serve embeddings "
             "(--runner pooling makes embeddings from it)",
             param="model",
         )
-    params = req.to_pooling_params()
-    num_inputs = count_prompts(req.input)
-    admit(engine, num_inputs, 1, field="input")
+    num_inputs = count_prompts(inputs)
+    admit(engine, num_inputs, 1, field=field)
     prompts = await off_loop_if_long(
-        num_chars(req.input), encode_prompts, engine.tokenizer, req.input, req.add_special_tokens
+        num_chars(inputs), encode_prompts, engine.tokenizer, inputs, add_special_tokens
     )
-    admit(engine, num_inputs, 1, field="input")  # again: the queue may have filled meanwhile
+    admit(engine, num_inputs, 1, field=field)  # again: the queue may have filled meanwhile
     client_id = request.headers.get(REQUEST_ID_HEADER)
     unique = uuid.uuid4().hex
-    response_id = f"embd-{client_id or unique}"
+    response_id = f"{prefix}-{client_id or unique}"
     engine_id = f"{response_id}-{unique[:8]}" if client_id else response_id
 
     def add(index: int) -> RequestStream:
@@ -73,26 +103,25 @@ async def create_embedding(request: web.Request, record: RequestRecord) -> web.S
             params,
             request_id,
             prompt.text,
-            req.priority,
+            priority,
             group=engine_id if len(prompts) > 1 else None,
         )
 
-    streams = queue_all(engine, len(prompts), add, _param_of)
+    def param_of(message: str) -> str:
+        first = message.split(" ", 1)[0]
+        return first if first in _PARAMS else field
+
+    streams = queue_all(engine, len(prompts), add, param_of)
     record.request_id = response_id
     record.prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
-    outputs = await _embeddings(request, state, engine, streams, params)
-    if outputs is None:
-        return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
-    record.finish_reasons = ["stop"] * len(outputs)
-    body = embedding_response(
-        response_id,
-        int(time.time()),
-        engine.model_name,
-        [o.outputs.data for o in outputs],
-        record.prompt_tokens,
-        req.encoding_format,
-    )
-    return json_response(body)
+    outputs = await _embeddings(request, request.app[STATE], engine, streams, params)
+    if outputs is not None:
+        record.finish_reasons = ["stop"] * len(outputs)
+    return outputs
+
+
+def client_closed() -> web.Response:
+    return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
 
 
 async def _embeddings(
@@ -132,8 +161,3 @@ async def _embeddings(
         for stream in streams:
             if not stream.taken_final:
                 engine.abort(stream.request_id, reason)
-
-
-def _param_of(message: str) -> str:
-    first = message.split(" ", 1)[0]
-    return first if first in _PARAMS else "input"

@@ -38,6 +38,12 @@ from aioinfer.server.responses import (
 )
 from aioinfer.server.responses_protocol import ResponsesRequest
 from aioinfer.server.responses_render import ResponseDeleted, ResponseObject, ResponseStreamEvent
+from aioinfer.server.scores_protocol import (
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 
 _JSON = "application/json"
 _ERROR_CODES = {
@@ -181,6 +187,26 @@ def openapi_document(version: str) -> dict[str, Any]:
                 ok(EmbeddingResponse),
                 EmbeddingRequest,
             )
+        },
+        **{
+            path: {
+                "post": op(
+                    "Cosine similarity of text pairs' embeddings (a pooling model)",
+                    ok(ScoreResponse),
+                    ScoreRequest,
+                )
+            }
+            for path in ("/score", "/v1/score")
+        },
+        **{
+            path: {
+                "post": op(
+                    "Documents by their embeddings' similarity to the query (a pooling model)",
+                    ok(RerankResponse),
+                    RerankRequest,
+                )
+            }
+            for path in ("/rerank", "/v1/rerank", "/v2/rerank")
         },
         "/tokenize": {"post": op("Tokenize", ok(TokenizeResponse), TokenizeRequest)},
         "/detokenize": {"post": op("Detokenize", ok(DetokenizeResponse), DetokenizeRequest)},

@@ -20,6 +20,7 @@ from aioinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.render import model_card
 from aioinfer.server.responses import ModelCard, TokenizeResponse
 from aioinfer.server.responses_api import create_response, delete_response, retrieve_response
+from aioinfer.server.scores import create_rerank, create_score
 from aioinfer.server.state import STATE
 
 
@@ -34,6 +35,10 @@ def setup_routes(app: web.Application) -> None:
     router.add_post("/v1/completions", create_completion)
     router.add_post("/v1/chat/completions", create_chat_completion)
     router.add_post("/v1/embeddings", create_embedding)
+    for path in ("/score", "/v1/score"):
+        router.add_post(path, create_score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        router.add_post(path, create_rerank)
     router.add_post("/v1/responses", create_response)
     router.add_get("/v1/responses/{response_id}", retrieve_response)
     router.add_delete("/v1/responses/{response_id}", delete_response)

@@ -126,3 +126,21 @@ def test_embed_on_a_text_generation_model_is_refused(causal_llama):
     path, _ = causal_llama
     with LLM(str(path), **OPTIONS) as llm, pytest.raises(ValueError, match="does not serve"):
         llm.embed("hello", use_tqdm=False)
+
+
+def test_score_is_the_cosine_of_transformers_embeddings(bare_qwen3):
+    path, decoder = bare_qwen3
+    query, docs = prompts(2, lengths=(5,))[0], prompts(3, lengths=(3, 8, 21))
+    with LLM(str(path), **OPTIONS) as llm:
+        one_to_many = llm.score(
+            {"prompt_token_ids": query}, [{"prompt_token_ids": d} for d in docs]
+        )
+        pairwise = llm.score([docs[0], docs[1]], [docs[1], docs[1]], use_tqdm=False)
+        with pytest.raises(ValueError, match="text_1 must be one text or as many"):
+            llm.score(docs[:2], docs)
+    q = hf_pooled(decoder, query, "LAST")
+    expected = [float(q @ hf_pooled(decoder, d, "LAST")) for d in docs]
+    np.testing.assert_allclose([o.outputs.score for o in one_to_many], expected, atol=2e-5)
+    assert one_to_many[0].prompt_token_ids == query + docs[0]
+    cross = float(hf_pooled(decoder, docs[0], "LAST") @ hf_pooled(decoder, docs[1], "LAST"))
+    np.testing.assert_allclose([o.outputs.score for o in pairwise], [cross, 1.0], atol=2e-5)

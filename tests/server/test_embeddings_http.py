@@ -203,3 +203,86 @@ async def test_truncation_beyond_the_context_names_its_field(pooling_client):
     )
     error = error_of(raw, 400)
     assert error["param"] == "truncate_prompt_tokens" and "must be <= 128" in error["message"]
+
+
+def cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+async def test_score_one_to_many_and_pairwise(pooling_client, pooling_engine):
+    query, docs = "the quick brown fox", ["jumps over", "the lazy dog", "the quick brown fox"]
+    ref = {t: reference_pooled(text_prompt_ids(t), "MEAN") for t in [query, *docs]}
+    for path in ("/score", "/v1/score"):
+        response, raw = await post(pooling_client, path, {"text_1": query, "text_2": docs})
+        assert response.status == 200, raw
+        body = response_json(raw)
+        assert body["object"] == "list" and body["id"].startswith("score-")
+        assert [d["index"] for d in body["data"]] == [0, 1, 2]
+        expected = [cos(ref[query], ref[d]) for d in docs]
+        np.testing.assert_allclose([d["score"] for d in body["data"]], expected, rtol=1e-5)
+        assert body["data"][2]["score"] == pytest.approx(1.0)
+        # Each distinct text is embedded once: the query is also the third document.
+        assert body["usage"]["prompt_tokens"] == sum(len(text_prompt_ids(d)) for d in docs)
+    response, raw = await post(
+        pooling_client, "/score", {"text_1": docs[:2], "text_2": [query, docs[0]]}
+    )
+    scores = [d["score"] for d in response_json(raw)["data"]]
+    np.testing.assert_allclose(scores, [cos(ref[docs[0]], ref[query]), 1.0], rtol=1e-5)
+    assert_pool_free(pooling_engine)
+
+
+async def test_rerank_orders_the_documents(pooling_client):
+    query = "the quick brown fox"
+    docs = ["jumps over", "the quick brown fox", "the lazy dog", "again and again"]
+    ref = {t: reference_pooled(text_prompt_ids(t), "MEAN") for t in [query, *docs]}
+    expected = sorted(range(4), key=lambda i: -cos(ref[query], ref[docs[i]]))
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        response, raw = await post(pooling_client, path, {"query": query, "documents": docs})
+        assert response.status == 200, raw
+        results = response_json(raw)["results"]
+        assert [r["index"] for r in results] == expected and expected[0] == 1
+        assert [r["document"]["text"] for r in results] == [docs[i] for i in expected]
+        scores = [r["relevance_score"] for r in results]
+        np.testing.assert_allclose(scores, [cos(ref[query], ref[docs[i]]) for i in expected])
+    response, raw = await post(
+        pooling_client,
+        "/rerank",
+        {"query": query, "documents": docs, "top_n": 2, "return_documents": False},
+    )
+    results = response_json(raw)["results"]
+    assert [r["index"] for r in results] == expected[:2]
+    assert all("document" not in r for r in results)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "fragment"),
+    [
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "as many as"),
+        ("/score", {"text_1": "a", "text_2": []}, "text_2", "must not be empty"),
+        ("/rerank", {"query": "a", "documents": []}, "documents", "must not be empty"),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", ">= 0"),
+        ("/rerank", {"query": "a", "documents": [1]}, "documents[0]", "string"),
+        (
+            "/rerank",
+            {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 0},
+            "truncate_prompt_tokens",
+            ">= 1 or -1",
+        ),
+    ],
+)
+async def test_bad_score_and_rerank_requests_name_the_field(
+    pooling_client, pooling_engine, path, body, param, fragment
+):
+    _, raw = await post(pooling_client, path, body)
+    error = error_of(raw, 400)
+    assert error["param"] == param and fragment in error["message"], error
+    assert_pool_free(pooling_engine)
+
+
+async def test_a_text_generation_server_refuses_scores(client):
+    for path, body in (
+        ("/score", {"text_1": "a", "text_2": "b"}),
+        ("/rerank", {"query": "a", "documents": ["b"]}),
+    ):
+        _, raw = await post(client, path, body)
+        assert error_of(raw, 400)["param"] == "model"
