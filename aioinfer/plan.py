@@ -205,7 +205,10 @@ def make_plan(
     dtype = _dtype_name(model_config.dtype, device)
     resolved = _resolve(model_config)
     cfg = _decoder_config(resolved.hf_config)
-    pooling = _pooler(model_config, resolved) is not None
+    from aioinfer.model.loader.resolve import model_pooler
+
+    pooler = model_pooler(resolved, model_config.runner, model_config.pooler_overrides)
+    pooling = pooler is not None
     dtype_bytes = DTYPE_BYTES[dtype]
     num_params = count_parameters(cfg, lm_head=not pooling)
     weights = num_params * dtype_bytes
@@ -314,16 +317,6 @@ def _resolve(model_config: ModelConfig) -> Any:
 
     # "dummy" reads configs only: no weights are fetched, and a .gguf is not converted.
     return resolve_model(model_config.model, model_config.revision, "dummy")
-
-
-def _pooler(model_config: ModelConfig, resolved: Any) -> Any:
-    """The pooler `serve` would run the model with (None: text generation)."""
-    from aioinfer.core.pooling import resolve_pooler
-    from aioinfer.model.registry import architecture_of
-
-    architecture = architecture_of(resolved.hf_config)
-    overrides = model_config.pooler_overrides
-    return resolve_pooler(model_config.runner, overrides, architecture, resolved.folder)
 
 
 def _decoder_config(hf_config: Any) -> DecoderConfig:

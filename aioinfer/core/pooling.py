@@ -138,11 +138,13 @@ def resolve_pooler(
     override: dict[str, Any] | None,
     architecture: str,
     folder: Path | None,
+    declared: str | None = None,
 ) -> PoolerConfig | None:
     """The pooler of a pooling model, or None for text generation. `auto` pools for
     architectures named `*Model` (a decoder without an LM head) and for sentence-transformers
-    folders; `override` (--pooler-config) wins over what the folder says. `generate` reads no
-    sentence-transformers files, so a folder whose files cannot be pooled still generates."""
+    folders; `override` (--pooler-config) wins over what the folder says, and that over the
+    pooling type the checkpoint `declared` (a GGUF's). `generate` reads no sentence-transformers
+    files, so a folder whose files cannot be pooled still generates."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if runner == "generate":
@@ -162,7 +164,7 @@ def resolve_pooler(
                 "architecture"
             )
         return None
-    base = from_folder or PoolerConfig()
+    base = from_folder or PoolerConfig(declared or "LAST")
     if override is None:
         return base
     unknown = sorted(set(override) - {"pooling_type", "normalize"})

@@ -26,7 +26,7 @@ from aioinfer.config import (
     SchedulerConfig,
     sampled_rows_per_request,
 )
-from aioinfer.core.pooling import PoolerConfig, resolve_pooler
+from aioinfer.core.pooling import PoolerConfig
 from aioinfer.core.spec_decode import draft_rows, verify
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import memory
@@ -34,7 +34,6 @@ from aioinfer.gpu.cuda_graphs import CudaGraphRunner
 from aioinfer.gpu.forward_context import forward_context
 from aioinfer.gpu.sampler import Sampler, compute_prompt_logprobs
 from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
-from aioinfer.model.registry import architecture_of
 
 if TYPE_CHECKING:
     from aioinfer.model.kernels.cpu_native import NativeKernels
@@ -103,6 +102,7 @@ class ModelRunner:
         offline: bool = False,
     ) -> None:
         from aioinfer.model.loader import load_model, resolve_dtype
+        from aioinfer.model.loader.resolve import model_pooler
 
         self.block_size = cache_config.block_size
         self.device = _resolve_device(model_config.device)
@@ -110,12 +110,7 @@ class ModelRunner:
         hf_config = resolved.hf_config
         self.hf_config = hf_config
         torch.manual_seed(model_config.seed)
-        self.pooler = resolve_pooler(
-            model_config.runner,
-            model_config.pooler_overrides,
-            architecture_of(hf_config),
-            resolved.folder,
-        )
+        self.pooler = model_pooler(resolved, model_config.runner, model_config.pooler_overrides)
 
         start = time.perf_counter()
         mem_before = memory.device_memory_used(self.device)

@@ -29,11 +29,6 @@ _MODEL_TYPES: dict[str, str] = {
 }
 
 
-def architecture_of(hf_config: Any) -> str:
-    """`architectures[0]` of a Hugging Face config, or "" when it names none."""
-    return str((getattr(hf_config, "architectures", None) or [""])[0])
-
-
 def supported_architectures() -> tuple[str, ...]:
     return tuple(_ARCHITECTURES)
 

@@ -144,3 +144,31 @@ def test_score_is_the_cosine_of_transformers_embeddings(bare_qwen3):
     assert one_to_many[0].prompt_token_ids == query + docs[0]
     cross = float(hf_pooled(decoder, docs[0], "LAST") @ hf_pooled(decoder, docs[1], "LAST"))
     np.testing.assert_allclose([o.outputs.score for o in pairwise], [cross, 1.0], atol=2e-5)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_an_embedding_gguf_pools_as_it_declares(tmp_path, monkeypatch, cached):
+    """A GGUF with `<arch>.pooling_type` (llama.cpp's embedding models) runs as the bare
+    decoder with that pooling, straight from the file or from its converted cache."""
+    import gguf
+
+    from tests.model.test_loader import write_gguf
+
+    monkeypatch.setenv("AIOINFER_GGUF_CACHE", "1" if cached else "0")
+    monkeypatch.setenv("AIOINFER_CACHE", str(tmp_path / "cache"))
+    hf = make_variant("qwen3-tied")
+    original = gguf.GGUFWriter.write_header_to_file
+
+    def with_pooling(writer, *args, **kwargs):
+        writer.add_pooling_type(gguf.PoolingType.MEAN)
+        return original(writer, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", with_pooling)
+    path = write_gguf(hf, tmp_path / "Tiny-Embed-F32.gguf", "qwen3")
+    batch = prompts(4, lengths=(3, 30))
+    with LLM(str(path), tokenizer_object=make_tokenizer(), **OPTIONS) as llm:
+        assert llm.engine.pooler is not None and llm.engine.pooler.pooling_type == "MEAN"
+        outputs = llm.embed(batch, use_tqdm=False)
+    for prompt, output in zip(batch, outputs, strict=True):
+        expected = hf_pooled(hf.model, prompt, "MEAN")
+        np.testing.assert_allclose(output.outputs.data, expected, atol=2e-5)

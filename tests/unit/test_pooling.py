@@ -141,6 +141,11 @@ def test_the_flag_wins_over_the_folder(tmp_path):
     assert resolve_pooler("pooling", {"normalize": False}, "X", folder) == PoolerConfig(
         "LAST", False
     )
+    # A GGUF's declared type stands where no folder speaks, under the flag.
+    assert resolve_pooler("auto", None, "Qwen3Model", None, "MEAN") == PoolerConfig("MEAN")
+    assert resolve_pooler("auto", {"pooling_type": "CLS"}, "Qwen3Model", None, "MEAN") == (
+        PoolerConfig("CLS")
+    )
 
 
 @pytest.mark.parametrize(

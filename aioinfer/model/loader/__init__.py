@@ -70,7 +70,8 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The registry's model class for `resolved.hf_config`, with its weights on `device`.
     `pooling`: for embeddings, without the LM head (neither read nor allocated)."""
-    from aioinfer.model.registry import architecture_of, get_model_class
+    from aioinfer.model.loader.resolve import architecture_of
+    from aioinfer.model.registry import get_model_class
 
     hf_config = resolved.hf_config
     model_cls = get_model_class(hf_config)

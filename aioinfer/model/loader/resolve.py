@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PretrainedConfig
 
+    from aioinfer.core.pooling import PoolerConfig
+
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -81,6 +83,10 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# An embedding GGUF declares `<arch>.pooling_type` (llama.cpp's enum): it runs as the bare
+# decoder with that pooling (core/pooling.py). 4 (rank, a reranker's head) is not supported.
+GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
+GGUF_POOLING_KEY = "gguf_pooling_type"  # where the HF config keeps it
 # "SmolLM2-135M-Instruct.Q4_1" or "Qwen2.5-7B-Instruct-Q4_K_M" -> drop the quantization suffix.
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|BF16|FP?16|FP?32)$", re.IGNORECASE)
 
@@ -211,6 +217,25 @@ def _resolve_folder(folder: Path, served_name: str, load_format: str) -> Resolve
     )
 
 
+def model_pooler(
+    resolved: ResolvedModel, runner: str, overrides: dict[str, Any] | None
+) -> PoolerConfig | None:
+    """The pooler the model runs with (core/pooling.resolve_pooler), None for text generation:
+    from the flags, the folder's sentence-transformers files (a GGUF's folder is not the
+    model's, so none are read there) or a GGUF's declared pooling type."""
+    from aioinfer.core.pooling import resolve_pooler
+
+    hf_config = resolved.hf_config
+    folder = resolved.folder if resolved.gguf_file is None else None
+    declared = getattr(hf_config, GGUF_POOLING_KEY, None)
+    return resolve_pooler(runner, overrides, architecture_of(hf_config), folder, declared)
+
+
+def architecture_of(hf_config: Any) -> str:
+    """`architectures[0]` of a Hugging Face config, or "" when it names none."""
+    return str((getattr(hf_config, "architectures", None) or [""])[0])
+
+
 def read_hf_config(folder: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
@@ -267,6 +292,14 @@ def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
         # llama.cpp drops output.weight when the head shares the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
+    pooling = _gguf_value(reader, f"{arch}.pooling_type")
+    if pooling:
+        if int(pooling) not in GGUF_POOLING_TYPES:
+            raise ValueError(
+                f"GGUF pooling_type {pooling} is not supported (mean 1, cls 2 and last 3 are)"
+            )
+        kwargs["architectures"] = [GGUF_ARCHITECTURES[arch].replace("ForCausalLM", "Model")]
+        kwargs[GGUF_POOLING_KEY] = GGUF_POOLING_TYPES[int(pooling)]
     keys = {**_GGUF_CONFIG_KEYS}
     if arch in _GGUF_HEAD_DIM_KEY:
         keys[_GGUF_HEAD_DIM_KEY[arch]] = "head_dim"
