@@ -17,6 +17,7 @@ Which type a model uses comes from `--pooler-config`, else from its sentence-tra
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -114,21 +115,28 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     """Cosine similarity of two embeddings (0 where either is zero), in float64: the score of a
     text pair with an embedding model, as vLLM's /score gives it."""
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    if not (np.isfinite(a64).all() and np.isfinite(b64).all()):
+        return math.nan  # a broken embedding is not hidden behind a plausible score
     norms = float(np.linalg.norm(a64) * np.linalg.norm(b64))
-    return float(a64 @ b64) / norms if norms > 0 else 0.0
+    if norms == 0:
+        return 0.0
+    return min(1.0, max(-1.0, float(a64 @ b64) / norms))  # rounding may step past 1
 
 
-def score_pairs(firsts: list[_T], seconds: list[_T]) -> list[tuple[_T, _T]]:
+def score_pairs(
+    firsts: list[_T], seconds: list[_T], names: tuple[str, str] = ("text_1", "text_2")
+) -> list[tuple[_T, _T]]:
     """The pairs to score: one first item against every second one (1:N), or pairwise (N:N).
-    ValueError naming text_1 or text_2 otherwise."""
-    for name, items in (("text_1", firsts), ("text_2", seconds)):
+    ValueError naming the argument (`names`) otherwise."""
+    for name, items in zip(names, (firsts, seconds), strict=True):
         if not items:
             raise ValueError(f"{name} must not be empty")
     if len(firsts) == 1:
         firsts = firsts * len(seconds)
     if len(firsts) != len(seconds):
         raise ValueError(
-            f"text_1 must be one text or as many as text_2 ({len(seconds)}), got {len(firsts)}"
+            f"{names[0]} must be one text or as many as {names[1]} ({len(seconds)}), got "
+            f"{len(firsts)}"
         )
     return list(zip(firsts, seconds, strict=True))
 

@@ -180,7 +180,9 @@ class LLM:
         """The cosine similarity of each pair's embeddings (a pooling model): data_1's one text
         against each of data_2 (1:N), or pair by pair (N:N); each distinct text is embedded
         once."""
-        pairs = score_pairs(self._normalise_prompts(data_1), self._normalise_prompts(data_2))
+        pairs = score_pairs(
+            self._normalise_prompts(data_1), self._normalise_prompts(data_2), ("data_1", "data_2")
+        )
         texts: list[Prompt] = []
         index: dict[str, int] = {}
         for pair in pairs:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -74,9 +75,11 @@ async def embed_inputs(
     field: str,
     priority: int = 0,
     add_special_tokens: bool = True,
+    fields: Sequence[str] | None = None,
 ) -> list[EmbeddingRequestOutput] | None:
     """The embeddings of a request's inputs, in order (None when the client left first): a
-    400 naming `field` for what cannot be embedded, and the response id (`prefix`-...) and
+    400 naming `field` (or input i's `fields[i]`) for what cannot be embedded, and the
+    response id (`prefix`-...) and
     token count in `record`."""
     if engine.pooler is None:
         raise BadRequestError(
@@ -107,9 +110,11 @@ async def embed_inputs(
             group=engine_id if len(prompts) > 1 else None,
         )
 
-    def param_of(message: str) -> str:
+    def param_of(message: str, index: int) -> str:
         first = message.split(" ", 1)[0]
-        return first if first in _PARAMS else field
+        if first in _PARAMS:
+            return first
+        return fields[index] if fields is not None else field
 
     streams = queue_all(engine, len(prompts), add, param_of)
     record.request_id = response_id

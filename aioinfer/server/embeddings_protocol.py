@@ -48,11 +48,18 @@ class EmbeddingRequest(OpenAIRequest):
         return check_prompt_shape(value)
 
     def to_pooling_params(self) -> PoolingParams:
-        try:
-            return PoolingParams(self.dimensions, self.normalize, self.truncate_prompt_tokens)
-        except ValueError as exc:
-            param = "dimensions" if str(exc).startswith("dimensions") else "truncate_prompt_tokens"
-            raise RequestValidationError(str(exc), param) from None
+        return pooling_params(self.dimensions, self.normalize, self.truncate_prompt_tokens)
+
+
+def pooling_params(
+    dimensions: int | None, normalize: bool | None, truncate_prompt_tokens: int | None
+) -> PoolingParams:
+    """PoolingParams from a request's fields; a 400 naming the field for a bad value."""
+    try:
+        return PoolingParams(dimensions, normalize, truncate_prompt_tokens)
+    except ValueError as exc:
+        param = "dimensions" if str(exc).startswith("dimensions") else "truncate_prompt_tokens"
+        raise RequestValidationError(str(exc), param) from None
 
 
 class EmbeddingData(TypedDict):

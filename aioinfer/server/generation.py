@@ -45,7 +45,7 @@ def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") 
     total = num_prompts * n
     param = "n" if num_prompts == 1 and field == "prompt" else field
     if total > MAX_SEQUENCES_PER_REQUEST:
-        counted = "sequences (prompts x n)" if field == "prompt" else "inputs"
+        counted = "sequences (prompts x n)" if field == "prompt" else "texts to embed"
         raise BadRequestError(
             f"A request may ask for at most {MAX_SEQUENCES_PER_REQUEST} {counted}, got "
             + (f"{num_prompts} x {n}" if field == "prompt" else str(num_prompts)),
@@ -233,7 +233,9 @@ def start_generation(
             group=base if len(ctx.prompts) > 1 else None,
         )
 
-    streams = queue_all(engine, len(ctx.prompts), add, lambda message: _engine_param(message, what))
+    streams = queue_all(
+        engine, len(ctx.prompts), add, lambda message, _index: _engine_param(message, what)
+    )
     timers = [state.metrics.timer(engine.model_name) for _ in streams]
     return Generation(engine, streams, timers, prompt_only)
 
@@ -242,11 +244,11 @@ def queue_all(
     engine: AsyncEngine,
     count: int,
     add: Callable[[int], RequestStream],
-    param_of: Callable[[str], str],
+    param_of: Callable[[str, int], str],
 ) -> list[RequestStream]:
     """`add(i)` for each of a request's `count` prompts, all or none: when one is refused, those
-    queued before it are aborted. 400 naming `param_of(message)` for what does not fit, 503
-    once the engine died."""
+    queued before it are aborted. 400 naming `param_of(message, i)` for what does not fit,
+    503 once the engine died."""
     streams: list[RequestStream] = []
     try:
         for index in range(count):
@@ -257,7 +259,7 @@ def queue_all(
         if isinstance(exc, EngineDeadError):
             raise _engine_failed(exc) from None
         if isinstance(exc, ValueError):
-            raise BadRequestError(str(exc), param=param_of(str(exc))) from None
+            raise BadRequestError(str(exc), param=param_of(str(exc), len(streams))) from None
         raise
     return streams
 

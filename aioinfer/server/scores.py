@@ -1,18 +1,21 @@
 """POST /score and /rerank (with their /v1 and /v2 aliases) over an embedding model: every
 distinct text is embedded once, in one batch, and a pair scores the cosine similarity of its
-two embeddings, as vLLM scores with embedding models."""
+two embeddings, as vLLM scores with embedding models. Usage counts each pair's texts, as a
+model that reads pairs would."""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
+import numpy as np
 from aiohttp import web
 
-from aioinfer.core.pooling import PoolingParams, cosine
+from aioinfer.core.pooling import cosine
 from aioinfer.server.bodies import json_response, parse_request
 from aioinfer.server.completions import generation_handler
 from aioinfer.server.embeddings import client_closed, embed_inputs
-from aioinfer.server.protocol import RequestValidationError
+from aioinfer.server.embeddings_protocol import pooling_params
 from aioinfer.server.request_log import RequestRecord
 from aioinfer.server.scores_protocol import (
     RerankRequest,
@@ -22,19 +25,20 @@ from aioinfer.server.scores_protocol import (
     ranked,
 )
 
+if TYPE_CHECKING:
+    from aioinfer.engine.async_engine import AsyncEngine
+
 
 @generation_handler
 async def create_score(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     engine, req = await parse_request(request, ScoreRequest)
     pairs = req.pairs()
-    texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-    params = _params(req.truncate_prompt_tokens)
-    outputs = await embed_inputs(
-        request, record, engine, texts, params, "score", "text_2", req.priority
-    )
-    if outputs is None:
+    named = [(a, "text_1") for a, _ in pairs] + [(b, "text_2") for _, b in pairs]
+    embedded = await _embed(request, record, engine, named, req, "score")
+    if embedded is None:
         return client_closed()
-    vectors = {text: output.outputs.data for text, output in zip(texts, outputs, strict=True)}
+    vectors, lengths = embedded
+    tokens = sum(lengths[a] + lengths[b] for a, b in pairs)
     body: ScoreResponse = {
         "id": record.request_id,
         "object": "list",
@@ -44,7 +48,7 @@ async def create_score(request: web.Request, record: RequestRecord) -> web.Strea
             {"index": index, "object": "score", "score": cosine(vectors[a], vectors[b])}
             for index, (a, b) in enumerate(pairs)
         ],
-        "usage": {"prompt_tokens": record.prompt_tokens, "total_tokens": record.prompt_tokens},
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
     return json_response(body)
 
@@ -52,27 +56,45 @@ async def create_score(request: web.Request, record: RequestRecord) -> web.Strea
 @generation_handler
 async def create_rerank(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     engine, req = await parse_request(request, RerankRequest)
-    texts = list(dict.fromkeys([req.query, *req.documents]))
-    params = _params(req.truncate_prompt_tokens)
-    outputs = await embed_inputs(
-        request, record, engine, texts, params, "rerank", "documents", req.priority
-    )
-    if outputs is None:
+    documents = req.texts()
+    named = [(req.query, "query")] + [(d, "documents") for d in documents]
+    embedded = await _embed(request, record, engine, named, req, "rerank")
+    if embedded is None:
         return client_closed()
-    vectors = {text: output.outputs.data for text, output in zip(texts, outputs, strict=True)}
-    query = vectors[req.query]
-    scores = [cosine(query, vectors[document]) for document in req.documents]
+    vectors, lengths = embedded
+    scores = [cosine(vectors[req.query], vectors[d]) for d in documents]
     body: RerankResponse = {
         "id": record.request_id,
         "model": engine.model_name,
-        "usage": {"total_tokens": record.prompt_tokens},
-        "results": ranked(req.documents, scores, req.top_n, req.return_documents),
+        "usage": {"total_tokens": sum(lengths[req.query] + lengths[d] for d in documents)},
+        "results": ranked(documents, scores, req.top_n, req.return_documents),
     }
     return json_response(body)
 
 
-def _params(truncate_prompt_tokens: int | None) -> PoolingParams:
-    try:
-        return PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
-    except ValueError as exc:
-        raise RequestValidationError(str(exc), "truncate_prompt_tokens") from None
+async def _embed(
+    request: web.Request,
+    record: RequestRecord,
+    engine: AsyncEngine,
+    named: list[tuple[str, str]],
+    req: ScoreRequest | RerankRequest,
+    prefix: str,
+) -> tuple[dict[str, np.ndarray], dict[str, int]] | None:
+    """Each distinct text's embedding and token count (None when the client left first); a
+    400 names the field the text first came from."""
+    fields: dict[str, str] = {}
+    for text, field in named:
+        fields.setdefault(text, field)
+    texts = list(fields)
+    params = pooling_params(None, None, req.truncate_prompt_tokens)
+    outputs = await embed_inputs(
+        request, record, engine, texts, params, prefix, named[-1][1], req.priority,
+        fields=[fields[text] for text in texts],
+    )  # fmt: skip
+    if outputs is None:
+        return None
+    vectors = {text: output.outputs.data for text, output in zip(texts, outputs, strict=True)}
+    lengths = {
+        text: len(output.prompt_token_ids) for text, output in zip(texts, outputs, strict=True)
+    }
+    return vectors, lengths

@@ -136,7 +136,7 @@ def test_score_is_the_cosine_of_transformers_embeddings(bare_qwen3):
             {"prompt_token_ids": query}, [{"prompt_token_ids": d} for d in docs]
         )
         pairwise = llm.score([docs[0], docs[1]], [docs[1], docs[1]], use_tqdm=False)
-        with pytest.raises(ValueError, match="text_1 must be one text or as many"):
+        with pytest.raises(ValueError, match="data_1 must be one text or as many as data_2"):
             llm.score(docs[:2], docs)
     q = hf_pooled(decoder, query, "LAST")
     expected = [float(q @ hf_pooled(decoder, d, "LAST")) for d in docs]

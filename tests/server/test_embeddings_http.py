@@ -221,8 +221,9 @@ async def test_score_one_to_many_and_pairwise(pooling_client, pooling_engine):
         expected = [cos(ref[query], ref[d]) for d in docs]
         np.testing.assert_allclose([d["score"] for d in body["data"]], expected, rtol=1e-5)
         assert body["data"][2]["score"] == pytest.approx(1.0)
-        # Each distinct text is embedded once: the query is also the third document.
-        assert body["usage"]["prompt_tokens"] == sum(len(text_prompt_ids(d)) for d in docs)
+        # Usage counts each pair's texts, though each distinct text is embedded once.
+        pair_tokens = sum(len(text_prompt_ids(query)) + len(text_prompt_ids(d)) for d in docs)
+        assert body["usage"]["prompt_tokens"] == pair_tokens
     response, raw = await post(
         pooling_client, "/score", {"text_1": docs[:2], "text_2": [query, docs[0]]}
     )
@@ -244,10 +245,16 @@ async def test_rerank_orders_the_documents(pooling_client):
         assert [r["document"]["text"] for r in results] == [docs[i] for i in expected]
         scores = [r["relevance_score"] for r in results]
         np.testing.assert_allclose(scores, [cos(ref[query], ref[docs[i]]) for i in expected])
+    # Documents as Jina's and Cohere v1's objects; only the best two, without their text.
     response, raw = await post(
         pooling_client,
         "/rerank",
-        {"query": query, "documents": docs, "top_n": 2, "return_documents": False},
+        {
+            "query": query,
+            "documents": [{"text": d} for d in docs],
+            "top_n": 2,
+            "return_documents": False,
+        },
     )
     results = response_json(raw)["results"]
     assert [r["index"] for r in results] == expected[:2]
@@ -262,6 +269,11 @@ async def test_rerank_orders_the_documents(pooling_client):
         ("/rerank", {"query": "a", "documents": []}, "documents", "must not be empty"),
         ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", ">= 0"),
         ("/rerank", {"query": "a", "documents": [1]}, "documents[0]", "string"),
+        ("/rerank", {"query": "", "documents": ["b"]}, "query", "must not be empty"),
+        ("/rerank", {"query": "b " * 200, "documents": ["b"]}, "query", "maximum context"),
+        ("/score", {"text_1": "", "text_2": ["b"]}, "text_1", "must not be empty"),
+        ("/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2", "must not be empty"),
+        ("/score", {"text_1": [1], "text_2": "b"}, "text_1", "text_1[0]: Input should be"),
         (
             "/rerank",
             {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 0},

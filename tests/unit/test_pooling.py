@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.pooling import (
     PoolerConfig,
     PoolingParams,
+    cosine,
     embedding,
     fold,
     resolve_pooler,
@@ -28,6 +30,7 @@ from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import Scheduler
 from aioinfer.engine.stream import RequestAbortedError
+from aioinfer.server.scores_protocol import ranked
 from tests.server.conftest import build_engine
 from tests.unit.fake_runner import FAKE_HIDDEN, FakeRunner, reference_output, reference_pooled
 from tests.unit.test_engine import FakeRunnerFactory, make_engine
@@ -75,6 +78,15 @@ def test_folded_chunk_parts_give_the_whole_prompts_embedding(
 def test_a_zero_vector_stays_zero_when_normalized():
     got = embedding(np.zeros(4), 3, PoolingParams(), PoolerConfig())
     assert np.array_equal(got, np.zeros(4, dtype=np.float32))
+
+
+def test_cosine_is_bounded_and_a_broken_vector_is_not_hidden():
+    v = np.random.default_rng(0).normal(size=64).astype(np.float32)
+    assert cosine(v, v) == 1.0 and cosine(v, -v) == -1.0  # not 1.0000000000000002
+    assert cosine(v, np.zeros(64)) == 0.0
+    assert math.isnan(cosine(v, np.full(64, np.nan))) and math.isnan(cosine(v, v * np.inf))
+    scores = [0.5, math.nan, 0.1, 0.9]
+    assert [r["index"] for r in ranked(list("abcd"), scores, None, False)] == [3, 0, 2, 1]
 
 
 def test_params_refuse_what_cannot_be():
