@@ -77,10 +77,9 @@ async def embed_inputs(
     add_special_tokens: bool = True,
     fields: Sequence[str] | None = None,
 ) -> list[EmbeddingRequestOutput] | None:
-    """The embeddings of a request's inputs, in order (None when the client left first): a
-    400 naming `field` (or input i's `fields[i]`) for what cannot be embedded, and the
-    response id (`prefix`-...) and
-    token count in `record`."""
+    """The embeddings of a request's inputs, in order (None when the client left first). A 400
+    names `field` (or input i's `fields[i]`) for what cannot be embedded; `record` gets the
+    response id (`prefix`-...) and the token count."""
     if engine.pooler is None:
         raise BadRequestError(
             f"The model {engine.model_name!r} generates text: it does not serve embeddings "
