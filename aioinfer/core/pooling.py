@@ -1,17 +1,18 @@
 """Embeddings from a decoder's final hidden states: vLLM's pooling runner.
 
 A pooling request is a prompt that is prefilled and never decoded. Each chunk of it hands back
-what its pooling type needs of the chunk's hidden states (`chunk_part`, on the runner's side),
-the scheduler folds the parts (`fold`), and once the prompt is done `embedding` makes the
-vector: the mean, or the last or first token's state, cut to `dimensions` (Matryoshka) and
-L2-normalized when asked.
+what its pooling type needs of the chunk's hidden states (`ModelRunner._pool`), the scheduler
+folds the parts (`fold`), and once the prompt is done `embedding` makes the vector: the mean, or
+the last or first token's state, cut to `dimensions` (Matryoshka) and L2-normalized when asked.
+`cosine` scores a pair of them (/score, /rerank).
 
     LAST  the last prompt token's state (decoder embedding models: Qwen3-Embedding, gte-Qwen2)
     MEAN  the mean over the prompt's tokens
     CLS   the first token's state
 
 Which type a model uses comes from `--pooler-config`, else from its sentence-transformers files
-(`modules.json`, `1_Pooling/config.json`), else LAST with normalization, as vLLM does.
+(`modules.json`, `1_Pooling/config.json`), else from a GGUF's declared pooling type, else LAST
+with normalization, as vLLM does.
 """
 
 from __future__ import annotations

@@ -327,14 +327,14 @@ class LLM:
                 progress.advance()
             return output
 
+        # The prompts' tokens are counted as they are queued: the rate counts from before.
+        tokens_before = self.engine.stats.prompt_tokens
         with self._batch(streams, lambda: progress):
             # All are validated and queued before the first step runs, as in _generate_all.
             for (text, ids), params in zip(encoded, params_list, strict=True):
                 streams.append(self.engine.add_pooling_request(ids, params, prompt=text))
             if use_tqdm:
-                # Counted from before the queueing: the prompts' tokens count when queued.
-                progress = _Progress(len(streams), self.engine, "prompt")
-                progress.start_tokens -= sum(len(s.prompt_token_ids) for s in streams)
+                progress = _Progress(len(streams), self.engine, "prompt", tokens_before)
             return await gather_or_cancel(
                 collect(s, p) for s, p in zip(streams, params_list, strict=True)
             )
@@ -422,16 +422,22 @@ def _template_message(message: Message) -> Message:
 
 
 class _Progress:
-    """A rich progress bar with output tokens per second."""
+    """A rich progress bar with output tokens per second (input tokens for embeddings, which
+    output none: `counter` "prompt", counted from `start_tokens` when given)."""
 
-    def __init__(self, total: int, engine: AsyncEngine, counter: str = "generation") -> None:
+    def __init__(
+        self,
+        total: int,
+        engine: AsyncEngine,
+        counter: str = "generation",
+        start_tokens: int | None = None,
+    ) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self.engine = engine
-        # Output tokens per second; input tokens for embeddings, which output none.
         self.counter = counter
         self.label = "output" if counter == "generation" else "input"
-        self.start_tokens = self._tokens()
+        self.start_tokens = self._tokens() if start_tokens is None else start_tokens
         self.start = time.perf_counter()
         self.bar = Progress(
             TextColumn("Processed prompts"),

@@ -34,7 +34,7 @@ async def create_score(request: web.Request, record: RequestRecord) -> web.Strea
     engine, req = await parse_request(request, ScoreRequest)
     pairs = req.pairs()
     named = [(a, "text_1") for a, _ in pairs] + [(b, "text_2") for _, b in pairs]
-    embedded = await _embed(request, record, engine, named, req, "score")
+    embedded = await _embed(request, record, engine, named, req, "score", "text_2")
     if embedded is None:
         return client_closed()
     vectors, lengths = embedded
@@ -58,7 +58,7 @@ async def create_rerank(request: web.Request, record: RequestRecord) -> web.Stre
     engine, req = await parse_request(request, RerankRequest)
     documents = req.texts()
     named = [(req.query, "query")] + [(d, "documents") for d in documents]
-    embedded = await _embed(request, record, engine, named, req, "rerank")
+    embedded = await _embed(request, record, engine, named, req, "rerank", "documents")
     if embedded is None:
         return client_closed()
     vectors, lengths = embedded
@@ -79,16 +79,18 @@ async def _embed(
     named: list[tuple[str, str]],
     req: ScoreRequest | RerankRequest,
     prefix: str,
+    field: str,
 ) -> tuple[dict[str, np.ndarray], dict[str, int]] | None:
-    """Each distinct text's embedding and token count (None when the client left first); a
-    400 names the field the text first came from."""
+    """Each distinct text's embedding and token count (None when the client left first). A
+    400 about one text names the field it first came from; one about them all (too many)
+    names `field`."""
     fields: dict[str, str] = {}
     for text, field in named:
         fields.setdefault(text, field)
     texts = list(fields)
     params = pooling_params(None, None, req.truncate_prompt_tokens)
     outputs = await embed_inputs(
-        request, record, engine, texts, params, prefix, named[-1][1], req.priority,
+        request, record, engine, texts, params, prefix, field, req.priority,
         fields=[fields[text] for text in texts],
     )  # fmt: skip
     if outputs is None:
