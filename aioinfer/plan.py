@@ -124,10 +124,16 @@ def count_parameters(cfg: DecoderConfig, lm_head: bool = True) -> int:
     attention = h * (q + 2 * kv) + q * h
     attention += (q + 2 * kv) * cfg.qkv_bias + h * cfg.o_bias
     attention += 2 * cfg.head_dim * cfg.qk_norm
-    mlp = 3 * h * inter + (2 * inter + h) * cfg.mlp_bias
-    per_layer = attention + mlp + 2 * h  # plus the two RMSNorms
+    dense_mlp = 3 * h * inter + (2 * inter + h) * cfg.mlp_bias
+    # A sparse layer: the router, the experts, and Qwen2-MoE's gated shared expert.
+    shared = cfg.shared_expert_intermediate_size
+    sparse_mlp = cfg.num_experts * (h + 3 * h * cfg.expert_intermediate_size)
+    sparse_mlp += (3 * h * shared + (2 * shared + h) * cfg.mlp_bias + h) if shared else 0
+    num_sparse = len(cfg.sparse_layers)
+    mlps = (cfg.num_layers - num_sparse) * dense_mlp + num_sparse * sparse_mlp
+    per_layer = attention + 2 * h  # plus the two RMSNorms
     head = 0 if cfg.tie_word_embeddings or not lm_head else v * h
-    return v * h + cfg.num_layers * per_layer + h + head
+    return v * h + cfg.num_layers * per_layer + mlps + h + head
 
 
 def estimate_activation_bytes(
@@ -148,6 +154,9 @@ def estimate_activation_bytes(
     model's layer loop still holds, the new residual and the normed input):
 
         MLP:        3 hidden + gate + up                     T x (3 hidden + 2 inter) x b
+        experts:    3 hidden + each of the T x top_k rows'
+                    gate/up and output (the GPU kernels)     T x (3 hidden
+                                                             + top_k (2 inter_e + hidden)) x b
         attention:  2 hidden + q, k, v, their rotated copies
                     and the output, plus one request's
                     gathered K/V (the torch backend)         T x (2 hidden + 3 q + 3 kv) x b
@@ -169,6 +178,9 @@ def estimate_activation_bytes(
     per_request = -(-num_tokens // requests)
     rows = min(num_tokens, requests * min(rows_per_request, per_request))
     mlp = t * (3 * h + 2 * cfg.intermediate_size) * b
+    if cfg.sparse_layers:
+        per_token = cfg.experts_per_token * (2 * cfg.expert_intermediate_size + h)
+        mlp = max(mlp, t * (3 * h + per_token) * b)
     attention = t * (2 * h + 3 * q + 3 * kv) * b + 4 * per_request * kv * b
     sampling = t * h * b + rows * cfg.vocab_size * SAMPLER_BYTES_PER_LOGIT
     workspace = CUDA_WORKSPACE_BYTES if device == "cuda" else 0

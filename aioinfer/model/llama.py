@@ -1,4 +1,5 @@
-"""The Llama decoder; Qwen2, Qwen3 and Mistral are configurations of it.
+"""The Llama decoder; Qwen2, Qwen3, Mistral and their mixtures of experts are configurations
+of it.
 
 Parameter names mirror Hugging Face checkpoint keys (`model.layers.0.self_attn.q_proj.weight`,
 ...), so weights load by name. Construction does no data-dependent work, so a model can be built
@@ -20,6 +21,7 @@ from torch import nn
 
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.attention import Attention, kv_cache_shape
+from aioinfer.model.layers.moe import SparseMoeBlock, WeightSlot
 from aioinfer.model.layers.norm import RMSNorm
 from aioinfer.model.layers.rotary import (
     ApplyRotary,
@@ -48,6 +50,16 @@ class DecoderConfig:
     mlp_bias: bool = False
     # Per-head RMSNorm of queries and keys before rotary (Qwen3).
     qk_norm: bool = False
+    # Mixture of experts: in `sparse_layers` the MLP is a router over `num_experts` MLPs of
+    # `expert_intermediate_size`, of which each token takes `experts_per_token`, their weights
+    # scaled to sum to 1 when `renormalize_routing`; plus, when its size is set, a shared
+    # expert that every token takes (Qwen2-MoE). The other layers keep the dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    sparse_layers: tuple[int, ...] = ()
+    renormalize_routing: bool = True
+    shared_expert_intermediate_size: int = 0
 
 
 class MergedLinear(nn.Module):
@@ -92,11 +104,12 @@ def linear_into(residual: torch.Tensor | None, x: torch.Tensor, linear: nn.Linea
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_fn = SiluAndMul()
         # gate and up as one GEMM, set by `LlamaForCausalLM.fuse_gemms`.
         self.gate_up_proj: MergedLinear | None = None
@@ -168,7 +181,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp: LlamaMLP | SparseMoeBlock = (
+            _sparse_mlp(cfg) if layer_idx in cfg.sparse_layers else LlamaMLP(cfg)
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.residual_in_gemm:
@@ -176,6 +191,20 @@ class LlamaDecoderLayer(nn.Module):
             return self.mlp(self.post_attention_layernorm(x), residual=x)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _sparse_mlp(cfg: DecoderConfig) -> SparseMoeBlock:
+    shared = None
+    if cfg.shared_expert_intermediate_size:
+        shared = LlamaMLP(cfg, cfg.shared_expert_intermediate_size)
+    return SparseMoeBlock(
+        cfg.hidden_size,
+        cfg.num_experts,
+        cfg.experts_per_token,
+        cfg.expert_intermediate_size,
+        cfg.renormalize_routing,
+        shared,
+    )
 
 
 class LlamaModel(nn.Module):
@@ -228,10 +257,11 @@ class LlamaForCausalLM(nn.Module):
             rope=rope_config_from_hf(hf_config),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             **cls._arch_options(hf_config),
+            **cls._moe_options(hf_config),
         )
 
     @classmethod
-    def _arch_options(cls, hf_config: Any) -> dict[str, bool]:
+    def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
         """Biases and norms that differ between architectures sharing this decoder."""
         bias = bool(getattr(hf_config, "attention_bias", False))
         return {
@@ -242,8 +272,35 @@ class LlamaForCausalLM(nn.Module):
         }
 
     @classmethod
+    def _moe_options(cls, hf_config: Any) -> dict[str, Any]:
+        """The mixture-of-experts fields of DecoderConfig (none: every MLP is dense)."""
+        return {}
+
+    @classmethod
     def _check_supported(cls, hf_config: Any) -> None:
         """Raise ValueError for settings the decoder would silently get wrong."""
+
+    # How checkpoints name a sparse layer's block and an expert's gate, up and down weights.
+    checkpoint_expert_names = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+    def checkpoint_slots(self) -> dict[str, WeightSlot]:
+        """Checkpoint keys that are no parameter's name, and where their tensors go: each
+        expert's weights fill its rows of the layer's stacked expert weights."""
+        cfg = self.config
+        block, gate, up, down = self.checkpoint_expert_names
+        inter = cfg.expert_intermediate_size
+        slots: dict[str, WeightSlot] = {}
+        for layer in cfg.sparse_layers:
+            ours, theirs = f"model.layers.{layer}.mlp", f"model.layers.{layer}.{block}"
+            if theirs != ours:
+                slots[f"{theirs}.gate.weight"] = WeightSlot(f"{ours}.gate.weight")
+            gate_up, down_proj = f"{ours}.experts.gate_up_proj", f"{ours}.experts.down_proj"
+            for e in range(cfg.num_experts):
+                expert = f"{theirs}.experts.{e}"
+                slots[f"{expert}.{gate}.weight"] = WeightSlot(gate_up, e)
+                slots[f"{expert}.{up}.weight"] = WeightSlot(gate_up, e, inter)
+                slots[f"{expert}.{down}.weight"] = WeightSlot(down_proj, e)
+        return slots
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config ties them; call after loading."""
@@ -262,9 +319,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.model.layers:
             layer: LlamaDecoderLayer = module  # type: ignore[assignment]
             attn: LlamaAttention = layer.self_attn  # type: ignore[assignment]
-            mlp: LlamaMLP = layer.mlp  # type: ignore[assignment]
             attn.qkv_proj = MergedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.gate_up_proj = MergedLinear([mlp.gate_proj, mlp.up_proj])
+            if isinstance(layer.mlp, LlamaMLP):
+                layer.mlp.gate_up_proj = MergedLinear([layer.mlp.gate_proj, layer.mlp.up_proj])
             layer.residual_in_gemm = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from aioinfer.model.llama import LlamaForCausalLM
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
-    def _arch_options(cls, hf_config: Any) -> dict[str, bool]:
+    def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
         return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, "qk_norm": False}
 
     @classmethod

@@ -9,7 +9,7 @@ from aioinfer.model.llama import LlamaForCausalLM
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
-    def _arch_options(cls, hf_config: Any) -> dict[str, bool]:
+    def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
         return {**super()._arch_options(hf_config), "qk_norm": True}
 
     @classmethod

@@ -5,14 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from aioinfer.model.llama import LlamaForCausalLM, MistralForCausalLM
+from aioinfer.model.mixtral import MixtralForCausalLM
 from aioinfer.model.qwen2 import Qwen2ForCausalLM
+from aioinfer.model.qwen2_moe import Qwen2MoeForCausalLM
 from aioinfer.model.qwen3 import Qwen3ForCausalLM
+from aioinfer.model.qwen3_moe import Qwen3MoeForCausalLM
 
 _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Mixture of experts.
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     # The bare decoders of embedding checkpoints (no LM head; keys without "model."): the same
     # classes, run with --runner pooling.
     "LlamaModel": LlamaForCausalLM,
@@ -26,6 +33,9 @@ _MODEL_TYPES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

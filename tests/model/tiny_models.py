@@ -13,18 +13,27 @@ from torch import nn
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
 
 BASE_CONFIG: dict[str, Any] = {
@@ -40,7 +49,17 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 # Qwen3 reads head_dim from the config; make it differ from hidden_size // num_heads.
-ARCH_CONFIG: dict[str, dict[str, Any]] = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 32}}
+# Mixtures of experts: more experts than each token takes, and experts narrower than the dense
+# MLP; Qwen3-MoE keeps its second layer dense (`mlp_only_layers`) and renormalizes the top-k.
+_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+ARCH_CONFIG: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 32},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48},
+    "qwen2_moe": {**_EXPERTS, "shared_expert_intermediate_size": 96},
+    "qwen3_moe": {**_EXPERTS, "head_dim": 32, "mlp_only_layers": [1], "norm_topk_prob": True},
+}
 
 # Llama 3.1-style scaling, with a short original context so tiny prompts cross every band.
 LLAMA3_ROPE_SCALING: dict[str, Any] = {
@@ -61,6 +80,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
+    "mixtral": ("mixtral", {}),
+    "qwen2-moe": ("qwen2_moe", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
 }
 
 
@@ -76,7 +98,7 @@ def _randomize(model: nn.Module, seed: int, std: float = 0.1) -> None:
 
 
 def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
-    """A tiny random HF model of `arch` ("llama", "qwen2" or "qwen3"), float32, eval mode."""
+    """A tiny random HF model of `arch` (a key of ARCHS), float32, eval mode."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
     config_cls, model_cls = ARCHS[arch]

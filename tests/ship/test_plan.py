@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.sampling_params import SamplingParams
@@ -87,6 +87,8 @@ CPU_CASES = {
     "mha-override": ("llama-mha", {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 64}),
     # Embeddings: the untied LM head is neither loaded nor counted.
     "llama-pooling": ("llama", {"runner": "pooling", "pooler_config": '{"pooling_type": "MEAN"}'}),
+    # Experts in one layer, the dense MLP in the other.
+    "qwen3-moe": ("qwen3-moe", {}),
 }
 
 
@@ -239,14 +241,17 @@ ACTIVATION_CASES = {
     "attention": (ATTENTION_HEAVY, "float32", 1024, 64, 1),
     "sampling": (WIDE, "float32", 512, 64, 1),
     "sampling-drafts": (WIDE, "float32", 512, 32, 5),  # 4 speculative tokens each
+    # Experts (run expert by expert on the CPU) take less than the sampler here.
+    "sampling-experts": ({**WIDE, **ARCH_CONFIG["qwen3_moe"]}, "float32", 512, 64, 1),
 }
 
 
 @pytest.mark.parametrize("case", sorted(ACTIVATION_CASES))
 def test_activation_estimate_is_within_ten_percent_of_the_measured_peak(case, tmp_path):
     overrides, dtype, num_tokens, num_seqs, rows = ACTIVATION_CASES[case]
-    config = LlamaConfig(**{**BASE_CONFIG, "max_position_embeddings": 4096, **overrides})
-    config.architectures = ["LlamaForCausalLM"]
+    config_cls, model_cls = ARCHS["qwen3_moe" if "num_experts" in overrides else "llama"]
+    config = config_cls(**{**BASE_CONFIG, "max_position_embeddings": 4096, **overrides})
+    config.architectures = [model_cls.__name__]
     folder = config_dir(tmp_path, config)
     measured = measured_activation_peak(folder, dtype, num_tokens, num_seqs, rows)
     estimate = estimate_activation_bytes(

@@ -30,7 +30,7 @@ from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
 from aioinfer.model.layers.rotary import ApplyRotary
-from aioinfer.model.llama import LlamaDecoderLayer, LlamaModel
+from aioinfer.model.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
 class PackedLinear(nn.Module):
@@ -189,6 +189,8 @@ def _run_native_layers(
 def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | None:
     """The native weights of a decoder layer whose parts are all native twins, else None."""
     attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, LlamaMLP):  # a mixture of experts: its modules run one by one
+        return None
     linears = {name: getattr(attn, f"{name}_proj") for name in ("q", "k", "v", "o")}
     linears |= {name: getattr(mlp, f"{name}_proj") for name in ("gate", "up", "down")}
     norms = [layer.input_layernorm, layer.post_attention_layernorm]

@@ -7,14 +7,16 @@ The model is built under `torch.device("meta")` (no memory), then each checkpoin
 converted to the target dtype, moved to the device and put in place of its meta placeholder, one
 tensor at a time, so no weight ever exists twice. A safetensors tensor that already has the target
 dtype and device is the memory map of the file itself: it becomes the parameter without a copy.
-Afterwards every parameter must be real.
+A checkpoint key that names part of a parameter (one expert of a layer's stacked expert weights,
+see the model's `checkpoint_slots`) is copied into that part of it. Afterwards every parameter
+must be real.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,7 @@ from aioinfer.model.loader.resolve import (
 )
 
 if TYPE_CHECKING:
+    from aioinfer.model.layers.moe import WeightSlot
     from aioinfer.model.llama import LlamaForCausalLM
 
 __all__ = [
@@ -95,7 +98,9 @@ def checkpoint_keys(hf_config: Any) -> set[str]:
 
     with torch.device("meta"), _skip_init():
         model = get_model_class(hf_config)(hf_config)
-    return set(_weight_targets(model, hf_config))
+    slots = _checkpoint_slots(model)
+    stacked = {slot.target for slot in slots.values()}
+    return (set(_weight_targets(model, hf_config)) - stacked) | set(slots)
 
 
 def load_weights(
@@ -114,12 +119,22 @@ def load_weights(
     device = torch.device(device)
     start = time.perf_counter()
     targets = _weight_targets(model, resolved.hf_config)
+    slots = _checkpoint_slots(model)
+    parts: dict[str, set[str]] = {}  # stacked parameter -> the checkpoint keys copied into it
     count, nbytes = 0, 0
-    for name, tensor in _weight_stream(model, resolved, targets, dtype, device, seed):
-        value = _convert(name, tensor, targets[name], dtype, device)
-        set_tensor(model, name, value)
+    stream = _weight_stream(model, resolved, targets.keys() | slots.keys(), dtype, device, seed)
+    for name, tensor in stream:
+        slot = slots.get(name)
+        if slot is not None and slot.expert is not None:
+            value = _copy_into_slot(model, name, tensor, slot, targets[slot.target], dtype, device)
+            parts.setdefault(slot.target, set()).add(name)
+        else:
+            target = name if slot is None else slot.target
+            value = _convert(name, tensor, targets[target], dtype, device)
+            set_tensor(model, target, value)
         count += 1
         nbytes += value.numel() * value.element_size()
+    _check_parts_complete(slots, parts, _describe_source(resolved))
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()
@@ -185,10 +200,57 @@ def _weight_targets(model: nn.Module, hf_config: Any) -> dict[str, torch.Tensor]
     return targets
 
 
+def _checkpoint_slots(model: nn.Module) -> dict[str, WeightSlot]:
+    slots = getattr(model, "checkpoint_slots", None)
+    return slots() if callable(slots) else {}
+
+
+def _copy_into_slot(
+    model: nn.Module,
+    name: str,
+    tensor: torch.Tensor,
+    slot: WeightSlot,
+    target: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Copy the checkpoint tensor `name` into its part of the stacked parameter `slot.target`
+    (allocated, uninitialised, on its first part); returns that part."""
+    stacked = model.get_parameter(slot.target)
+    if stacked.is_meta:
+        set_tensor(model, slot.target, torch.empty(target.shape, dtype=dtype, device=device))
+        stacked = model.get_parameter(slot.target)
+    assert slot.expert is not None
+    part = stacked[slot.expert, slot.row : slot.row + tensor.shape[0]]
+    if tensor.shape != part.shape:
+        raise ValueError(
+            f"weight {name} has shape {tuple(tensor.shape)} in the checkpoint but its part of "
+            f"{slot.target} has {tuple(part.shape)}; does config.json match the weights?"
+        )
+    part.copy_(tensor)
+    return part
+
+
+def _check_parts_complete(
+    slots: dict[str, WeightSlot], parts: dict[str, set[str]], source: str
+) -> None:
+    """A stacked parameter that received some of its parts must have received all of them: the
+    rest would be uninitialised memory."""
+    missing = [
+        name
+        for name, slot in slots.items()
+        if slot.target in parts and slot.expert is not None and name not in parts[slot.target]
+    ]
+    if missing:
+        raise ValueError(
+            f"{source} lacks {len(missing)} weight(s) the model needs: {_listing(missing)}"
+        )
+
+
 def _weight_stream(
     model: nn.Module,
     resolved: ResolvedModel,
-    targets: dict[str, torch.Tensor],
+    targets: Collection[str],
     dtype: torch.dtype,
     device: torch.device,
     seed: int,

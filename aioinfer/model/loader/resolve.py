@@ -42,6 +42,7 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 BUNDLED_CONFIGS = {
     "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b-instruct",
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+    "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
 }
 
 HUB_PATTERNS = [

@@ -1,0 +1,18 @@
+"""Qwen2-MoE: Qwen2 with mixture-of-experts blocks that add a gated shared expert."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioinfer.model.qwen2 import Qwen2ForCausalLM
+from aioinfer.model.qwen3_moe import qwen_moe_options
+
+
+class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+    @classmethod
+    def _moe_options(cls, hf_config: Any) -> dict[str, Any]:
+        shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+        return {
+            **qwen_moe_options(hf_config),
+            "shared_expert_intermediate_size": shared,
+        }

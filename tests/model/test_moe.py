@@ -1,0 +1,138 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Qwen2-MoE, Mixtral) through the whole engine against
+transformers in float32, and the loading of their experts from per-expert checkpoint keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from aioinfer import LLM
+from aioinfer.model.kernels import cpu_native
+from aioinfer.model.loader import checkpoint_keys
+from aioinfer.model.registry import get_model_class
+from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+from tests.model.tiny_models import make_variant
+from tests.tokenizer_fixtures import make_tokenizer
+
+OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": 128}
+
+
+def save(hf: torch.nn.Module, path: Path) -> Path:
+    hf.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["qwen3-moe", "qwen2-moe", "mixtral"])
+def moe_dir(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    hf = make_variant(request.param)
+    return save(hf, tmp_path_factory.mktemp(request.param)), hf
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_greedy_equals_transformers(moe_dir, backend):
+    if backend == "native" and cpu_native.load() is None:
+        pytest.skip(cpu_native.unavailable_reason())
+    path, hf = moe_dir
+    prompts = make_prompts(0, hf.config.vocab_size)
+    with LLM(str(path), attention_backend=backend, cpu_kernels=backend, **OPTIONS) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_chunked_prefill_and_preemption(moe_dir):
+    path, hf = moe_dir
+    prompts = make_prompts(3, hf.config.vocab_size, lengths=(20, 30, 40, 50, 25, 35))
+    with LLM(str(path), max_num_batched_tokens=16, num_gpu_blocks_override=10, **OPTIONS) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_checkpoints_store_one_tensor_per_expert(moe_dir):
+    """What transformers saves (per-expert keys, Mixtral's under block_sparse_moe) is what the
+    loader reads: the keys it asks for are exactly the file's."""
+    path, hf = moe_dir
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        saved = set(f.keys())
+    assert checkpoint_keys(hf.config) == saved
+    assert any(".experts.3." in key for key in saved)
+
+
+def test_the_in_memory_layout_loads_too(tmp_path):
+    """A checkpoint whose experts are already stacked (transformers' names in memory) loads by
+    name, without the per-expert slots."""
+    hf = make_variant("qwen3-moe")
+    save(hf, tmp_path)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    (tmp_path / "model.safetensors").unlink()
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    prompts = make_prompts(5, hf.config.vocab_size, lengths=(9, 17))
+    with LLM(str(tmp_path), **OPTIONS) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+
+
+def _resave_without(path: Path, drop: str) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(path / "model.safetensors")
+    del state[drop]
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    save(make_variant("mixtral"), tmp_path)
+    _resave_without(tmp_path, "model.layers.1.block_sparse_moe.experts.2.w3.weight")
+    with pytest.raises(ValueError, match=r"lacks 1 weight.*experts\.2\.w3\.weight"):
+        LLM(str(tmp_path), **OPTIONS)
+
+
+def test_an_expert_of_the_wrong_shape_is_named(tmp_path):
+    hf = make_variant("qwen3-moe")
+    save(hf, tmp_path)
+    from safetensors.torch import load_file
+
+    state = load_file(tmp_path / "model.safetensors")
+    key = "model.layers.0.mlp.experts.5.down_proj.weight"
+    state[key] = state[key][:, :-1].contiguous()
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.5\.down_proj\.weight has shape"):
+        LLM(str(tmp_path), **OPTIONS)
+
+
+def test_sparse_and_dense_layers_follow_the_config():
+    """Qwen3-MoE's `mlp_only_layers` keep the dense MLP; Mixtral has experts everywhere."""
+    qwen = get_model_class(make_variant("qwen3-moe").config)
+    cfg = qwen.decoder_config(make_variant("qwen3-moe").config)
+    assert cfg.sparse_layers == (0,)
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.renormalize_routing) == (8, 2, True)
+    mixtral = make_variant("mixtral").config
+    cfg = get_model_class(mixtral).decoder_config(mixtral)
+    assert cfg.sparse_layers == (0, 1)
+    assert cfg.expert_intermediate_size == mixtral.intermediate_size
+
+
+def test_the_bundled_qwen3_30b_a3b_has_the_real_shapes():
+    """The config `--load-format dummy` benchmarks with: our model's parameters are
+    transformers' in name and shape, and the checkpoint keys are one per expert and projection."""
+    from transformers import AutoModelForCausalLM
+
+    from aioinfer.model.loader import resolve_model
+
+    config = resolve_model("Qwen/Qwen3-30B-A3B", load_format="dummy").hf_config
+    with torch.device("meta"):
+        ours = get_model_class(config)(config)
+        ref = AutoModelForCausalLM.from_config(config)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {
+        k: v.shape for k, v in ref.state_dict().items()
+    }
+    keys = checkpoint_keys(config)
+    assert sum(".experts." in key for key in keys) == 48 * 128 * 3
+    assert "model.layers.47.mlp.experts.127.down_proj.weight" in keys
