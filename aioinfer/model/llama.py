@@ -297,8 +297,8 @@ class LlamaForCausalLM(nn.Module):
             gate_up, down_proj = f"{ours}.experts.gate_up_proj", f"{ours}.experts.down_proj"
             for e in range(cfg.num_experts):
                 expert = f"{theirs}.experts.{e}"
-                slots[f"{expert}.{gate}.weight"] = WeightSlot(gate_up, e)
-                slots[f"{expert}.{up}.weight"] = WeightSlot(gate_up, e, inter)
+                slots[f"{expert}.{gate}.weight"] = WeightSlot(gate_up, e, 0, inter)
+                slots[f"{expert}.{up}.weight"] = WeightSlot(gate_up, e, inter, inter)
                 slots[f"{expert}.{down}.weight"] = WeightSlot(down_proj, e)
         return slots
 

@@ -10,6 +10,12 @@ from aioinfer.model.qwen3_moe import qwen_moe_options
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     @classmethod
+    def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
+        # Unlike Qwen2, its config says whether q/k/v have biases.
+        qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
+        return {**super()._arch_options(hf_config), "qkv_bias": qkv_bias}
+
+    @classmethod
     def _moe_options(cls, hf_config: Any) -> dict[str, Any]:
         shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
         return {

@@ -53,6 +53,9 @@ def test_alignment_gives_each_tile_one_expert(num_tokens, num_experts, top_k, bl
     rows = sorted_rows.cpu().tolist()
     flat = ids.reshape(-1).cpu().tolist()
     length = int(padded_len.item())
+    # Sizes are the worst case for any routing, so a CUDA graph can replay other routings.
+    assert sorted_rows.numel() == num_rows + num_experts * (block_m - 1)
+    assert tile_experts.numel() == -(-sorted_rows.numel() // block_m)
     assert length % block_m == 0
     assert sorted(r for r in rows if r < num_rows) == list(range(num_rows))  # each row once
     assert all(r == num_rows for r in rows[length:])  # nothing past the padded length
@@ -72,6 +75,8 @@ def test_alignment_gives_each_tile_one_expert(num_tokens, num_experts, top_k, bl
         (7, 8, 2, 64, 40, False),
         (33, 8, 2, 48, 64, True),
         (20, 16, 4, 32, 24, True),
+        (0, 4, 2, 32, 48, False),  # an empty batch
+        (9, 64, 8, 33, 17, True),  # sizes off the tiles; most experts get no row
     ],
 )
 def test_fused_experts_match_the_loop(num_tokens, num_experts, top_k, hidden, inter, skew):
@@ -85,7 +90,7 @@ def test_fused_experts_match_the_loop(num_tokens, num_experts, top_k, hidden, in
     torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_token_routed_past_the_small_tiles_uses_large_ones():
+def test_large_batches_use_large_tiles():
     assert block_rows(16) == 16
     assert block_rows(4096) == 64
     gen = torch.Generator().manual_seed(7)

@@ -26,7 +26,10 @@ def save(hf: torch.nn.Module, path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.fixture(
+    scope="module",
+    params=["qwen3-moe", "qwen3-moe-top1", "qwen2-moe", "qwen2-moe-step2", "mixtral"],
+)
 def moe_dir(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     hf = make_variant(request.param)
     return save(hf, tmp_path_factory.mktemp(request.param)), hf
@@ -136,3 +139,46 @@ def test_the_bundled_qwen3_30b_a3b_has_the_real_shapes():
     keys = checkpoint_keys(config)
     assert sum(".experts." in key for key in keys) == 48 * 128 * 3
     assert "model.layers.47.mlp.experts.127.down_proj.weight" in keys
+
+
+def test_sparse_step_and_biases_of_qwen2_moe():
+    config = make_variant("qwen2-moe-step2").config
+    cfg = get_model_class(config).decoder_config(config)
+    assert cfg.sparse_layers == (1,)  # every second layer: the first stays dense
+    assert not cfg.qkv_bias and cfg.renormalize_routing
+
+
+def test_embeddings_of_a_mixture_of_experts(tmp_path):
+    """`--runner pooling` runs the experts too: the last token's final hidden state equals
+    transformers'."""
+    hf = make_variant("qwen3-moe")
+    save(hf, tmp_path)
+    prompts = make_prompts(6, hf.config.vocab_size, lengths=(5, 23))
+    pooler = '{"pooling_type": "LAST", "normalize": false}'
+    with LLM(str(tmp_path), runner="pooling", pooler_config=pooler, **OPTIONS) as llm:
+        outputs = llm.embed(prompts, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        expected = states[-1][0, -1].numpy()
+        assert abs(output.outputs.data - expected).max() < 1e-4
+
+
+def test_a_mixture_of_experts_gguf_is_refused(tmp_path):
+    """llama.cpp writes Mixtral as a "llama" GGUF with an expert count: refused, not read as a
+    dense Llama."""
+    import gguf
+
+    from aioinfer.model.loader import resolve_model
+
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(8)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        resolve_model(str(path), gguf_cache=False)

@@ -83,6 +83,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", {}),
     "qwen2-moe": ("qwen2_moe", {}),
     "qwen3-moe": ("qwen3_moe", {}),
+    # 16 experts (the router becomes a packed linear on the native CPU path), one per token.
+    "qwen3-moe-top1": (
+        "qwen3_moe",
+        {"num_experts": 16, "num_experts_per_tok": 1, "norm_topk_prob": False},
+    ),
+    # Without q/k/v biases; experts in every second layer; renormalized.
+    "qwen2-moe-step2": (
+        "qwen2_moe",
+        {"qkv_bias": False, "decoder_sparse_step": 2, "norm_topk_prob": True},
+    ),
 }
 
 

@@ -5,8 +5,9 @@ sorts those rows by expert and pads each expert's run to a multiple of BLOCK_M, 
 BLOCK_M-row tile belongs to one expert. With 3 experts, BLOCK_M 4 and rows routed 2, 0, 3 to
 experts 0, 1, 2 (`-` is padding, which no program writes):
 
-    sorted rows:  r r - - | r r r -      expert of each tile: 0, 2, past the end
-    tile:           0     |   1     | 2 (empty: the launch's grid is sized for the worst case)
+    sorted rows:  r r - - | r r r -      expert of each tile: 0, 2, then past the end
+    tile:           0     |   1     | 2, 3 (empty: the grid is sized for the worst case,
+                                      5 rows + 3 experts x 3 padding rows = 4 tiles)
 
 `_expert_gemm_kernel` then multiplies each tile by its expert's weight. The grid depends only
 on T, top_k and the number of experts, never on the routing, and no step reads a value back

@@ -7,7 +7,8 @@ memory: `gate_up_proj` [E, 2I, H] (an expert's gate rows, then its up rows) and 
 [E, H, I]. Checkpoints store one tensor per expert and projection; `WeightSlot` tells the loader
 where each of those lands.
 
-Two ways to run the experts, with the same inputs and outputs:
+Two ways to run the experts, with the same inputs and outputs (up to rounding: the GPU sums a
+token's experts in the order the router ranked them, the CPU in expert order):
 - `experts_by_loop` (the CPU): the tokens sorted by expert, one pair of GEMMs per expert that
   received any, accumulated as transformers accumulates them;
 - the triton kernels of `kernels/fused_moe.py` (CUDA): all experts in two launches whose shapes
@@ -26,18 +27,22 @@ from torch import nn
 @dataclass(frozen=True, slots=True)
 class WeightSlot:
     """Where a checkpoint tensor goes when its key is no parameter's name: `target` itself (the
-    key was renamed), or, when `expert` is set, rows `row:` of that expert in a stacked weight."""
+    key was renamed), or, when `expert` is set, that expert's `rows` rows from `row` in a
+    stacked weight (all of its rows when `rows` is None)."""
 
     target: str
     expert: int | None = None
     row: int = 0
+    rows: int | None = None
 
 
 def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] float32, expert ids [T, top_k]): the top-k of the softmax over the
-    experts, scaled to sum to 1 when `renormalize` (Mixtral always; Qwen by norm_topk_prob)."""
+    experts, scaled to sum to 1 when `renormalize` (Mixtral always; Qwen by norm_topk_prob).
+    The weights stay float32 for every model (transformers rounds Qwen's to the model dtype
+    first, so in bfloat16 the outputs differ from its by that rounding)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

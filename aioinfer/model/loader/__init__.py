@@ -221,7 +221,9 @@ def _copy_into_slot(
         set_tensor(model, slot.target, torch.empty(target.shape, dtype=dtype, device=device))
         stacked = model.get_parameter(slot.target)
     assert slot.expert is not None
-    part = stacked[slot.expert, slot.row : slot.row + tensor.shape[0]]
+    part = stacked[slot.expert]
+    if slot.rows is not None:
+        part = part[slot.row : slot.row + slot.rows]
     if tensor.shape != part.shape:
         raise ValueError(
             f"weight {name} has shape {tuple(tensor.shape)} in the checkpoint but its part of "

@@ -287,6 +287,11 @@ def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
         )
+    if _gguf_value(reader, f"{arch}.expert_count"):  # llama.cpp keeps Mixtral under "llama"
+        raise ValueError(
+            "GGUF files of mixture-of-experts models are not supported; serve the model's "
+            "safetensors checkpoint instead"
+        )
     tensor_names = {t.name for t in reader.tensors}
     kwargs: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
