@@ -251,3 +251,34 @@ def test_unsupported_settings_raise() -> None:
     config.use_sliding_window = True
     with pytest.raises(ValueError, match="use_sliding_window"):
         get_model_class(config)(config)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 32},
+        {
+            "factor": 8.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 16,
+            "truncate": False,
+        },
+        {
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        },
+        {"factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 1.5},
+    ],
+)
+def test_yarn_frequencies_and_attention_factor_equal_transformers(scaling) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from aioinfer.model.layers.rotary import attention_factor
+
+    hf = make_hf_model("qwen2", rope_scaling={"rope_type": "yarn", **scaling}, rope_theta=1e6)
+    rope = rope_config_from_hf(hf.config)
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](hf.config, "cpu")
+    torch.testing.assert_close(compute_inv_freq(16, rope), expected, atol=0, rtol=1e-6)
+    assert attention_factor(rope) == pytest.approx(expected_factor, rel=1e-12)

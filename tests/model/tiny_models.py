@@ -70,6 +70,13 @@ LLAMA3_ROPE_SCALING: dict[str, Any] = {
     "original_max_position_embeddings": 32,
 }
 
+# Qwen's long-context setting, with a short original context so tiny prompts cross the ramp.
+YARN_ROPE_SCALING: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
 # Named variants: (arch, overrides).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -78,6 +85,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-mha": ("llama", {"num_key_value_heads": 4, "attention_bias": True}),
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen2-yarn": ("qwen2", {"rope_scaling": YARN_ROPE_SCALING, "rope_theta": 10000.0}),
     "qwen3": ("qwen3", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}),
     "mixtral": ("mixtral", {}),

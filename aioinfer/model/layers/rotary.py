@@ -1,6 +1,7 @@
 """Rotary position embedding (the "rotate half" layout of Hugging Face checkpoints).
 
-Supported scalings: none ("default"), "linear" and "llama3". The inverse frequencies are computed
+Supported scalings: none ("default"), "linear", "llama3" and "yarn" (Qwen's long-context setting;
+its attention factor scales cos and sin, as in transformers). The inverse frequencies are computed
 on the CPU at construction, even under `torch.device("meta")`, and copied to the device of the
 positions on first use, so a model built on meta and loaded later needs no extra set-up step.
 """
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,10 +26,13 @@ class RopeConfig:
     # Scaling parameters as named in the HF config (factor, low_freq_factor, ...).
     params: tuple[tuple[str, Any], ...] = ()
 
-    def param(self, name: str) -> Any:
+    def param(self, name: str, default: Any = None) -> Any:
+        """The scaling parameter `name`; without it, `default`, else a ValueError."""
         for key, value in self.params:
-            if key == name:
+            if key == name and value is not None:
                 return value
+        if default is not None:
+            return default
         raise ValueError(f"rope_scaling of type {self.rope_type!r} needs {name!r}")
 
 
@@ -70,6 +74,46 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_scale(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: divide the low frequencies by `factor` (interpolation), keep the high ones
+    (extrapolation), and ramp linearly between the dims that turn beta_slow and beta_fast
+    times over the original context."""
+    factor = float(rope.param("factor"))
+    original = float(rope.param("original_max_position_embeddings"))
+    beta_fast, beta_slow = float(rope.param("beta_fast", 32)), float(rope.param("beta_slow", 1))
+
+    def dim_of(rotations: float) -> float:
+        """The dim whose wavelength fits `rotations` times into the original context."""
+        turns = math.log(original / (rotations * 2 * math.pi))
+        return head_dim * turns / (2 * math.log(rope.theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if rope.param("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """What YaRN multiplies cos and sin by (1.0 for the other scalings): `attention_factor`, or
+    0.1 ln(factor) + 1, as a ratio of two such terms when mscale and mscale_all_dim are set."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    explicit = rope.param("attention_factor", 0.0)
+    if explicit:
+        return float(explicit)
+    factor = float(rope.param("factor"))
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    m, m_all = float(rope.param("mscale", 0.0)), float(rope.param("mscale_all_dim", 0.0))
+    return mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+
+
 def compute_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies on the CPU."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
@@ -78,6 +122,8 @@ def compute_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return inv_freq / float(rope.param("factor"))
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_scale(inv_freq, head_dim, rope)
     return inv_freq
 
 
@@ -90,6 +136,7 @@ class RotaryEmbedding(nn.Module):
         self.rope = rope
         # A plain attribute, not a buffer: `to_empty()` and state dicts leave it alone.
         self._inv_freq_cpu = compute_inv_freq(head_dim, rope)
+        self.attention_factor = attention_factor(rope)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
@@ -104,7 +151,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Both halves of the rotated dims share these frequencies: only one half is kept.
         freqs = positions.float()[:, None] * self._inv_freq(positions.device)[None, :]
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.rope.theta}, type={self.rope.rope_type}"
