@@ -223,6 +223,8 @@ def make_plan(
     pooling = pooler is not None
     dtype_bytes = DTYPE_BYTES[dtype]
     num_params = count_parameters(cfg, lm_head=not pooling)
+    if pooler is not None and pooler.classifies:
+        num_params += len(pooler.labels) * cfg.hidden_size  # the `score` head
     weights = num_params * dtype_bytes
     max_len = max_model_len(resolved.hf_config, model_config.max_model_len)
     budget = scheduler_config.max_num_batched_tokens or default_token_budget(

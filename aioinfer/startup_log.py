@@ -55,7 +55,8 @@ def log_engine_started(engine: Any) -> None:
     )  # fmt: skip
     pooler = getattr(info, "pooler", None)
     if pooler is not None:
-        logger.info("Runner: pooling (%s): serving /v1/embeddings", pooler.describe())
+        routes = "/classify, /score and /rerank" if pooler.classifies else "/v1/embeddings"
+        logger.info("Runner: pooling (%s): serving %s", pooler.describe(), routes)
     logger.info(
         "Chunked prefill is enabled with max_num_batched_tokens=%d.", info.max_num_batched_tokens
     )

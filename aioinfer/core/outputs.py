@@ -102,6 +102,28 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """vLLM's shape: `.probs` are the class probabilities as a list of floats."""
+
+    data: np.ndarray  # float32, one per label
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data.tolist()  # type: ignore[no-any-return]
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns per prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
 class ScoringOutput:
     score: float
 

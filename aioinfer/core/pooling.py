@@ -13,6 +13,11 @@ the last or first token's state, cut to `dimensions` (Matryoshka) and L2-normali
 Which type a model uses comes from `--pooler-config`, else from its sentence-transformers files
 (`modules.json`, `1_Pooling/config.json`), else from a GGUF's declared pooling type, else LAST
 with normalization, as vLLM does.
+
+A classifier (`*ForSequenceClassification`: reward models, cross-encoder rerankers) pools the
+last token through its `score` head, which the runner applies; its "embedding" is the class
+probabilities (`class_probabilities`): a softmax over the labels, or the sigmoid of a single
+logit, as vLLM's classify and score give them.
 """
 
 from __future__ import annotations
@@ -44,12 +49,22 @@ class PoolerConfig:
 
     pooling_type: str = "LAST"
     normalize: bool = True
+    # A classifier's labels by class index (config.json's id2label); empty for embeddings.
+    labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(
                 f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}"
             )
+        if self.labels and self.pooling_type != "LAST":
+            raise ValueError(
+                f"a classifier pools the last token, got pooling_type {self.pooling_type!r}"
+            )
+
+    @property
+    def classifies(self) -> bool:
+        return bool(self.labels)
 
     @property
     def reads_every_token(self) -> bool:
@@ -58,6 +73,8 @@ class PoolerConfig:
         return self.pooling_type != "LAST"
 
     def describe(self) -> str:
+        if self.classifies:
+            return f"classifier of {len(self.labels)} label(s) over the last token"
         return (
             f"{self.pooling_type} pooling, {'normalized' if self.normalize else 'not normalized'}"
         )
@@ -98,7 +115,10 @@ def fold(
 def embedding(
     folded: np.ndarray, num_tokens: int, params: PoolingParams, config: PoolerConfig
 ) -> np.ndarray:
-    """The float32 embedding of a prompt of `num_tokens` tokens from its folded parts."""
+    """The float32 embedding of a prompt of `num_tokens` tokens from its folded parts (a
+    classifier's: its class probabilities)."""
+    if config.classifies:
+        return class_probabilities(folded)
     if config.pooling_type == "MEAN":
         vector = folded / num_tokens
     else:
@@ -110,6 +130,16 @@ def embedding(
         # As torch's F.normalize: a zero vector stays zero.
         vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
     return vector.astype(np.float32)
+
+
+def class_probabilities(logits: np.ndarray) -> np.ndarray:
+    """float32 probabilities of a classifier's logits: softmax over several labels, the
+    sigmoid of one (a cross-encoder's relevance, a binary classifier's positive class)."""
+    x = logits.astype(np.float64)
+    if x.shape[0] == 1:
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+    e = np.exp(x - x.max())
+    return (e / e.sum()).astype(np.float32)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -148,6 +178,7 @@ def resolve_pooler(
     architecture: str,
     folder: Path | None,
     declared: str | None = None,
+    labels: tuple[str, ...] = (),
 ) -> PoolerConfig | None:
     """The pooler of a pooling model, or None for text generation. `auto` pools for
     architectures named `*Model` (a decoder without an LM head) and for sentence-transformers
@@ -156,6 +187,8 @@ def resolve_pooler(
     files, so a folder whose files cannot be pooled still generates."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if is_classifier(architecture):
+        return _classifier_pooler(runner, override, architecture, labels)
     if runner == "generate":
         if override is not None:
             raise ValueError("pooler_config needs --runner pooling (or auto on an embedding model)")
@@ -184,6 +217,30 @@ def resolve_pooler(
         raise ValueError(f"pooler_config: normalize must be true or false, got {normalize!r}")
     pooling_type = override.get("pooling_type", base.pooling_type)
     return PoolerConfig(str(pooling_type).upper(), normalize)
+
+
+def is_classifier(architecture: str) -> bool:
+    return architecture.endswith("ForSequenceClassification")
+
+
+def _classifier_pooler(
+    runner: str, override: dict[str, Any] | None, architecture: str, labels: tuple[str, ...]
+) -> PoolerConfig:
+    if runner == "generate":
+        raise ValueError(
+            f"architecture {architecture!r} is a classifier: it serves /classify, /score and "
+            "/rerank (--runner pooling), not text"
+        )
+    if not labels:
+        raise ValueError(f"the {architecture!r} config must name at least one label")
+    if override:
+        allowed = {"pooling_type": "LAST", "normalize": False}
+        wrong = sorted(k for k, v in override.items() if allowed.get(k, object()) != v)
+        if wrong:
+            raise ValueError(
+                f"pooler_config: a classifier pools the last token unnormalized, got {wrong}"
+            )
+    return PoolerConfig("LAST", normalize=False, labels=labels)
 
 
 def sentence_transformers_pooler(folder: Path) -> PoolerConfig | None:

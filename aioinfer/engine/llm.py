@@ -16,6 +16,8 @@ from typing import Any, TypeVar, cast
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     OutputAccumulator,
     RequestOutput,
@@ -159,6 +161,42 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Embeddings in input order, from a pooling model (`LLM(model, runner="pooling")`, or
         an embedding checkpoint); `outputs.embedding` is the vector, as in vLLM."""
+        self._check_pooling_task(classify=False)
+        return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities in input order, from a `*ForSequenceClassification` checkpoint;
+        `outputs.probs` as in vLLM (softmax over the labels; the sigmoid of a single one)."""
+        self._check_pooling_task(classify=True)
+        outputs = self._pool(prompts, None, use_tqdm, truncate_prompt_tokens)
+        return [
+            ClassificationRequestOutput(
+                o.request_id, o.prompt, o.prompt_token_ids, ClassificationOutput(o.outputs.data)
+            )
+            for o in outputs
+        ]
+
+    def _check_pooling_task(self, classify: bool) -> None:
+        pooler = self.engine.pooler
+        if pooler is not None and pooler.classifies != classify:
+            raise ValueError(
+                "this model is a classifier: use LLM.classify or LLM.score"
+                if pooler.classifies
+                else "this model makes embeddings, not class probabilities: use LLM.embed"
+            )
+
+    def _pool(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        use_tqdm: bool,
+        truncate_prompt_tokens: int | None,
+    ) -> list[EmbeddingRequestOutput]:
         batch = self._normalise_prompts(prompts)
         encoded = [self._encode(p) for p in batch]
         params_list = _per_prompt(pooling_params or PoolingParams(), len(encoded), "pooling_params")
@@ -177,12 +215,16 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
-        """The cosine similarity of each pair's embeddings (a pooling model): data_1's one text
-        against each of data_2 (1:N), or pair by pair (N:N); each distinct text is embedded
-        once."""
+        """Each pair's score: data_1's one text against each of data_2 (1:N), or pair by pair
+        (N:N). A cross-encoder (a classifier of one label) reads each pair as one prompt and
+        scores its probability; an embedding model scores the cosine similarity of the texts'
+        embeddings, each distinct text embedded once."""
         pairs = score_pairs(
             self._normalise_prompts(data_1), self._normalise_prompts(data_2), ("data_1", "data_2")
         )
+        pooler = self.engine.pooler
+        if pooler is not None and pooler.classifies:
+            return self._cross_encode(pairs, truncate_prompt_tokens, use_tqdm)
         texts: list[Prompt] = []
         index: dict[str, int] = {}
         for pair in pairs:
@@ -203,6 +245,29 @@ class LLM:
                 )
             )
         return results
+
+    def _cross_encode(
+        self, pairs: list[tuple[Prompt, Prompt]], truncate_prompt_tokens: int | None, use_tqdm: bool
+    ) -> list[ScoringRequestOutput]:
+        assert self.engine.pooler is not None
+        if len(self.engine.pooler.labels) != 1:
+            raise ValueError(
+                f"scoring needs a classifier of one label (a cross-encoder); this one has "
+                f"{len(self.engine.pooler.labels)}"
+            )
+        if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
+            raise ValueError("a cross-encoder scores pairs of texts, not token ids")
+        from aioinfer.engine.tokenizer import encode_pairs
+
+        firsts, seconds = [str(a) for a, _ in pairs], [str(b) for _, b in pairs]
+        prompts: list[Prompt] = list(encode_pairs(self.engine.tokenizer, firsts, seconds))
+        outputs = self._pool(prompts, None, use_tqdm, truncate_prompt_tokens)
+        return [
+            ScoringRequestOutput(
+                f"score-{number}", o.prompt_token_ids, ScoringOutput(float(o.outputs.data[0]))
+            )
+            for number, o in enumerate(outputs)
+        ]
 
     def shutdown(self) -> None:
         if not self._loop.is_closed():

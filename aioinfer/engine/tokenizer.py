@@ -173,6 +173,15 @@ def apply_chat_template(
     return encode_rendered_chat(tokenizer, chat_prompt_text(tokenizer, messages, **options))
 
 
+def encode_pairs(
+    tokenizer: PreTrainedTokenizerBase, firsts: list[str], seconds: list[str]
+) -> list[list[int]]:
+    """Each (first, second) pair as one prompt, the way the tokenizer joins a text pair (its
+    special tokens included): what a cross-encoder reads, as transformers and vLLM feed it."""
+    encoded = tokenizer(firsts, seconds)["input_ids"]
+    return [list(ids) for ids in encoded]
+
+
 def encode_rendered_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     # The template writes its own special tokens (BOS included), so none are added on top.
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -326,7 +326,8 @@ class ModelRunner:
         result: StepResult,
     ) -> None:
         """Each pooling chunk's part (core/pooling.fold): the sum of its rows for MEAN, its last
-        row for LAST, the prompt's first row for CLS; in float32, brought to the host at once."""
+        row for LAST, the prompt's first row for CLS; a classifier's last rows through its
+        `score` head (logits); in float32, brought to the host at once."""
         qsl = metadata.query_start_loc_host
         parts: list[torch.Tensor] = []
         owners: list[str] = []
@@ -343,8 +344,10 @@ class ModelRunner:
                 continue
             owners.append(chunk.request_id)
         if parts:
-            rows = torch.stack(parts).cpu().numpy()
-            result.pooled.update(zip(owners, rows, strict=True))
+            rows = torch.stack(parts)
+            if self.model.score is not None:  # a classifier: all of its parts are LAST rows
+                rows = self.model.score(rows.to(self.dtype)).float()
+            result.pooled.update(zip(owners, rows.cpu().numpy(), strict=True))
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

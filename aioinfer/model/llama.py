@@ -234,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = nn.Linear(
             self.config.hidden_size, self.config.vocab_size, bias=False
         )
+        self.score: nn.Linear | None = None  # a classifier's head, set by `add_classifier`
         self.tie_weights()
 
     @classmethod
@@ -311,6 +312,12 @@ class LlamaForCausalLM(nn.Module):
         """For embeddings: the final hidden states are the output, so the head is never built
         into memory nor read from the checkpoint (`compute_logits` is then unavailable)."""
         self.lm_head = None
+
+    def add_classifier(self, num_labels: int) -> None:
+        """For a `*ForSequenceClassification` checkpoint: its `score` head, [num_labels, hidden]
+        without bias, which the runner applies to the last token's final hidden state."""
+        self.drop_lm_head()
+        self.score = nn.Linear(self.config.hidden_size, num_labels, bias=False)
 
     def fuse_gemms(self) -> None:
         """Fewer, larger kernels per layer for the GPU path, once the weights are loaded on

@@ -20,6 +20,12 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Classifiers (reward models, cross-encoders): the decoder, then a `score` head on the last
+    # token, run with --runner pooling.
+    "LlamaForSequenceClassification": LlamaForCausalLM,
+    "MistralForSequenceClassification": MistralForCausalLM,
+    "Qwen2ForSequenceClassification": Qwen2ForCausalLM,
+    "Qwen3ForSequenceClassification": Qwen3ForCausalLM,
     # The bare decoders of embedding checkpoints (no LM head; keys without "model."): the same
     # classes, run with --runner pooling.
     "LlamaModel": LlamaForCausalLM,

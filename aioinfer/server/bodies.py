@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import orjson
 from aiohttp import web
 
+from aioinfer.server.classify_protocol import ClassifyRequest
 from aioinfer.server.embeddings_protocol import EmbeddingRequest
 from aioinfer.server.errors import BadRequestError, NotFoundError, PayloadTooLargeError
 from aioinfer.server.messages_protocol import MessagesRequest, MessageTokensCountRequest
@@ -56,6 +57,7 @@ _R = TypeVar(
     CompletionRequest,
     ChatCompletionRequest,
     EmbeddingRequest,
+    ClassifyRequest,
     ScoreRequest,
     RerankRequest,
     ResponsesRequest,

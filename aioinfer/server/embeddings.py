@@ -1,6 +1,6 @@
-"""POST /v1/embeddings, served by a pooling model (--runner pooling): each input is prefilled
-and pooled, never decoded. All inputs are admitted or none; a client that leaves, or one input
-that fails, aborts them all."""
+"""POST /v1/embeddings and /classify, served by a pooling model (--runner pooling): each input
+is prefilled and pooled, never decoded. All inputs are admitted or none; a client that leaves,
+or one input that fails, aborts them all."""
 
 from __future__ import annotations
 
@@ -19,12 +19,17 @@ from aioinfer.engine.stream import (
     gather_or_cancel,
 )
 from aioinfer.server.bodies import json_response, parse_request
+from aioinfer.server.classify_protocol import ClassifyRequest, classify_response
 from aioinfer.server.completions import (
     CLIENT_CLOSED_REQUEST,
     REQUEST_ID_HEADER,
     generation_handler,
 )
-from aioinfer.server.embeddings_protocol import EmbeddingRequest, embedding_response
+from aioinfer.server.embeddings_protocol import (
+    EmbeddingRequest,
+    embedding_response,
+    pooling_params,
+)
 from aioinfer.server.errors import BadRequestError, InternalServerError, ServiceUnavailableError
 from aioinfer.server.generation import admit, generation_error, queue_all
 from aioinfer.server.prompts import count_prompts, encode_prompts, num_chars, off_loop_if_long
@@ -47,6 +52,12 @@ _PARAMS = ("dimensions", "priority", "truncate_prompt_tokens")
 @generation_handler
 async def create_embedding(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     engine, req = await parse_request(request, EmbeddingRequest)
+    if engine.pooler is not None and engine.pooler.classifies:
+        raise BadRequestError(
+            f"The model {engine.model_name!r} is a classifier: it serves /classify, /score and "
+            "/rerank, not embeddings",
+            param="model",
+        )
     params = req.to_pooling_params()
     outputs = await embed_inputs(
         request, record, engine, req.input, params, "embd", "input", req.priority,
@@ -122,6 +133,34 @@ async def embed_inputs(
     if outputs is not None:
         record.finish_reasons = ["stop"] * len(outputs)
     return outputs
+
+
+@generation_handler
+async def create_classification(request: web.Request, record: RequestRecord) -> web.StreamResponse:
+    engine, req = await parse_request(request, ClassifyRequest)
+    pooler = engine.pooler
+    if pooler is None or not pooler.classifies:
+        raise BadRequestError(
+            f"The model {engine.model_name!r} is not a classifier: /classify needs a "
+            "*ForSequenceClassification model",
+            param="model",
+        )
+    params = pooling_params(None, None, req.truncate_prompt_tokens)
+    outputs = await embed_inputs(
+        request, record, engine, req.input, params, "classify", "input", req.priority,
+        add_special_tokens=req.add_special_tokens,
+    )  # fmt: skip
+    if outputs is None:
+        return client_closed()
+    body = classify_response(
+        record.request_id,
+        int(time.time()),
+        engine.model_name,
+        [o.outputs.data for o in outputs],
+        pooler.labels,
+        record.prompt_tokens,
+    )
+    return json_response(body)
 
 
 def client_closed() -> web.Response:

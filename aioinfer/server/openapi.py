@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter
 
+from aioinfer.server.classify_protocol import ClassifyRequest, ClassifyResponse
 from aioinfer.server.embeddings_protocol import EmbeddingRequest, EmbeddingResponse
 from aioinfer.server.messages_protocol import MessagesRequest, MessageTokensCountRequest
 from aioinfer.server.messages_render import (
@@ -191,7 +192,18 @@ def openapi_document(version: str) -> dict[str, Any]:
         **{
             path: {
                 "post": op(
-                    "Cosine similarity of text pairs' embeddings (a pooling model)",
+                    "Class probabilities (a *ForSequenceClassification model)",
+                    ok(ClassifyResponse),
+                    ClassifyRequest,
+                )
+            }
+            for path in ("/classify", "/v1/classify")
+        },
+        **{
+            path: {
+                "post": op(
+                    "Text pairs' scores: a cross-encoder's probability, or the cosine "
+                    "similarity of their embeddings (a pooling model)",
                     ok(ScoreResponse),
                     ScoreRequest,
                 )
@@ -201,7 +213,7 @@ def openapi_document(version: str) -> dict[str, Any]:
         **{
             path: {
                 "post": op(
-                    "Documents by their embeddings' similarity to the query (a pooling model)",
+                    "Documents by their score against the query (as /score)",
                     ok(RerankResponse),
                     RerankRequest,
                 )

@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from aioinfer import __version__
 from aioinfer.server.bodies import check_model, json_response, parse_request
 from aioinfer.server.completions import create_chat_completion, create_completion
-from aioinfer.server.embeddings import create_embedding
+from aioinfer.server.embeddings import create_classification, create_embedding
 from aioinfer.server.errors import BadRequestError, ServiceUnavailableError
 from aioinfer.server.messages_api import count_message_tokens, create_message
 from aioinfer.server.prompts import off_loop_if_long, render_chat_off_loop
@@ -35,6 +35,8 @@ def setup_routes(app: web.Application) -> None:
     router.add_post("/v1/completions", create_completion)
     router.add_post("/v1/chat/completions", create_chat_completion)
     router.add_post("/v1/embeddings", create_embedding)
+    for path in ("/classify", "/v1/classify"):
+        router.add_post(path, create_classification)
     for path in ("/score", "/v1/score"):
         router.add_post(path, create_score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

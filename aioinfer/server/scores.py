@@ -1,7 +1,9 @@
-"""POST /score and /rerank (with their /v1 and /v2 aliases) over an embedding model: every
-distinct text is embedded once, in one batch, and a pair scores the cosine similarity of its
-two embeddings, as vLLM scores with embedding models. Usage counts each pair's texts, as a
-model that reads pairs would."""
+"""POST /score and /rerank (with their /v1 and /v2 aliases) over a pooling model, as vLLM scores:
+- a cross-encoder (a classifier of one label) reads each pair as one prompt, joined the way its
+  tokenizer joins a text pair, and scores the probability it gives;
+- an embedding model embeds every distinct text once, in one batch, and a pair scores the
+  cosine similarity of its two embeddings. Usage counts each pair's texts, as a model that
+  reads pairs would."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from aioinfer.server.bodies import json_response, parse_request
 from aioinfer.server.completions import generation_handler
 from aioinfer.server.embeddings import client_closed, embed_inputs
 from aioinfer.server.embeddings_protocol import pooling_params
+from aioinfer.server.errors import BadRequestError
+from aioinfer.server.prompts import off_loop_if_long
 from aioinfer.server.request_log import RequestRecord
 from aioinfer.server.scores_protocol import (
     RerankRequest,
@@ -33,20 +37,18 @@ if TYPE_CHECKING:
 async def create_score(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     engine, req = await parse_request(request, ScoreRequest)
     pairs = req.pairs()
-    named = [(a, "text_1") for a, _ in pairs] + [(b, "text_2") for _, b in pairs]
-    embedded = await _embed(request, record, engine, named, req, "score", "text_2")
-    if embedded is None:
+    scored = await _score_pairs(request, record, engine, pairs, req, "score", ("text_1", "text_2"))
+    if scored is None:
         return client_closed()
-    vectors, lengths = embedded
-    tokens = sum(lengths[a] + lengths[b] for a, b in pairs)
+    scores, tokens = scored
     body: ScoreResponse = {
         "id": record.request_id,
         "object": "list",
         "created": int(time.time()),
         "model": engine.model_name,
         "data": [
-            {"index": index, "object": "score", "score": cosine(vectors[a], vectors[b])}
-            for index, (a, b) in enumerate(pairs)
+            {"index": index, "object": "score", "score": score}
+            for index, score in enumerate(scores)
         ],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
@@ -57,19 +59,73 @@ async def create_score(request: web.Request, record: RequestRecord) -> web.Strea
 async def create_rerank(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     engine, req = await parse_request(request, RerankRequest)
     documents = req.texts()
-    named = [(req.query, "query")] + [(d, "documents") for d in documents]
-    embedded = await _embed(request, record, engine, named, req, "rerank", "documents")
-    if embedded is None:
+    pairs = [(req.query, d) for d in documents]
+    scored = await _score_pairs(
+        request, record, engine, pairs, req, "rerank", ("query", "documents")
+    )
+    if scored is None:
         return client_closed()
-    vectors, lengths = embedded
-    scores = [cosine(vectors[req.query], vectors[d]) for d in documents]
+    scores, tokens = scored
     body: RerankResponse = {
         "id": record.request_id,
         "model": engine.model_name,
-        "usage": {"total_tokens": sum(lengths[req.query] + lengths[d] for d in documents)},
+        "usage": {"total_tokens": tokens},
         "results": ranked(documents, scores, req.top_n, req.return_documents),
     }
     return json_response(body)
+
+
+async def _score_pairs(
+    request: web.Request,
+    record: RequestRecord,
+    engine: AsyncEngine,
+    pairs: list[tuple[str, str]],
+    req: ScoreRequest | RerankRequest,
+    prefix: str,
+    names: tuple[str, str],
+) -> tuple[list[float], int] | None:
+    """Each pair's score and the tokens read (None when the client left first); a 400 names
+    the field a failing text came from (`names`: the first's and the second's)."""
+    pooler = engine.pooler
+    if pooler is not None and pooler.classifies:
+        return await _cross_encode(request, record, engine, pairs, req, prefix, names[1])
+    named = [(a, names[0]) for a, _ in pairs] + [(b, names[1]) for _, b in pairs]
+    embedded = await _embed(request, record, engine, named, req, prefix, names[1])
+    if embedded is None:
+        return None
+    vectors, lengths = embedded
+    scores = [cosine(vectors[a], vectors[b]) for a, b in pairs]
+    return scores, sum(lengths[a] + lengths[b] for a, b in pairs)
+
+
+async def _cross_encode(
+    request: web.Request,
+    record: RequestRecord,
+    engine: AsyncEngine,
+    pairs: list[tuple[str, str]],
+    req: ScoreRequest | RerankRequest,
+    prefix: str,
+    field: str,
+) -> tuple[list[float], int] | None:
+    from aioinfer.engine.tokenizer import encode_pairs
+
+    assert engine.pooler is not None
+    if len(engine.pooler.labels) != 1:
+        raise BadRequestError(
+            f"The model {engine.model_name!r} classifies into {len(engine.pooler.labels)} "
+            "labels: scoring needs a classifier of one label (a cross-encoder)",
+            param="model",
+        )
+    firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
+    chars = sum(len(a) + len(b) for a, b in pairs)
+    prompts = await off_loop_if_long(chars, encode_pairs, engine.tokenizer, firsts, seconds)
+    params = pooling_params(None, None, req.truncate_prompt_tokens)
+    outputs = await embed_inputs(
+        request, record, engine, prompts, params, prefix, field, req.priority
+    )
+    if outputs is None:
+        return None
+    return [float(o.outputs.data[0]) for o in outputs], record.prompt_tokens
 
 
 async def _embed(

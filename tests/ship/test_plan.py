@@ -114,6 +114,20 @@ def test_plan_equals_the_model_runner_on_cpu(case, tmp_path):
     assert plan.max_num_batched_tokens == info.max_num_batched_tokens
 
 
+def test_plan_of_a_classifier_counts_its_score_head(tmp_path):
+    config = variant_config("qwen2", num_labels=3)
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    folder = config_dir(tmp_path, config)
+    configs = build_plan_configs({"model": str(folder), "device": "cpu"})
+    plan = make_plan(*configs)
+    runner_model_config = ModelConfig(**{**configs[0].__dict__, "load_format": "dummy"})
+    resolved = ModelRunner.resolve(runner_model_config)
+    runner = ModelRunner(resolved, runner_model_config, configs[1], configs[2])
+    assert runner.info.pooler is not None and len(runner.info.pooler.labels) == 3
+    assert plan.num_parameters == sum(p.numel() for p in runner.model.parameters())
+    assert plan.weights_gib == runner.info.weights_gib
+
+
 def test_plan_and_runner_refuse_the_same_settings(tmp_path, capsys):
     folder = config_dir(tmp_path, variant_config("llama"))
     # 8 KiB blocks (2 layers x 2 KV heads x 16 dims x 16 tokens x K and V x 4 bytes): 2 of them.

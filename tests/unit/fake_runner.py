@@ -32,9 +32,16 @@ def repeating_next_token(context: list[int]) -> int:
 
 class FakeRunner:
     def __init__(
-        self, num_blocks: int, block_size: int, next_token: Callable[[list[int]], int] = next_token
+        self,
+        num_blocks: int,
+        block_size: int,
+        next_token: Callable[[list[int]], int] = next_token,
+        num_labels: int = 0,
     ) -> None:
+        """`num_labels`: a classifier, whose fake `score` head keeps that many of the last
+        token's hidden values as its logits."""
         self.next_token = next_token
+        self.num_labels = num_labels
         self.block_size = block_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.plans: list[StepPlan] = []
@@ -62,6 +69,8 @@ class FakeRunner:
             if chunk.pooling is not None:
                 rows = [fake_hidden(context, p) for p in range(chunk.start_pos, end)]  # type: ignore[arg-type]
                 part = _pool_part(chunk.pooling, rows, chunk.start_pos)
+                if part is not None and self.num_labels:
+                    part = part[: self.num_labels]
                 if part is not None:
                     result.pooled[chunk.request_id] = part
         return result

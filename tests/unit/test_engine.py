@@ -41,7 +41,8 @@ class FakeRunnerFactory:
         return SimpleNamespace(served_name="fake-model")
 
     def __call__(self, resolved, model_config, cache_config, scheduler_config, offline):
-        fake = FakeRunner(self.num_blocks, cache_config.block_size, self.next_token)
+        num_labels = len(self.pooler.labels) if self.pooler is not None else 0
+        fake = FakeRunner(self.num_blocks, cache_config.block_size, self.next_token, num_labels)
         fail_at = self.fail_at_step
         info = SimpleNamespace(
             served_name="fake-model",

@@ -34,6 +34,7 @@ FORBIDDEN = {
     "server/messages_protocol.py": {"torch", "asyncio", "aiohttp", "triton"},
     "server/messages_render.py": {"torch", "asyncio", "aiohttp", "triton"},
     "server/embeddings_protocol.py": {"torch", "asyncio", "aiohttp", "triton"},
+    "server/classify_protocol.py": {"torch", "asyncio", "aiohttp", "triton"},
     "server/scores_protocol.py": {"torch", "asyncio", "aiohttp", "triton"},
     "engine/": {"torch", "triton", "aioinfer.model", "aioinfer.server"},
     "gpu/": {"asyncio", "aiohttp", "aioinfer.engine", "aioinfer.server"},

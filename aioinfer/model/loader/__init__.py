@@ -86,6 +86,8 @@ def load_model(
         )
     with torch.device("meta"), _skip_init():
         model = model_cls(hf_config)
+        if architecture.endswith("ForSequenceClassification"):
+            model.add_classifier(int(hf_config.num_labels or 0))
     if pooling:
         model.drop_lm_head()
     load_weights(model, resolved, dtype, device, seed)

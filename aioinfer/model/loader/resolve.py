@@ -229,7 +229,9 @@ def model_pooler(
     hf_config = resolved.hf_config
     folder = resolved.folder if resolved.gguf_file is None else None
     declared = getattr(hf_config, GGUF_POOLING_KEY, None)
-    return resolve_pooler(runner, overrides, architecture_of(hf_config), folder, declared)
+    id2label = getattr(hf_config, "id2label", None) or {}
+    labels = tuple(str(id2label[i]) for i in sorted(id2label, key=int))
+    return resolve_pooler(runner, overrides, architecture_of(hf_config), folder, declared, labels)
 
 
 def architecture_of(hf_config: Any) -> str:
