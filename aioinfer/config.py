@@ -114,6 +114,11 @@ class ModelConfig:
         '\'{"pooling_type": "MEAN", "normalize": false}\' (pooling_type LAST, MEAN or CLS; '
         "default: the model's sentence-transformers settings, else LAST, normalized).",
     )
+    enable_lora: bool = _opt(
+        False, "Serve LoRA adapters (PEFT folders) on top of the model, per request."
+    )
+    max_loras: int = _opt(4, "Most LoRA adapters loaded at once.")
+    max_lora_rank: int = _opt(64, "Largest LoRA rank an adapter may have.")
 
     def __post_init__(self) -> None:
         # vLLM's (and torch's) other names for the same types.
@@ -131,7 +136,7 @@ class ModelConfig:
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        _check_positive(self, "max_model_len")
+        _check_positive(self, "max_model_len", "max_loras", "max_lora_rank")
         self.generation_overrides  # noqa: B018 (checks the JSON)
         self.pooler_overrides  # noqa: B018 (checks the JSON)
         if self.max_logprobs < 0:
@@ -311,6 +316,12 @@ class ServerConfig:
         None, "The certificate's private key (PEM; default: in the certificate file)."
     )
     api_key: tuple[str, ...] = _opt((), "Accepted API key (repeatable; also AIOINFER_API_KEY).")
+    lora_modules: tuple[str, ...] = _opt(
+        (),
+        "A LoRA adapter to serve as NAME=PATH (a PEFT folder), or vLLM's JSON "
+        '\'{"name": ..., "path": ...}\' (repeatable; needs --enable-lora). Requests pick it by '
+        "its name in `model`.",
+    )
     allowed_origins: tuple[str, ...] = _opt(
         (),
         "Origins whose browser apps may call the API, as scheme://host[:port] (repeatable, or "
@@ -360,6 +371,23 @@ class ServerConfig:
     )
 
     @property
+    def lora_adapters(self) -> dict[str, str]:
+        """--lora-modules as {name: path}; ValueError naming a malformed one."""
+        adapters: dict[str, str] = {}
+        for value in self.lora_modules:
+            if value.lstrip().startswith("{"):
+                parsed = _json_object("lora_modules", value) or {}
+                name, path = parsed.get("name"), parsed.get("path")
+            else:
+                name, _, path = value.partition("=")
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise ValueError(f"lora_modules must be NAME=PATH or a JSON object, got {value!r}")
+            if name in adapters:
+                raise ValueError(f"lora_modules names {name!r} twice")
+            adapters[name] = path
+        return adapters
+
+    @property
     def chat_template_defaults(self) -> dict[str, object]:
         return _json_object("default_chat_template_kwargs", self.default_chat_template_kwargs) or {}
 
@@ -371,6 +399,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_positive(self, "stream_write_timeout")
         object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
+        self.lora_adapters  # noqa: B018 (checks each NAME=PATH)
         if self.ssl_keyfile and not self.ssl_certfile:
             raise ValueError("ssl_keyfile needs ssl_certfile")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSER_NAMES):

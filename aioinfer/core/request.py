@@ -56,6 +56,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         pooler: PoolerConfig | None = None,
+        lora_slot: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must hold at least one token")
@@ -71,6 +72,8 @@ class Request:
         # Set for an embedding request: its prompt is prefilled, pooled and never decoded.
         self.pooler = pooler
         self.pooled: np.ndarray | None = None  # the parts its chunks handed back, folded
+        # The LoRA adapter the forward passes apply (its slot in the runner; 0: none).
+        self.lora_slot = lora_slot
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0

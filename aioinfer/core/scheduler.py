@@ -262,6 +262,7 @@ class Scheduler:
             prompt_logprob_targets=self._prompt_logprob_targets(request, start, end),
             draft_token_ids=drafts,
             pooling=pooler.pooling_type if pooler is not None else None,
+            lora_slot=request.lora_slot,
         )
 
     @staticmethod

@@ -62,6 +62,8 @@ class ScheduledChunk:
     # An embedding request's pooling type (core/pooling.py): the runner hands back what it
     # needs of this chunk's hidden states. Such a chunk never samples.
     pooling: str | None = None
+    # The LoRA adapter applied to this chunk's tokens (its slot in the runner; 0: none).
+    lora_slot: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.constraints import ConstraintBuilder, ConstraintFactory
 from aioinfer.core.detokenizer import IncrementalDetokenizer
 from aioinfer.core.kv_manager import KVCacheManager
+from aioinfer.core.lora import LoRARequest
 from aioinfer.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from aioinfer.core.pooling import PoolerConfig, PoolingParams, embedding
 from aioinfer.core.request import Request
@@ -122,6 +123,7 @@ class AsyncEngine:
         self.default_sampling: dict[str, Any] = {}  # from the model's generation_config.json
         self.constraints: ConstraintBuilder | None = None  # set at start()
         self.pooler: PoolerConfig | None = None  # set at start() when the model makes embeddings
+        self.lora_slots: dict[str, int] = {}  # loaded LoRA adapters by name (add_lora)
         self.limits = ModelLimits(0, 0, 0)  # the model's, set at start()
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
@@ -248,10 +250,13 @@ class AsyncEngine:
         request_id: str | None = None,
         prompt: str | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas until every one of the n sequences finished. Leaving the
         iteration early (a break, a cancelled handler) aborts the request."""
-        stream = self.add_request(prompt_token_ids, params, request_id, prompt, priority=priority)
+        stream = self.add_request(
+            prompt_token_ids, params, request_id, prompt, priority=priority, lora=lora
+        )
         try:
             while True:
                 output = await stream.get()
@@ -293,13 +298,15 @@ class AsyncEngine:
         constraints: ConstraintFactory | None = None,
         priority: int = 0,
         group: str | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Admit one request (all n sequences) to the scheduler; raises ValueError for what
         does not fit this model, EngineDeadError once the engine died or was shut down.
         `constraints` is what `self.constraints.prepare(params)` gave, where the caller ran it
         off the loop (a grammar compile, bad words to tokenize); else it runs here. `priority`
         orders requests under --scheduling-policy priority (lower first). `group` names the API
-        request of several prompts this one is part of (see expire_queued)."""
+        request of several prompts this one is part of (see expire_queued). `lora` names an
+        adapter that `add_lora` loaded."""
         self._check_running()
         assert self.scheduler is not None and self.constraints is not None
         if self.pooler is not None:
@@ -308,6 +315,7 @@ class AsyncEngine:
                 "LLM.embed; it does not generate text"
             )
         self._check_priority(priority)
+        lora_slot = self._lora_slot(lora)
         prompt_token_ids = self.limits.truncate(prompt_token_ids, params)
         max_tokens = self.limits.check_generation(prompt_token_ids, params)
         make_constraints = constraints or self.constraints.prepare(params)
@@ -328,6 +336,7 @@ class AsyncEngine:
                 detokenizer=self._make_detokenizer(prompt_token_ids, params),
                 constraints=make_constraints() if make_constraints else None,
                 priority=priority,
+                lora_slot=lora_slot,
             )
             for index, child_id in enumerate(child_ids)
         ]
@@ -406,6 +415,21 @@ class AsyncEngine:
         return EmbeddingRequestOutput(
             stream.request_id, stream.prompt, stream.prompt_token_ids, EmbeddingOutput(vector)
         )
+
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load a LoRA adapter (on the GPU thread, between steps) so that requests may name it;
+        ValueError for an adapter the model cannot take, or without --enable-lora."""
+        self._check_running()
+        slot = await asyncio.wrap_future(self.gpu.call(lambda: self.gpu.runner.load_lora(lora)))
+        self.lora_slots[lora.lora_name] = slot
+
+    def _lora_slot(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        slot = self.lora_slots.get(name)
+        if slot is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        return slot
 
     def _check_priority(self, priority: int) -> None:
         assert self.scheduler is not None

@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.core.lora import LoRARequest
 from aioinfer.core.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -33,7 +34,7 @@ from aioinfer.engine.stream import RequestStream, gather_or_cancel
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 _T = TypeVar("_T")
-_P = TypeVar("_P", SamplingParams, PoolingParams)
+_P = TypeVar("_P", SamplingParams, PoolingParams, "LoRARequest | None")
 
 
 # vLLM's LLM options that change nothing for one model on one device: accepted, so that vLLM
@@ -109,17 +110,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in input order. A prompt is text, a list of token ids, or a dict with
         "prompt" or "prompt_token_ids". `priority`: one per prompt, with
-        scheduling_policy="priority" (lower first), as vLLM's."""
+        scheduling_policy="priority" (lower first), as vLLM's. `lora_request`: a LoRA adapter
+        for every prompt, or one (or None) per prompt; needs enable_lora=True."""
         batch = self._normalise_prompts(prompts)
         encoded = [self._encode(p) for p in batch]
         if priority is not None and len(priority) != len(encoded):
             raise ValueError(
                 f"priority must have one entry per prompt ({len(encoded)}), got {len(priority)}"
             )
-        return self._run(encoded, sampling_params, use_tqdm, priority)
+        loras = _per_prompt(lora_request, len(encoded), "lora_request")
+        return self._run(encoded, sampling_params, use_tqdm, priority, loras)
 
     def chat(
         self,
@@ -318,12 +322,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _per_prompt(sampling_params, len(encoded), "sampling_params")
         priorities = list(priority) if priority is not None else [0] * len(encoded)
-        return self._run_task(self._generate_all(encoded, params_list, use_tqdm, priorities))
+        loras = loras or [None] * len(encoded)
+        return self._run_task(self._generate_all(encoded, params_list, use_tqdm, priorities, loras))
 
     def _run_task(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Drive the engine on this LLM's loop until `coro` is done."""
@@ -348,9 +354,12 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
         priorities: list[int],
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         streams: list[RequestStream] = []
         progress: _Progress | None = None
+        for adapter in {lora for lora in loras if lora is not None}:
+            await self.engine.add_lora(adapter)
 
         async def collect(stream: RequestStream, n: int) -> RequestOutput:
             acc = OutputAccumulator(n)
@@ -365,11 +374,16 @@ class LLM:
         with self._batch(streams, lambda: progress):
             # Every request is validated and queued before the first step runs; one that fails
             # validation aborts those queued before it.
-            for (text, ids), params, priority in zip(encoded, params_list, priorities, strict=True):
+            for (text, ids), params, priority, lora in zip(
+                encoded, params_list, priorities, loras, strict=True
+            ):
                 kept = self.engine.truncate_prompt(ids, params)
                 text, ids = (text, ids) if kept is ids else (None, kept)
                 params = self._fit_max_tokens(ids, params)
-                streams.append(self.engine.add_request(ids, params, prompt=text, priority=priority))
+                name = lora.lora_name if lora is not None else None
+                streams.append(
+                    self.engine.add_request(ids, params, prompt=text, priority=priority, lora=name)
+                )
             if use_tqdm:
                 progress = _Progress(len(streams), self.engine)
             outputs = await asyncio.gather(

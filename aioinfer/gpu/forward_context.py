@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from aioinfer.model.layers.attention import AttentionBackend, AttentionMetadata
+    from aioinfer.model.lora import LoRAMapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,8 @@ class ForwardContext:
     kv_caches: Sequence[torch.Tensor]
     # None selects the torch reference backend.
     attn_backend: AttentionBackend | None = None
+    # Which rows use which LoRA adapter (model/lora.py); None when no row uses one.
+    lora_mapping: LoRAMapping | None = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("aioinfer_forward_context", default=None)
@@ -38,9 +41,10 @@ def forward_context(
     attn_metadata: AttentionMetadata,
     kv_caches: Sequence[torch.Tensor],
     attn_backend: AttentionBackend | None = None,
+    lora_mapping: LoRAMapping | None = None,
 ) -> Iterator[ForwardContext]:
     """Make `attn_metadata` and `kv_caches` visible to attention layers inside the block."""
-    ctx = ForwardContext(attn_metadata, kv_caches, attn_backend)
+    ctx = ForwardContext(attn_metadata, kv_caches, attn_backend, lora_mapping)
     token = _current.set(ctx)
     try:
         yield ctx

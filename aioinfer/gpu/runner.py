@@ -26,6 +26,7 @@ from aioinfer.config import (
     SchedulerConfig,
     sampled_rows_per_request,
 )
+from aioinfer.core.lora import LoRARequest
 from aioinfer.core.pooling import PoolerConfig
 from aioinfer.core.spec_decode import draft_rows, verify
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
@@ -34,6 +35,7 @@ from aioinfer.gpu.cuda_graphs import CudaGraphRunner
 from aioinfer.gpu.forward_context import forward_context
 from aioinfer.gpu.sampler import Sampler, compute_prompt_logprobs
 from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
+from aioinfer.model.lora import LoRAManager, LoRAMapping
 
 if TYPE_CHECKING:
     from aioinfer.model.kernels.cpu_native import NativeKernels
@@ -117,6 +119,12 @@ class ModelRunner:
         self.model = load_model(
             resolved, self.dtype, self.device, model_config.seed, pooling=self.pooler is not None
         )
+        self.lora: LoRAManager | None = None
+        if model_config.enable_lora:
+            # Before the CPU kernels: layers with LoRA linears then run module by module.
+            self.lora = LoRAManager(
+                self.model, model_config.max_loras, model_config.max_lora_rank, self.dtype
+            )
         cpu_kernels = select_cpu_kernels(
             self.model, model_config.cpu_kernels, self.device, self.dtype
         )
@@ -155,9 +163,10 @@ class ModelRunner:
             self.head_dim,
         )
 
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.lora is None:
             # Merged projections, residual adds inside GEMMs: on a GPU a decode step's time
-            # follows its kernel count. (The CPU's native layers have their own fusions.)
+            # follows its kernel count. (The CPU's native layers have their own fusions; LoRA
+            # adapts the projections one by one.)
             self.model.fuse_gemms()
         if self.device.type == "cuda" and getattr(self.attn_backend, "name", None) == "triton":
             from aioinfer.model.layers.triton_layers import use_triton_kernels
@@ -235,6 +244,12 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
 
+    def load_lora(self, request: LoRARequest) -> int:
+        """The slot of a LoRA adapter, loaded on first use (on this thread, between steps)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        return self.lora.load(request)
+
     # ----------------------------------------------------------------- one step
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -242,10 +257,13 @@ class ModelRunner:
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
         input_ids, positions, metadata = self.prepare_inputs(chunks)
         graphs = self.graph_runner
+        lora = None
+        if self.lora is not None and any(c.lora_slot for c in chunks):
+            lora = LoRAMapping.build([(c.lora_slot, c.num_tokens) for c in chunks], self.device)
         if graphs is not None and metadata.decode_only and graphs.can_run(len(chunks)):
             hidden = graphs.replay(input_ids, positions, metadata)
         else:
-            with forward_context(metadata, self.kv_caches, self.attn_backend):
+            with forward_context(metadata, self.kv_caches, self.attn_backend, lora):
                 hidden = self.model(input_ids, positions)
         result = StepResult(plan.step_id)
         self._sample(chunks, hidden, metadata, result)
@@ -456,6 +474,8 @@ def _graphs_off_reason(
         return "enforce_eager is set"
     if pooler is not None:
         return "a pooling model runs no decode steps"
+    if model_config.enable_lora:
+        return "LoRA adapters run eagerly"
     if device.type != "cuda":
         return "CUDA graphs need a CUDA device"
     if getattr(attn_backend, "name", "torch") != "triton":

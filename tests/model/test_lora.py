@@ -1,0 +1,133 @@
+"""LoRA adapters (PEFT's format) through the whole engine: greedy outputs equal transformers'
+with the adapter merged into the weights (W + scale B A), in float32, for batches that mix
+two adapters and the base model, and the prefix cache never shares K/V across adapters."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from aioinfer import LLM, LoRARequest
+from aioinfer.model.kernels import cpu_native
+from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+from tests.model.tiny_models import make_variant
+from tests.tokenizer_fixtures import make_tokenizer
+
+OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": 128, "enable_lora": True}
+TARGETS = {"q_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+
+
+def write_adapter(
+    hf: torch.nn.Module, path: Path, seed: int, rank: int = 4, alpha: float = 8.0, **config
+) -> dict[str, torch.Tensor]:
+    """A random PEFT adapter of `hf`'s projections; returns each adapted weight's delta."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors, deltas = {}, {}
+    for layer in range(hf.config.num_hidden_layers):
+        for name, block in TARGETS.items():
+            module = f"model.layers.{layer}.{block}.{name}"
+            linear = hf.get_submodule(module)
+            a = torch.randn(rank, linear.in_features, generator=gen) * 0.1
+            b = torch.randn(linear.out_features, rank, generator=gen) * 0.1
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b
+            deltas[f"{module}.weight"] = (alpha / rank) * b @ a
+    path.mkdir(parents=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                      "target_modules": list(TARGETS), **config}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return deltas
+
+
+def merged(hf: torch.nn.Module, deltas: dict[str, torch.Tensor]) -> torch.nn.Module:
+    model = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            model.get_parameter(name).add_(delta)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    hf = make_variant("llama")
+    hf.save_pretrained(root / "base")
+    make_tokenizer().save_pretrained(root / "base")
+    first = write_adapter(hf, root / "first", seed=1)
+    second = write_adapter(hf, root / "second", seed=2, rank=2, use_rslora=True)
+    # rsLoRA scales by alpha / sqrt(r): redo the second's deltas with that scale.
+    second = {k: v * (2 / 2**0.5) for k, v in second.items()}
+    references = {None: hf, "first": merged(hf, first), "second": merged(hf, second)}
+    requests = {
+        name: LoRARequest(name, index + 1, str(root / name))
+        for index, name in enumerate(("first", "second"))
+    }
+    return root, references, requests
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_a_batch_mixing_adapters_equals_the_merged_models(lora_setup, backend):
+    if backend == "native" and cpu_native.load() is None:
+        pytest.skip(cpu_native.unavailable_reason())
+    root, references, requests = lora_setup
+    prompts = make_prompts(0, 512)
+    names = ["first", None, "second", "first", None, "second", "second", "first"]
+    options = {**OPTIONS, "attention_backend": backend, "cpu_kernels": backend}
+    with LLM(str(root / "base"), **options) as llm:
+        outputs = llm.generate(
+            prompts, GREEDY, use_tqdm=False, lora_request=[requests.get(n) for n in names]
+        )
+    for prompt, name, output in zip(prompts, names, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(references[name], prompt), name
+
+
+def test_the_prefix_cache_keeps_adapters_apart(lora_setup):
+    root, references, requests = lora_setup
+    prompt = make_prompts(1, 512, lengths=(40,))[0]
+    order = ["first", None, "second", None, "first"]
+    with LLM(str(root / "base"), max_num_seqs=1, **OPTIONS) as llm:
+        got = [
+            llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=requests.get(n))[0]
+            for n in order
+        ]
+        assert llm.engine.scheduler.kv.stats.hits > 0  # the repeats did hit their own blocks
+    for name, output in zip(order, got, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(references[name], prompt), name
+
+
+def test_bad_adapters_are_refused_with_the_reason(lora_setup, tmp_path):
+    root, references, requests = lora_setup
+    hf = references[None]
+    write_adapter(hf, tmp_path / "big", seed=3, rank=8)
+    head = tmp_path / "head"
+    write_adapter(hf, head, seed=4)
+    extra = {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+             "base_model.model.lm_head.lora_B.weight": torch.zeros(512, 4)}  # fmt: skip
+    save_file(extra, head / "adapter_model.safetensors")
+    with LLM(str(root / "base"), max_lora_rank=4, max_loras=1, **OPTIONS) as llm:
+        with pytest.raises(ValueError, match="rank 8, more than --max-lora-rank 4"):
+            llm.generate(["hi"], GREEDY, lora_request=LoRARequest("big", 9, str(tmp_path / "big")))
+        with pytest.raises(ValueError, match="'lm_head'"):
+            llm.generate(["hi"], GREEDY, lora_request=LoRARequest("head", 8, str(head)))
+        with pytest.raises(ValueError, match="not a LoRA adapter"):
+            llm.generate(["hi"], GREEDY, lora_request=LoRARequest("x", 7, str(tmp_path)))
+        llm.generate(["hi"], GREEDY, use_tqdm=False, lora_request=requests["first"])
+        with pytest.raises(ValueError, match="all 1 slots are taken"):
+            llm.generate(["hi"], GREEDY, lora_request=requests["second"])
+        assert (
+            llm.engine.scheduler.kv.pool.num_free_blocks
+            == llm.engine.scheduler.kv.pool.num_usable_blocks
+        )
+    without = {**OPTIONS, "enable_lora": False}
+    with (
+        LLM(str(root / "base"), **without) as llm,
+        pytest.raises(ValueError, match="--enable-lora"),
+    ):
+        llm.generate(["hi"], GREEDY, lora_request=requests["first"])
