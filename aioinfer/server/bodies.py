@@ -149,8 +149,9 @@ def _too_large(size: int, limit: int) -> str:
 
 
 def check_model(name: str | None, engine: AsyncEngine) -> None:
-    if name and name != engine.model_name:
+    """404 unless `name` is the served model or one of its LoRA adapters (or not given)."""
+    if name and name != engine.model_name and name not in engine.lora_slots:
+        valid = ", ".join([engine.model_name, *engine.lora_slots])
         raise NotFoundError(
-            f"The model `{name}` does not exist. Valid models: {engine.model_name}.",
-            param="model",
+            f"The model `{name}` does not exist. Valid models: {valid}.", param="model"
         )

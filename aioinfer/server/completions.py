@@ -250,9 +250,10 @@ def _response_context(
     client_id = None if response_id is not None else request.headers.get(REQUEST_ID_HEADER)
     if response_id is None:
         response_id = f"{prefix}-{client_id or unique}"
+    lora = req.model if req.model in engine.lora_slots else None
     return ResponseContext(
         response_id,
-        engine.model_name,
+        lora or engine.model_name,
         prompts,
         n,
         request.app[STATE].token_text(engine.tokenizer),
@@ -260,6 +261,7 @@ def _response_context(
         return_token_ids=bool(req.return_token_ids),
         prompt_logprobs=req.prompt_logprobs,
         echo_logprobs=(req.logprobs or 0) if isinstance(req, CompletionRequest) else 0,
+        lora=lora,
     )
 
 

@@ -231,6 +231,7 @@ def start_generation(
             constraints,
             priority=priority,
             group=base if len(ctx.prompts) > 1 else None,
+            lora=ctx.lora,
         )
 
     streams = queue_all(

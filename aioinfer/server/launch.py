@@ -125,6 +125,7 @@ async def _serve(
     server_config: ServerConfig,
     started_at: float | None,
 ) -> int:
+    from aioinfer.core.lora import LoRARequest
     from aioinfer.engine.async_engine import AsyncEngine
     from aioinfer.server.app import create_app, drain
 
@@ -135,6 +136,9 @@ async def _serve(
 
     async def build_engine() -> AsyncEngine:
         engine = await AsyncEngine.create(model_config, cache_config, scheduler_config)
+        for index, (name, path) in enumerate(server_config.lora_adapters.items(), start=1):
+            await engine.add_lora(LoRARequest(name, index, path))
+            logger.info("Loaded LoRA adapter %r from %s", name, path)
         log_engine_started(engine)
         logger.info("Starting aioinfer server on %s", server_address(server_config))
         logger.info("Ready in %.2f s", time.perf_counter() - started_at)

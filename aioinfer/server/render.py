@@ -145,6 +145,7 @@ class ResponseContext:
     # the engine computes prompt logprobs as wide as the wider of the two requests.
     echo_logprobs: int = 0
     reasoning: ReasoningSplit | None = None  # chat with --reasoning-parser
+    lora: str | None = None  # the LoRA adapter the request named as its model (--lora-modules)
 
     @property
     def prompt_tokens(self) -> int:

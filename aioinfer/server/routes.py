@@ -5,6 +5,7 @@ models, tokenize and detokenize. Generation lives in `completions`, `responses_a
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,7 +22,10 @@ from aioinfer.server.render import model_card
 from aioinfer.server.responses import ModelCard, TokenizeResponse
 from aioinfer.server.responses_api import create_response, delete_response, retrieve_response
 from aioinfer.server.scores import create_rerank, create_score
-from aioinfer.server.state import STATE
+from aioinfer.server.state import STATE, ServerState
+
+if TYPE_CHECKING:
+    from aioinfer.engine.async_engine import AsyncEngine
 
 
 def setup_routes(app: web.Application) -> None:
@@ -71,19 +75,28 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_served_model_card(request, None)]})
+    state = request.app[STATE]
+    engine = state.serving_engine()
+    names = [engine.model_name, *engine.lora_slots]
+    cards = [_model_card(state, engine, name) for name in names]
+    return json_response({"object": "list", "data": cards})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    return json_response(_served_model_card(request, request.match_info["model"]))
-
-
-def _served_model_card(request: web.Request, name: str | None) -> ModelCard:
-    """The card of the served model; 404 when `name` is another model."""
     state = request.app[STATE]
     engine = state.serving_engine()
+    name = request.match_info["model"]
     check_model(name, engine)
-    return model_card(engine.model_name, engine.max_model_len, state.created)
+    return json_response(_model_card(state, engine, name))
+
+
+def _model_card(state: ServerState, engine: AsyncEngine, name: str) -> ModelCard:
+    """The served model's card, or a LoRA adapter's (its parent: the served model)."""
+    card = model_card(name, engine.max_model_len, state.created)
+    if name != engine.model_name:
+        card["root"] = state.config.lora_adapters.get(name, name)
+        card["parent"] = engine.model_name
+    return card
 
 
 async def tokenize(request: web.Request) -> web.Response:

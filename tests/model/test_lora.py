@@ -131,3 +131,67 @@ def test_bad_adapters_are_refused_with_the_reason(lora_setup, tmp_path):
         pytest.raises(ValueError, match="--enable-lora"),
     ):
         llm.generate(["hi"], GREEDY, lora_request=requests["first"])
+
+
+async def test_the_server_routes_requests_by_adapter_name(lora_setup, aiohttp_client):
+    """`model` picks the adapter (as vLLM's --lora-modules names it); /v1/models lists the
+    adapters with the served model as their parent; responses name the adapter."""
+    from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from aioinfer.engine.async_engine import AsyncEngine
+    from aioinfer.server.app import create_app
+
+    root, references, requests = lora_setup
+    model_options = {k: v for k, v in OPTIONS.items() if k != "kv_cache_memory"}
+    engine = await AsyncEngine.create(
+        ModelConfig(model=str(root / "base"), **model_options),
+        CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )
+    try:
+        for request in requests.values():
+            await engine.add_lora(request)
+        modules = tuple(f"{r.lora_name}={r.lora_path}" for r in requests.values())
+        client = await aiohttp_client(create_app(engine, ServerConfig(lora_modules=modules)))
+        models = (await (await client.get("/v1/models")).json())["data"]
+        assert [m["id"] for m in models] == [engine.model_name, "first", "second"]
+        assert models[1]["parent"] == engine.model_name
+        assert models[1]["root"] == requests["first"].lora_path
+        prompt = make_prompts(2, 512, lengths=(12,))[0]
+        for name in ("second", engine.model_name, "first"):
+            body = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            response = await client.post("/v1/completions", json=body)
+            data = await response.json()
+            assert response.status == 200, data
+            assert data["model"] == name
+            reference = references.get(name)  # the served model's name maps to None
+            expected = hf_greedy(reference if reference is not None else references[None], prompt)
+            assert data["choices"][0]["token_ids"] == expected, name
+        response = await client.post("/v1/completions", json={"model": "third", "prompt": "hi"})
+        error = (await response.json())["error"]
+        assert response.status == 404 and "first, second" in error["message"]
+    finally:
+        await engine.shutdown()
+
+
+def test_serve_loads_the_lora_modules_it_is_given(lora_setup):
+    """`aioinfer serve --enable-lora --lora-modules NAME=PATH` (twice): both adapters listed."""
+    import urllib.request
+
+    from tests.serve_process import ServeProcess, free_port
+
+    root, _, requests = lora_setup
+    port = free_port()
+    args = [str(root / "base"), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+            "--kv-cache-memory", "0.01", "--max-model-len", "128", "--enable-lora"]  # fmt: skip
+    for request in requests.values():
+        args += ["--lora-modules", f"{request.lora_name}={request.lora_path}"]
+    proc = ServeProcess(args)
+    try:
+        proc.wait_ready()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models") as response:
+            models = json.loads(response.read())["data"]
+        assert [m["id"] for m in models][1:] == ["first", "second"]
+        assert any("Loaded LoRA adapter 'second'" in line for line in proc.lines)
+    finally:
+        assert proc.stop() == 0
