@@ -51,6 +51,8 @@ class PoolerConfig:
     normalize: bool = True
     # A classifier's labels by class index (config.json's id2label); empty for embeddings.
     labels: tuple[str, ...] = ()
+    # A classifier scores the last token that is not this one (as transformers does).
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -65,6 +67,18 @@ class PoolerConfig:
     @property
     def classifies(self) -> bool:
         return bool(self.labels)
+
+    def pooled_prompt(self, token_ids: list[int]) -> list[int]:
+        """What a classifier reads of a prompt: without its trailing pad tokens (at least one
+        token kept). transformers scores the last non-pad token; under causal attention the
+        states before it do not depend on what follows, so dropping the tail is exact."""
+        pad = self.pad_token_id
+        if not self.classifies or pad is None:
+            return token_ids
+        end = len(token_ids)
+        while end > 1 and token_ids[end - 1] == pad:
+            end -= 1
+        return token_ids[:end]
 
     @property
     def reads_every_token(self) -> bool:
@@ -179,6 +193,7 @@ def resolve_pooler(
     folder: Path | None,
     declared: str | None = None,
     labels: tuple[str, ...] = (),
+    pad_token_id: int | None = None,
 ) -> PoolerConfig | None:
     """The pooler of a pooling model, or None for text generation. `auto` pools for
     architectures named `*Model` (a decoder without an LM head) and for sentence-transformers
@@ -188,7 +203,7 @@ def resolve_pooler(
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if is_classifier(architecture):
-        return _classifier_pooler(runner, override, architecture, labels)
+        return _classifier_pooler(runner, override, architecture, labels, pad_token_id)
     if runner == "generate":
         if override is not None:
             raise ValueError("pooler_config needs --runner pooling (or auto on an embedding model)")
@@ -224,7 +239,11 @@ def is_classifier(architecture: str) -> bool:
 
 
 def _classifier_pooler(
-    runner: str, override: dict[str, Any] | None, architecture: str, labels: tuple[str, ...]
+    runner: str,
+    override: dict[str, Any] | None,
+    architecture: str,
+    labels: tuple[str, ...],
+    pad_token_id: int | None,
 ) -> PoolerConfig:
     if runner == "generate":
         raise ValueError(
@@ -235,12 +254,14 @@ def _classifier_pooler(
         raise ValueError(f"the {architecture!r} config must name at least one label")
     if override:
         allowed = {"pooling_type": "LAST", "normalize": False}
-        wrong = sorted(k for k, v in override.items() if allowed.get(k, object()) != v)
+        given = {k: v.upper() if k == "pooling_type" and isinstance(v, str) else v
+                 for k, v in override.items()}  # fmt: skip
+        wrong = sorted(k for k, v in given.items() if allowed.get(k, object()) != v)
         if wrong:
             raise ValueError(
                 f"pooler_config: a classifier pools the last token unnormalized, got {wrong}"
             )
-    return PoolerConfig("LAST", normalize=False, labels=labels)
+    return PoolerConfig("LAST", normalize=False, labels=labels, pad_token_id=pad_token_id)
 
 
 def sentence_transformers_pooler(folder: Path) -> PoolerConfig | None:

@@ -365,7 +365,7 @@ class AsyncEngine:
                 "makes embeddings from it)"
             )
         self._check_priority(priority)
-        prompt_token_ids = self.limits.truncate(prompt_token_ids, params)
+        prompt_token_ids = pooler.pooled_prompt(self.limits.truncate(prompt_token_ids, params))
         self.limits.check_embedding(prompt_token_ids, params)
         request_id = request_id or self.make_request_id()
         if request_id in self._parents or request_id in self.scheduler.requests:

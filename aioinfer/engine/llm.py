@@ -187,7 +187,12 @@ class LLM:
 
     def _check_pooling_task(self, classify: bool) -> None:
         pooler = self.engine.pooler
-        if pooler is not None and pooler.classifies != classify:
+        if pooler is None:
+            raise ValueError(
+                "this model generates text: LLM.classify needs a *ForSequenceClassification "
+                "model, LLM.embed an embedding model (or runner='pooling')"
+            )
+        if pooler.classifies != classify:
             raise ValueError(
                 "this model is a classifier: use LLM.classify or LLM.score"
                 if pooler.classifies
@@ -260,12 +265,16 @@ class LLM:
                 f"{len(self.engine.pooler.labels)}"
             )
         if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
-            raise ValueError("a cross-encoder scores pairs of texts, not token ids")
+            raise ValueError("a cross-encoder scores pairs of texts (str), not token ids or dicts")
         from aioinfer.engine.tokenizer import encode_pairs
 
         firsts, seconds = [str(a) for a, _ in pairs], [str(b) for _, b in pairs]
-        prompts: list[Prompt] = list(encode_pairs(self.engine.tokenizer, firsts, seconds))
-        outputs = self._pool(prompts, None, use_tqdm, truncate_prompt_tokens)
+        keep = truncate_prompt_tokens
+        if keep is not None:
+            PoolingParams(truncate_prompt_tokens=keep)  # its range checks
+            keep = self.engine.max_model_len if keep == -1 else keep
+        prompts: list[Prompt] = list(encode_pairs(self.engine.tokenizer, firsts, seconds, keep))
+        outputs = self._pool(prompts, None, use_tqdm, None)
         return [
             ScoringRequestOutput(
                 f"score-{number}", o.prompt_token_ids, ScoringOutput(float(o.outputs.data[0]))

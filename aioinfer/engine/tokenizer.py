@@ -174,11 +174,16 @@ def apply_chat_template(
 
 
 def encode_pairs(
-    tokenizer: PreTrainedTokenizerBase, firsts: list[str], seconds: list[str]
+    tokenizer: PreTrainedTokenizerBase,
+    firsts: list[str],
+    seconds: list[str],
+    max_length: int | None = None,
 ) -> list[list[int]]:
     """Each (first, second) pair as one prompt, the way the tokenizer joins a text pair (its
-    special tokens included): what a cross-encoder reads, as transformers and vLLM feed it."""
-    encoded = tokenizer(firsts, seconds)["input_ids"]
+    special tokens included): what a cross-encoder reads, as transformers and vLLM feed it.
+    `max_length`: cut the longer text first, so that both keep a part (not the pair's tail)."""
+    cut = {"truncation": True, "max_length": max_length} if max_length is not None else {}
+    encoded = tokenizer(firsts, seconds, **cut)["input_ids"]
     return [list(ids) for ids in encoded]
 
 

@@ -88,7 +88,7 @@ async def _score_pairs(
     the field a failing text came from (`names`: the first's and the second's)."""
     pooler = engine.pooler
     if pooler is not None and pooler.classifies:
-        return await _cross_encode(request, record, engine, pairs, req, prefix, names[1])
+        return await _cross_encode(request, record, engine, pairs, req, prefix, names)
     named = [(a, names[0]) for a, _ in pairs] + [(b, names[1]) for _, b in pairs]
     embedded = await _embed(request, record, engine, named, req, prefix, names[1])
     if embedded is None:
@@ -105,8 +105,10 @@ async def _cross_encode(
     pairs: list[tuple[str, str]],
     req: ScoreRequest | RerankRequest,
     prefix: str,
-    field: str,
+    names: tuple[str, str],
 ) -> tuple[list[float], int] | None:
+    """A one-label classifier's probability for each pair read as one prompt; a pair too long
+    for the model is blamed on its longer text's field."""
     from aioinfer.engine.tokenizer import encode_pairs
 
     assert engine.pooler is not None
@@ -118,14 +120,25 @@ async def _cross_encode(
         )
     firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
     chars = sum(len(a) + len(b) for a, b in pairs)
-    prompts = await off_loop_if_long(chars, encode_pairs, engine.tokenizer, firsts, seconds)
-    params = pooling_params(None, None, req.truncate_prompt_tokens)
+    keep = pair_length(req.truncate_prompt_tokens, engine.max_model_len)
+    prompts = await off_loop_if_long(chars, encode_pairs, engine.tokenizer, firsts, seconds, keep)
+    fields = [names[0] if len(a) > len(b) else names[1] for a, b in pairs]
     outputs = await embed_inputs(
-        request, record, engine, prompts, params, prefix, field, req.priority
-    )
+        request, record, engine, prompts, pooling_params(None, None, None), prefix, names[1],
+        req.priority, fields=fields,
+    )  # fmt: skip
     if outputs is None:
         return None
     return [float(o.outputs.data[0]) for o in outputs], record.prompt_tokens
+
+
+def pair_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """The tokens a pair may keep under `truncate_prompt_tokens` (-1: the context); None: all,
+    and a 400 if that is too many. A bad value is a 400 naming the field."""
+    if truncate_prompt_tokens is None:
+        return None
+    pooling_params(None, None, truncate_prompt_tokens)  # the field's own checks
+    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 async def _embed(

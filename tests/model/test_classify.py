@@ -4,6 +4,7 @@ token's logits, under chunked prefill and prefix-cache hits."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,32 @@ def test_a_classifier_neither_embeds_nor_generates(sentiment):
         LLM(str(path), runner="generate", **OPTIONS)
     with pytest.raises(ValueError, match="last token"):
         LLM(str(path), pooler_config={"pooling_type": "MEAN"}, **OPTIONS)
+    with LLM(str(path), pooler_config={"pooling_type": "last"}, **OPTIONS) as llm:
+        assert llm.engine.pooler is not None and llm.engine.pooler.classifies
+
+
+def test_trailing_pad_tokens_are_not_scored(tmp_path):
+    """As transformers: the last token that is not the pad id is scored (reward models whose
+    pad is their end-of-turn token, which their template puts last)."""
+    hf = make_classifier(LlamaConfig, LlamaForSequenceClassification, tmp_path, num_labels=2)
+    hf.config.pad_token_id = 2
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "pad_token_id": 2}))
+    prompts = [[1, 5, 9, 17, 2], [1, 5, 9, 17, 2, 2], [2, 2], [7, 2, 8]]
+    with LLM(str(tmp_path), **OPTIONS) as llm:
+        outputs = llm.classify(prompts, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = torch.softmax(hf_logits(hf, prompt), -1)
+        torch.testing.assert_close(torch.tensor(output.outputs.probs), expected, atol=1e-5, rtol=0)
+
+
+def test_a_truncated_pair_keeps_both_texts(cross_encoder):
+    path, hf = cross_encoder
+    tokenizer = make_tokenizer()
+    query, document = "where is the quick brown fox", "the quick brown fox jumps over the lazy dog"
+    with LLM(str(path), **OPTIONS) as llm:
+        (output,) = llm.score(query, [document], truncate_prompt_tokens=10, use_tqdm=False)
+    ids = tokenizer(query, document, truncation=True, max_length=10)["input_ids"]
+    assert output.prompt_token_ids == ids and ids[:2] == tokenizer(query)["input_ids"][:2]
+    expected = torch.sigmoid(hf_logits(hf, ids))[0].item()
+    assert output.outputs.score == pytest.approx(expected, abs=1e-5)

@@ -270,6 +270,7 @@ def test_unsupported_settings_raise() -> None:
             "mscale_all_dim": 0.8,
         },
         {"factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 1.5},
+        {"factor": None, "original_max_position_embeddings": 64},  # 256 / 64 = 4
     ],
 )
 def test_yarn_frequencies_and_attention_factor_equal_transformers(scaling) -> None:

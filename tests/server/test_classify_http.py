@@ -129,3 +129,21 @@ async def test_scoring_needs_a_classifier_of_one_label(classifier):
     error = error_of(raw, 400)
     assert error["param"] == "model" and "one label" in error["message"]
     assert_pool_free(engine)
+
+
+async def test_a_cross_encoder_truncates_pairs_and_names_the_long_text(cross_encoder):
+    client, engine = cross_encoder
+    query, document = "the quick brown fox " * 80, "a lazy dog"
+    body = {"text_1": query, "text_2": [document], "truncate_prompt_tokens": 10}
+    response, raw = await post(client, "/score", body)
+    assert response.status == 200, raw
+    kept = list(make_tokenizer()(query, document, truncation=True, max_length=10)["input_ids"])
+    assert response_json(raw)["usage"]["prompt_tokens"] == len(kept) == 10
+    expected = float(class_probabilities(logits(kept, 1))[0])
+    assert response_json(raw)["data"][0]["score"] == pytest.approx(expected, rel=1e-5)
+    # Without truncation the pair is too long: the 400 names the long text's field.
+    _, raw = await post(client, "/score", {"text_1": query, "text_2": [document]})
+    assert error_of(raw, 400)["param"] == "text_1"
+    _, raw = await post(client, "/rerank", {"query": "fox", "documents": [query]})
+    assert error_of(raw, 400)["param"] == "documents"
+    assert_pool_free(engine)

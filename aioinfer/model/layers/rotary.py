@@ -50,6 +50,12 @@ def rope_config_from_hf(hf_config: Any, default_theta: float = 10000.0) -> RopeC
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
+    if rope_type == "yarn" and merged.get("factor") is None:
+        # As transformers: the ratio of the context to the original one (DeepSeek's configs).
+        original = merged.get("original_max_position_embeddings")
+        context = getattr(hf_config, "max_position_embeddings", None)
+        if original and context:
+            merged["factor"] = float(context) / float(original)
     return RopeConfig(
         theta=float(theta or default_theta),
         rope_type=rope_type,

@@ -73,6 +73,7 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The registry's model class for `resolved.hf_config`, with its weights on `device`.
     `pooling`: for embeddings, without the LM head (neither read nor allocated)."""
+    from aioinfer.core.pooling import is_classifier
     from aioinfer.model.loader.resolve import architecture_of
     from aioinfer.model.registry import get_model_class
 
@@ -86,7 +87,7 @@ def load_model(
         )
     with torch.device("meta"), _skip_init():
         model = model_cls(hf_config)
-        if architecture.endswith("ForSequenceClassification"):
+        if is_classifier(architecture):
             model.add_classifier(int(hf_config.num_labels or 0))
     if pooling:
         model.drop_lm_head()

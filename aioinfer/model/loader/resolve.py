@@ -224,14 +224,21 @@ def model_pooler(
     """The pooler the model runs with (core/pooling.resolve_pooler), None for text generation:
     from the flags, the folder's sentence-transformers files (a GGUF's folder is not the
     model's, so none are read there) or a GGUF's declared pooling type."""
-    from aioinfer.core.pooling import resolve_pooler
+    from aioinfer.core.pooling import is_classifier, resolve_pooler
 
     hf_config = resolved.hf_config
     folder = resolved.folder if resolved.gguf_file is None else None
     declared = getattr(hf_config, GGUF_POOLING_KEY, None)
     id2label = getattr(hf_config, "id2label", None) or {}
     labels = tuple(str(id2label[i]) for i in sorted(id2label, key=int))
-    return resolve_pooler(runner, overrides, architecture_of(hf_config), folder, declared, labels)
+    architecture = architecture_of(hf_config)
+    num_labels = getattr(hf_config, "num_labels", len(labels))
+    if is_classifier(architecture) and num_labels != len(labels):
+        raise ValueError(
+            f"config.json has num_labels {num_labels} but names {len(labels)} in id2label"
+        )
+    pad = getattr(hf_config, "pad_token_id", None)
+    return resolve_pooler(runner, overrides, architecture, folder, declared, labels, pad)
 
 
 def architecture_of(hf_config: Any) -> str:
