@@ -423,6 +423,18 @@ class AsyncEngine:
         slot = await asyncio.wrap_future(self.gpu.call(lambda: self.gpu.runner.load_lora(lora)))
         self.lora_slots[lora.lora_name] = slot
 
+    async def remove_lora(self, name: str) -> None:
+        """Unload an adapter; KeyError when none has that name, ValueError while requests that
+        use it are unfinished."""
+        self._check_running()
+        assert self.scheduler is not None
+        slot = self.lora_slots.pop(name)  # from now on no new request can name it
+        users = sum(r.lora_slot == slot for r in self.scheduler.requests.values())
+        if users:
+            self.lora_slots[name] = slot
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
+        await asyncio.wrap_future(self.gpu.call(lambda: self.gpu.runner.unload_lora(name)))
+
     def _lora_slot(self, name: str | None) -> int:
         if name is None:
             return 0

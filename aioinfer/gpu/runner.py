@@ -250,6 +250,10 @@ class ModelRunner:
             raise ValueError("LoRA adapters need --enable-lora")
         return self.lora.load(request)
 
+    def unload_lora(self, name: str) -> None:
+        assert self.lora is not None
+        self.lora.unload(name)
+
     # ----------------------------------------------------------------- one step
 
     def execute(self, plan: StepPlan) -> StepResult:

@@ -9,9 +9,10 @@ and `adapter_model.safetensors`, whose keys name each adapted linear of the base
 A token of a request with an adapter gets y = W x + scale * B (A x), with scale = alpha / r
 (alpha / sqrt(r) with rsLoRA). `LoRAManager` wraps the decoder's projections (q, k, v, o,
 gate, up, down) in `LoRALinear`s once, at start-up; each loaded adapter takes a slot (1, 2, ...;
-0 is the base model) in every linear it adapts. The step's `LoRAMapping` (which rows of the
-flat batch use which slot) reaches the linears through the forward context; rows of one
-adapter are gathered and get their delta in two small GEMMs, so a batch mixes adapters freely.
+0 is the base model; a slot is never reused) in every linear it adapts. The step's
+`LoRAMapping` (which rows of the flat batch use which slot) reaches the linears through the
+forward context; rows of one adapter are gathered and get their delta in two small GEMMs, so a
+batch mixes adapters freely.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class LoRAManager:
         self.max_rank = max_rank
         self.dtype = dtype
         self.slots: dict[str, int] = {}  # adapter name -> slot
+        # Slots are never reused: the prefix cache roots an adapter's blocks at its slot.
+        self._next_slot = 1
         self.linears: dict[str, LoRALinear] = {}
         for parent_name, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):
@@ -129,7 +132,7 @@ class LoRAManager:
                     f"LoRA adapter {request.lora_name!r} adapts {name} as {a.shape[1]} -> "
                     f"{b.shape[0]} features, the model's is {want[0]} -> {want[1]}"
                 )
-        slot = len(self.slots) + 1
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
         for name, (a, b) in adapter.weights.items():
             linear = self.linears[name]
             device = _device_of(linear)
@@ -140,6 +143,12 @@ class LoRAManager:
             )
         self.slots[request.lora_name] = slot
         return slot
+
+    def unload(self, name: str) -> None:
+        """Drop an adapter's weights (no request may still use it); KeyError if not loaded."""
+        slot = self.slots.pop(name)
+        for linear in self.linears.values():
+            linear.adapters.pop(slot, None)
 
 
 def read_adapter(folder: Path, linears: set[str]) -> _Adapter:

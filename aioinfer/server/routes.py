@@ -5,16 +5,18 @@ models, tokenize and detokenize. Generation lives in `completions`, `responses_a
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from aioinfer import __version__
-from aioinfer.server.bodies import check_model, json_response, parse_request
+from aioinfer.core.lora import LoRARequest
+from aioinfer.server.bodies import MiB, check_model, json_response, parse_request, read_json
 from aioinfer.server.completions import create_chat_completion, create_completion
 from aioinfer.server.embeddings import create_classification, create_embedding
-from aioinfer.server.errors import BadRequestError, ServiceUnavailableError
+from aioinfer.server.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from aioinfer.server.messages_api import count_message_tokens, create_message
 from aioinfer.server.prompts import off_loop_if_long, render_chat_off_loop
 from aioinfer.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -50,6 +52,9 @@ def setup_routes(app: web.Application) -> None:
     router.add_delete("/v1/responses/{response_id}", delete_response)
     router.add_post("/v1/messages", create_message)
     router.add_post("/v1/messages/count_tokens", count_message_tokens)
+    if os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"):
+        router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     router.add_post("/tokenize", tokenize)
     router.add_post("/detokenize", detokenize)
 
@@ -97,6 +102,46 @@ def _model_card(state: ServerState, engine: AsyncEngine, name: str) -> ModelCard
         card["root"] = state.config.lora_adapters.get(name, name)
         card["parent"] = engine.model_name
     return card
+
+
+# vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: any client may then load adapters from server paths.
+RUNTIME_LORA_ENV = "AIOINFER_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's: {"lora_name", "lora_path"} loads an adapter that requests may then name."""
+    engine = request.app[STATE].serving_engine()
+    name, path = _lora_fields(await read_json(request, MiB), "lora_name", "lora_path")
+    if name in engine.lora_slots or name == engine.model_name:
+        raise BadRequestError(
+            f"The lora adapter '{name}' has already been loaded.", param="lora_name"
+        )
+    try:
+        await engine.add_lora(LoRARequest(name, len(engine.lora_slots) + 1, path))
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="lora_path") from None
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's: {"lora_name"} unloads an adapter no unfinished request uses."""
+    engine = request.app[STATE].serving_engine()
+    (name,) = _lora_fields(await read_json(request, MiB), "lora_name")
+    if name not in engine.lora_slots:
+        raise NotFoundError(f"The lora adapter '{name}' cannot be found.", param="lora_name")
+    try:
+        await engine.remove_lora(name)
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="lora_name") from None
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _lora_fields(body: dict[str, Any], *names: str) -> list[str]:
+    values = [body.get(name) for name in names]
+    for name, value in zip(names, values, strict=True):
+        if not isinstance(value, str) or not value:
+            raise BadRequestError(f"{name} must be a non-empty string", param=name)
+    return values  # type: ignore[return-value]
 
 
 async def tokenize(request: web.Request) -> web.Response:

@@ -195,3 +195,68 @@ def test_serve_loads_the_lora_modules_it_is_given(lora_setup):
         assert any("Loaded LoRA adapter 'second'" in line for line in proc.lines)
     finally:
         assert proc.stop() == 0
+
+
+async def test_adapters_load_and_unload_at_runtime(lora_setup, aiohttp_client, monkeypatch):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind their environment
+    switch; an adapter in use is not unloaded, and one loaded again gets a fresh slot (its
+    old cached prefix blocks are never served to it)."""
+    from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from aioinfer.core.sampling_params import SamplingParams
+    from aioinfer.engine.async_engine import AsyncEngine
+    from aioinfer.server.app import create_app
+    from aioinfer.server.routes import RUNTIME_LORA_ENV
+
+    root, references, requests = lora_setup
+    model_options = {k: v for k, v in OPTIONS.items() if k != "kv_cache_memory"}
+    engine = await AsyncEngine.create(
+        ModelConfig(model=str(root / "base"), **model_options),
+        CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )
+    try:
+        closed = await aiohttp_client(create_app(engine, ServerConfig()))
+        response = await closed.post("/v1/load_lora_adapter", json={"lora_name": "x"})
+        assert response.status == 404  # not served without the switch
+        monkeypatch.setenv(RUNTIME_LORA_ENV, "true")
+        client = await aiohttp_client(create_app(engine, ServerConfig()))
+        first = {"lora_name": "first", "lora_path": requests["first"].lora_path}
+        prompt = make_prompts(4, 512, lengths=(33,))[0]
+
+        async def complete() -> tuple[int, dict]:
+            body = {"model": "first", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+            response = await client.post("/v1/completions", json=body)
+            return response.status, await response.json()
+
+        response = await client.post("/v1/load_lora_adapter", json=first)
+        assert response.status == 200
+        assert await response.text() == "Success: LoRA adapter 'first' added successfully."
+        expected = hf_greedy(references["first"], prompt, max_new=8)
+        status, data = await complete()
+        assert status == 200 and data["choices"][0]["token_ids"] == expected
+        response = await client.post("/v1/load_lora_adapter", json=first)
+        assert response.status == 400 and "already been loaded" in await response.text()
+        bad = {"lora_name": "bad", "lora_path": str(root)}
+        response = await client.post("/v1/load_lora_adapter", json=bad)
+        assert response.status == 400 and (await response.json())["error"]["param"] == "lora_path"
+
+        stream = engine.add_request(prompt, SamplingParams(max_tokens=4), lora="first")
+        with pytest.raises(ValueError, match="in use by 1 unfinished"):
+            await engine.remove_lora("first")
+        while not (await stream.get()).finished:
+            pass
+        response = await client.post("/v1/unload_lora_adapter", json={"lora_name": "first"})
+        assert response.status == 200
+        assert (await complete())[0] == 404
+        response = await client.post("/v1/unload_lora_adapter", json={"lora_name": "first"})
+        assert response.status == 404
+        # The name again, now for other weights: a fresh slot, so the prompt's blocks cached
+        # under the old adapter are not served to the new one.
+        renamed = {"lora_name": "first", "lora_path": requests["second"].lora_path}
+        assert (await client.post("/v1/load_lora_adapter", json=renamed)).status == 200
+        status, data = await complete()
+        assert status == 200
+        assert data["choices"][0]["token_ids"] == hf_greedy(references["second"], prompt, 8)
+    finally:
+        await engine.shutdown()
