@@ -189,8 +189,9 @@ class LLM:
         pooler = self.engine.pooler
         if pooler is None:
             raise ValueError(
-                "this model generates text: LLM.classify needs a *ForSequenceClassification "
-                "model, LLM.embed an embedding model (or runner='pooling')"
+                "this model generates text: it does not serve embeddings or class "
+                "probabilities (runner='pooling' makes embeddings from it; LLM.classify needs "
+                "a *ForSequenceClassification model)"
             )
         if pooler.classifies != classify:
             raise ValueError(
