@@ -24,15 +24,31 @@ def default_token_budget(device_type: str, total_bytes: int | None, offline: boo
     return 4096 if offline else 512
 
 
+def sliding_window(hf_config: Any) -> int | None:
+    """The sliding window the model's attention applies (Mistral's, Mixtral's; Qwen's with
+    use_sliding_window), or None. The engine does not apply windows: a context that fits in
+    the window attends exactly as the model does."""
+    window = getattr(hf_config, "sliding_window", None)
+    model_type = getattr(hf_config, "model_type", "")
+    applied = model_type in ("mistral", "mixtral") or getattr(
+        hf_config, "use_sliding_window", False
+    )
+    return int(window) if applied and window else None
+
+
 def max_model_len(hf_config: Any, requested: int | None) -> int:
-    """The flag, else the config's max_position_embeddings; never more than the model's."""
-    derived = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    """The flag, else the config's max_position_embeddings; never more than the model's, nor
+    more than a sliding window (see `sliding_window`)."""
+    limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    what = f"max_position_embeddings={limit}"
+    window = sliding_window(hf_config)
+    if window is not None and window < limit:
+        limit, what = window, f"sliding_window={window}, beyond which attention is not applied"
     if requested is None:
-        return derived
-    if requested > derived:
+        return limit
+    if requested > limit:
         raise ValueError(
-            f"max_model_len ({requested}) is larger than the model's maximum length "
-            f"(max_position_embeddings={derived})"
+            f"max_model_len ({requested}) is larger than the model's maximum length ({what})"
         )
     return requested
 

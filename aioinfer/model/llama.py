@@ -348,11 +348,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama with an optional sliding window, supported only when it never limits attention."""
-
-    @classmethod
-    def _check_supported(cls, hf_config: Any) -> None:
-        window = getattr(hf_config, "sliding_window", None)
-        max_len = getattr(hf_config, "max_position_embeddings", None)
-        if window is not None and (max_len is None or window < max_len):
-            raise ValueError(f"sliding_window is not supported, got {window}")
+    """Llama with an optional sliding window, which max_model_len stays within (sizing.py), so
+    that attention never reaches past it."""

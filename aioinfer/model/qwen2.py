@@ -11,8 +11,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
         return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, "qk_norm": False}
-
-    @classmethod
-    def _check_supported(cls, hf_config: Any) -> None:
-        if getattr(hf_config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported")

@@ -247,10 +247,40 @@ def test_unsupported_settings_raise() -> None:
     config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act"):
         LlamaForCausalLM(config)
+
+
+def test_a_sliding_window_caps_the_context() -> None:
+    """The engine applies no window: the context stays within it, where attention is exact."""
+    from aioinfer import sizing
+
     config = make_hf_model("qwen2").config
-    config.use_sliding_window = True
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        get_model_class(config)(config)
+    config.use_sliding_window, config.sliding_window = True, 32
+    assert sizing.max_model_len(config, None) == 32
+    with pytest.raises(ValueError, match=r"max_model_len \(64\).*sliding_window=32"):
+        sizing.max_model_len(config, 64)
+    config.use_sliding_window = False  # Qwen's configs name a window they do not apply
+    assert sizing.max_model_len(config, None) == 256
+
+
+def test_mistral_with_a_sliding_window_equals_transformers(tmp_path) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from aioinfer import LLM
+    from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+    from tests.model.tiny_models import BASE_CONFIG, _randomize
+    from tests.tokenizer_fixtures import make_tokenizer
+
+    config = MistralConfig(**BASE_CONFIG, sliding_window=32, attn_implementation="eager")
+    config.architectures = ["MistralForCausalLM"]
+    hf = MistralForCausalLM(config).eval()
+    _randomize(hf, 0)
+    hf.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    prompts = make_prompts(0, 512, lengths=(1, 7, 16, 19))  # + 12 new tokens: within 32
+    with LLM(str(tmp_path), dtype="float32", kv_cache_memory=0.01) as llm:
+        assert llm.engine.max_model_len == 32
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
 
 
 @pytest.mark.parametrize(
