@@ -124,6 +124,7 @@ class AsyncEngine:
         self.constraints: ConstraintBuilder | None = None  # set at start()
         self.pooler: PoolerConfig | None = None  # set at start() when the model makes embeddings
         self.lora_slots: dict[str, int] = {}  # loaded LoRA adapters by name (add_lora)
+        self.lora_paths: dict[str, str] = {}  # and their folders
         self.limits = ModelLimits(0, 0, 0)  # the model's, set at start()
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
@@ -418,10 +419,22 @@ class AsyncEngine:
 
     async def add_lora(self, lora: LoRARequest) -> None:
         """Load a LoRA adapter (on the GPU thread, between steps) so that requests may name it;
-        ValueError for an adapter the model cannot take, or without --enable-lora."""
+        a no-op when it is loaded already. ValueError for an adapter the model cannot take, a
+        name loaded (or being loaded) from another path, or without --enable-lora."""
         self._check_running()
-        slot = await asyncio.wrap_future(self.gpu.call(lambda: self.gpu.runner.load_lora(lora)))
-        self.lora_slots[lora.lora_name] = slot
+        name, path = lora.lora_name, lora.lora_path
+        known = self.lora_paths.get(name)
+        if known is not None and name in self.lora_slots and known == path:
+            return
+        if known is not None:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded from {known}")
+        self.lora_paths[name] = path  # reserved while it loads
+        try:
+            slot = await asyncio.wrap_future(self.gpu.call(lambda: self.gpu.runner.load_lora(lora)))
+        except BaseException:
+            del self.lora_paths[name]
+            raise
+        self.lora_slots[name] = slot
 
     async def remove_lora(self, name: str) -> None:
         """Unload an adapter; KeyError when none has that name, ValueError while requests that
@@ -433,6 +446,7 @@ class AsyncEngine:
         if users:
             self.lora_slots[name] = slot
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
+        del self.lora_paths[name]
         await asyncio.wrap_future(self.gpu.call(lambda: self.gpu.runner.unload_lora(name)))
 
     def _lora_slot(self, name: str | None) -> int:

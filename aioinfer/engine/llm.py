@@ -368,8 +368,7 @@ class LLM:
     ) -> list[RequestOutput]:
         streams: list[RequestStream] = []
         progress: _Progress | None = None
-        for adapter in {lora for lora in loras if lora is not None}:
-            await self.engine.add_lora(adapter)
+        await self._load_adapters({lora.lora_name: lora for lora in loras if lora is not None})
 
         async def collect(stream: RequestStream, n: int) -> RequestOutput:
             acc = OutputAccumulator(n)
@@ -427,6 +426,26 @@ class LLM:
             return await gather_or_cancel(
                 collect(s, p) for s, p in zip(streams, params_list, strict=True)
             )
+
+    async def _load_adapters(self, adapters: dict[str, LoRARequest]) -> None:
+        """Load the batch's adapters; when the slots are full, unload adapters this batch does
+        not use (the offline API is given every adapter's path, so they load again when next
+        needed). A name given with another path than before is loaded from the new one."""
+        engine = self.engine
+        limit = engine.model_config.max_loras
+        if len(adapters) > limit:
+            raise ValueError(
+                f"these prompts use {len(adapters)} LoRA adapters; max_loras is {limit}"
+            )
+        for name, adapter in adapters.items():
+            if engine.lora_paths.get(name) == adapter.lora_path:
+                continue
+            if name in engine.lora_paths:
+                await engine.remove_lora(name)
+            idle = [loaded for loaded in engine.lora_slots if loaded not in adapters]
+            if len(engine.lora_slots) >= limit and idle:
+                await engine.remove_lora(idle[0])  # the longest loaded
+            await engine.add_lora(adapter)
 
     @contextlib.contextmanager
     def _batch(

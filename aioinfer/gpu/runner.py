@@ -120,6 +120,10 @@ class ModelRunner:
             resolved, self.dtype, self.device, model_config.seed, pooling=self.pooler is not None
         )
         self.lora: LoRAManager | None = None
+        if model_config.enable_lora and self.pooler is not None:
+            raise ValueError(
+                "LoRA adapters serve text generation: --enable-lora needs a generating model"
+            )
         if model_config.enable_lora:
             # Before the CPU kernels: layers with LoRA linears then run module by module.
             self.lora = LoRAManager(

@@ -161,21 +161,32 @@ def read_adapter(folder: Path, linears: set[str]) -> _Adapter:
             f"{folder} is not a LoRA adapter: it needs adapter_config.json and "
             "adapter_model.safetensors"
         )
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        assert isinstance(config, dict)
+    except (ValueError, AssertionError):
+        raise ValueError(f"{config_path} is not a JSON object") from None
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ValueError(f"{config_path}: peft_type must be LORA, got {config['peft_type']!r}")
     for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save"):
         if config.get(key):
             raise ValueError(f"{config_path}: {key} is not supported")
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    try:  # PEFT's defaults where the file leaves them out
+        rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
+    except (TypeError, ValueError):
+        raise ValueError(f"{config_path}: r and lora_alpha must be numbers") from None
+    if rank < 1:
+        raise ValueError(f"{config_path}: r must be >= 1, got {rank}")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
     from safetensors.torch import load_file
 
     tensors = load_file(str(weights_path))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    # The file's keys decide what is adapted (target_modules only says what PEFT looked for).
     for key, tensor in tensors.items():
-        name, dot, part = key.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+        plain = key.removeprefix(_PEFT_PREFIX).replace(".default.", ".")  # PEFT's adapter name
+        name, dot, part = plain.rpartition(".lora_")
         if not dot or part not in ("A.weight", "B.weight"):
             raise ValueError(f"{weights_path}: {key} is not a LoRA A or B weight")
         if name not in linears:

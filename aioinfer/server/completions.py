@@ -250,7 +250,9 @@ def _response_context(
     client_id = None if response_id is not None else request.headers.get(REQUEST_ID_HEADER)
     if response_id is None:
         response_id = f"{prefix}-{client_id or unique}"
-    lora = req.model if req.model in engine.lora_slots else None
+    # A name other than the served model's is an adapter (check_model said so): never the
+    # base model, even if the adapter is unloaded meanwhile (start_generation answers 404).
+    lora = req.model if req.model and req.model != engine.model_name else None
     return ResponseContext(
         response_id,
         lora or engine.model_name,

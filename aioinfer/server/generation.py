@@ -23,6 +23,7 @@ from aioinfer.server.errors import (
     APIError,
     BadRequestError,
     InternalServerError,
+    NotFoundError,
     ServiceUnavailableError,
 )
 from aioinfer.server.metrics import RequestTimer
@@ -212,6 +213,11 @@ def start_generation(
         raise BadRequestError(
             f"The model {engine.model_name!r} serves embeddings (--runner pooling): it does not "
             "generate text; use /v1/embeddings",
+            param="model",
+        )
+    if ctx.lora is not None and ctx.lora not in engine.lora_slots:
+        raise NotFoundError(
+            f"The model `{ctx.lora}` does not exist (its LoRA adapter was unloaded).",
             param="model",
         )
 

@@ -280,6 +280,7 @@ class MessagesRequest(OpenAIRequest):
         )
         chat = ChatCompletionRequest.model_validate(
             {
+                "model": self.model,  # a LoRA adapter's name picks it
                 "messages": self.chat_messages(),
                 "add_generation_prompt": not prefill,
                 "continue_final_message": prefill,

@@ -351,6 +351,7 @@ class ResponsesRequest(OpenAIRequest):
         ]
         chat = ChatCompletionRequest.model_validate(
             {
+                "model": self.model,  # a LoRA adapter's name picks it
                 "messages": messages,
                 "tools": tools or None,
                 "tool_choice": choice,

@@ -99,7 +99,7 @@ def _model_card(state: ServerState, engine: AsyncEngine, name: str) -> ModelCard
     """The served model's card, or a LoRA adapter's (its parent: the served model)."""
     card = model_card(name, engine.max_model_len, state.created)
     if name != engine.model_name:
-        card["root"] = state.config.lora_adapters.get(name, name)
+        card["root"] = engine.lora_paths.get(name, name)
         card["parent"] = engine.model_name
     return card
 
@@ -112,7 +112,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     """vLLM's: {"lora_name", "lora_path"} loads an adapter that requests may then name."""
     engine = request.app[STATE].serving_engine()
     name, path = _lora_fields(await read_json(request, MiB), "lora_name", "lora_path")
-    if name in engine.lora_slots or name == engine.model_name:
+    if name in engine.lora_paths or name == engine.model_name:
         raise BadRequestError(
             f"The lora adapter '{name}' has already been loaded.", param="lora_name"
         )

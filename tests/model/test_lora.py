@@ -118,13 +118,15 @@ def test_bad_adapters_are_refused_with_the_reason(lora_setup, tmp_path):
             llm.generate(["hi"], GREEDY, lora_request=LoRARequest("head", 8, str(head)))
         with pytest.raises(ValueError, match="not a LoRA adapter"):
             llm.generate(["hi"], GREEDY, lora_request=LoRARequest("x", 7, str(tmp_path)))
-        llm.generate(["hi"], GREEDY, use_tqdm=False, lora_request=requests["first"])
-        with pytest.raises(ValueError, match="all 1 slots are taken"):
-            llm.generate(["hi"], GREEDY, lora_request=requests["second"])
+        both = [requests["first"], requests["second"]]
+        with pytest.raises(ValueError, match="use 2 LoRA adapters; max_loras is 1"):
+            llm.generate(["hi", "ho"], GREEDY, lora_request=both)
         assert (
             llm.engine.scheduler.kv.pool.num_free_blocks
             == llm.engine.scheduler.kv.pool.num_usable_blocks
         )
+    with pytest.raises(ValueError, match="needs a generating model"):
+        LLM(str(root / "base"), runner="pooling", **OPTIONS)
     without = {**OPTIONS, "enable_lora": False}
     with (
         LLM(str(root / "base"), **without) as llm,
@@ -170,6 +172,24 @@ async def test_the_server_routes_requests_by_adapter_name(lora_setup, aiohttp_cl
         response = await client.post("/v1/completions", json={"model": "third", "prompt": "hi"})
         error = (await response.json())["error"]
         assert response.status == 404 and "first, second" in error["message"]
+        # Chat, the Responses API and the Messages API pick the adapter the same way.
+        texts = {}
+        for name in ("first", engine.model_name):
+            chat = {"model": name, "messages": [{"role": "user", "content": "hello there"}],
+                    "max_tokens": 6, "temperature": 0}  # fmt: skip
+            data = await (await client.post("/v1/chat/completions", json=chat)).json()
+            assert data["model"] == name
+            texts[name] = data["choices"][0]["message"]["content"]
+        assert texts["first"] != texts[engine.model_name]
+        body = {"model": "first", "input": "hello there", "max_output_tokens": 6,
+                "temperature": 0}  # fmt: skip
+        data = await (await client.post("/v1/responses", json=body)).json()
+        assert data["model"] == "first"
+        assert data["output"][-1]["content"][0]["text"] == texts["first"]
+        body = {"model": "first", "messages": [{"role": "user", "content": "hello there"}],
+                "max_tokens": 6, "temperature": 0}  # fmt: skip
+        data = await (await client.post("/v1/messages", json=body)).json()
+        assert data["model"] == "first" and data["content"][0]["text"] == texts["first"]
     finally:
         await engine.shutdown()
 
@@ -260,3 +280,28 @@ async def test_adapters_load_and_unload_at_runtime(lora_setup, aiohttp_client, m
         assert data["choices"][0]["token_ids"] == hf_greedy(references["second"], prompt, 8)
     finally:
         await engine.shutdown()
+
+
+def test_the_offline_api_swaps_adapters_through_its_slots(lora_setup, tmp_path):
+    """With one slot, each call's adapter replaces the last one; a name given with another
+    path runs the new weights; an adapter_config.json without r and lora_alpha takes PEFT's
+    defaults (8 and 8: scale 1)."""
+    root, references, requests = lora_setup
+    prompt = make_prompts(5, 512, lengths=(21,))[0]
+    deltas = write_adapter(references[None], tmp_path / "plain", seed=6, rank=8, alpha=8.0)
+    config = json.loads((tmp_path / "plain" / "adapter_config.json").read_text())
+    del config["r"], config["lora_alpha"]
+    (tmp_path / "plain" / "adapter_config.json").write_text(json.dumps(config))
+    plain = merged(references[None], deltas)
+    calls = [
+        (requests["first"], references["first"]),
+        (requests["second"], references["second"]),
+        (LoRARequest("first", 3, requests["second"].lora_path), references["second"]),
+        (LoRARequest("plain", 4, str(tmp_path / "plain")), plain),
+        (requests["first"], references["first"]),
+    ]
+    with LLM(str(root / "base"), max_loras=1, **OPTIONS) as llm:
+        for lora, reference in calls:
+            (output,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+            assert output.outputs[0].token_ids == hf_greedy(reference, prompt), lora
+            assert list(llm.engine.lora_slots) == [lora.lora_name]
