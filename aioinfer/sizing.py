@@ -36,14 +36,36 @@ def sliding_window(hf_config: Any) -> int | None:
     return int(window) if applied and window else None
 
 
+def longrope_original(hf_config: Any) -> int | None:
+    """A LongRoPE model's original context (Phi-3), past which transformers switches to the
+    long factors: the engine applies the short ones only."""
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = getattr(hf_config, name, None)
+        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "longrope":
+            original = rope.get("original_max_position_embeddings") or getattr(
+                hf_config, "original_max_position_embeddings", None
+            )
+            return int(original) if original else None
+    return None
+
+
 def max_model_len(hf_config: Any, requested: int | None) -> int:
     """The flag, else the config's max_position_embeddings; never more than the model's, nor
-    more than a sliding window (see `sliding_window`)."""
+    more than a sliding window (see `sliding_window`) or a LongRoPE model's original context."""
     limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
     what = f"max_position_embeddings={limit}"
     window = sliding_window(hf_config)
     if window is not None and window < limit:
         limit, what = window, f"sliding_window={window}, beyond which attention is not applied"
+    original = longrope_original(hf_config)
+    if original is not None and original < limit:
+        limit, what = (
+            original,
+            (
+                f"LongRoPE's original_max_position_embeddings={original}, beyond which its long "
+                "factors are not applied"
+            ),
+        )
     if requested is None:
         return limit
     if requested > limit:

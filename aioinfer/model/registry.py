@@ -6,6 +6,7 @@ from typing import Any
 
 from aioinfer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from aioinfer.model.mixtral import MixtralForCausalLM
+from aioinfer.model.phi3 import Phi3ForCausalLM
 from aioinfer.model.qwen2 import Qwen2ForCausalLM
 from aioinfer.model.qwen2_moe import Qwen2MoeForCausalLM
 from aioinfer.model.qwen3 import Qwen3ForCausalLM
@@ -16,6 +17,7 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     # Mixture of experts.
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
@@ -40,6 +42,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }

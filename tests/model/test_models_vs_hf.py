@@ -313,3 +313,18 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(scaling) -> No
     expected, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](hf.config, "cpu")
     torch.testing.assert_close(compute_inv_freq(16, rope), expected, atol=0, rtol=1e-6)
     assert attention_factor(rope) == pytest.approx(expected_factor, rel=1e-12)
+
+
+def test_a_yarn_model_through_the_engine(tmp_path) -> None:
+    """Built on the meta device and loaded, as the engine builds it."""
+    from aioinfer import LLM
+    from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+    from tests.tokenizer_fixtures import make_tokenizer
+
+    hf = hf_model("qwen2-yarn")
+    hf.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    prompts = make_prompts(0, 512, lengths=(3, 40))  # past the original 32 positions
+    with LLM(str(tmp_path), dtype="float32", kv_cache_memory=0.01) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]

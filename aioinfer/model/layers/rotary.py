@@ -1,7 +1,9 @@
 """Rotary position embedding (the "rotate half" layout of Hugging Face checkpoints).
 
-Supported scalings: none ("default"), "linear", "llama3" and "yarn" (Qwen's long-context setting;
-its attention factor scales cos and sin, as in transformers). The inverse frequencies are computed
+Supported scalings: none ("default"), "linear", "llama3", "yarn" (Qwen's long-context setting)
+and "longrope" (Phi-3's, with its short factors: sizing.py keeps the context within the original
+one, beyond which transformers switches to the long factors). YaRN's and LongRoPE's attention
+factors scale cos and sin, as in transformers. The inverse frequencies are computed
 on the CPU at construction, even under `torch.device("meta")`, and copied to the device of the
 positions on first use, so a model built on meta and loaded later needs no extra set-up step.
 """
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,16 +52,22 @@ def rope_config_from_hf(hf_config: Any, default_theta: float = 10000.0) -> RopeC
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
-    if rope_type == "yarn" and merged.get("factor") is None:
-        # As transformers: the ratio of the context to the original one (DeepSeek's configs).
-        original = merged.get("original_max_position_embeddings")
+    if rope_type in ("yarn", "longrope"):
+        original = merged.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None
+        )
+        merged["original_max_position_embeddings"] = original
         context = getattr(hf_config, "max_position_embeddings", None)
-        if original and context:
+        if merged.get("factor") is None and original and context:
+            # As transformers: the ratio of the context to the original one.
             merged["factor"] = float(context) / float(original)
+    merged.pop("partial_rotary_factor", None)  # the model checks it (full rotary only)
     return RopeConfig(
         theta=float(theta or default_theta),
         rope_type=rope_type,
-        params=tuple(sorted(merged.items())),
+        params=tuple(
+            sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in merged.items())
+        ),
     )
 
 
@@ -99,19 +107,25 @@ def _yarn_scale(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torc
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # no division by zero
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = (
+        (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    ).clamp(0, 1)
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def attention_factor(rope: RopeConfig) -> float:
-    """What YaRN multiplies cos and sin by (1.0 for the other scalings): `attention_factor`, or
-    0.1 ln(factor) + 1, as a ratio of two such terms when mscale and mscale_all_dim are set."""
-    if rope.rope_type != "yarn":
+    """What YaRN and LongRoPE multiply cos and sin by (1.0 for the other scalings):
+    `attention_factor`, else YaRN's 0.1 ln(factor) + 1 (a ratio of two such terms when
+    mscale and mscale_all_dim are set), LongRoPE's sqrt(1 + ln(factor) / ln(original))."""
+    if rope.rope_type not in ("yarn", "longrope"):
         return 1.0
     explicit = rope.param("attention_factor", 0.0)
     if explicit:
         return float(explicit)
     factor = float(rope.param("factor"))
+    if rope.rope_type == "longrope":
+        original = float(rope.param("original_max_position_embeddings"))
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
     def mscale(scale: float) -> float:
         return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
@@ -130,6 +144,11 @@ def compute_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return _llama3_scale(inv_freq, rope)
     if rope.rope_type == "yarn":
         return _yarn_scale(inv_freq, head_dim, rope)
+    if rope.rope_type == "longrope":
+        short = torch.tensor(rope.param("short_factor"), dtype=torch.float32, device="cpu")
+        if short.shape != inv_freq.shape:
+            raise ValueError(f"longrope short_factor must hold {head_dim // 2} values")
+        return 1.0 / (short * rope.theta**exponents)  # transformers' rounding
     return inv_freq
 
 

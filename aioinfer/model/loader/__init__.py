@@ -101,9 +101,10 @@ def checkpoint_keys(hf_config: Any) -> set[str]:
 
     with torch.device("meta"), _skip_init():
         model = get_model_class(hf_config)(hf_config)
-    slots = _checkpoint_slots(model)
-    stacked = {slot.target for slot in slots.values()}
-    return (set(_weight_targets(model, hf_config)) - stacked) | set(slots)
+    slots, splits = _checkpoint_slots(model), _checkpoint_splits(model)
+    filled = {slot.target for slot in slots.values()}
+    filled |= {target for parts in splits.values() for target, _, _ in parts}
+    return (set(_weight_targets(model, hf_config)) - filled) | set(slots) | set(splits)
 
 
 def load_weights(
@@ -122,11 +123,16 @@ def load_weights(
     device = torch.device(device)
     start = time.perf_counter()
     targets = _weight_targets(model, resolved.hf_config)
-    slots = _checkpoint_slots(model)
+    slots, splits = _checkpoint_slots(model), _checkpoint_splits(model)
     parts: dict[str, set[str]] = {}  # stacked parameter -> the checkpoint keys copied into it
     count, nbytes = 0, 0
-    stream = _weight_stream(model, resolved, targets.keys() | slots.keys(), dtype, device, seed)
-    for name, tensor in stream:
+    wanted = targets.keys() | slots.keys() | splits.keys()
+    for name, tensor in _weight_stream(model, resolved, wanted, dtype, device, seed):
+        if name in splits:
+            for value in _split(model, name, tensor, splits[name], targets, dtype, device):
+                count += 1
+                nbytes += value.numel() * value.element_size()
+            continue
         slot = slots.get(name)
         if slot is not None and slot.expert is not None:
             value = _copy_into_slot(model, name, tensor, slot, targets[slot.target], dtype, device)
@@ -206,6 +212,36 @@ def _weight_targets(model: nn.Module, hf_config: Any) -> dict[str, torch.Tensor]
 def _checkpoint_slots(model: nn.Module) -> dict[str, WeightSlot]:
     slots = getattr(model, "checkpoint_slots", None)
     return slots() if callable(slots) else {}
+
+
+def _checkpoint_splits(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
+    splits = getattr(model, "checkpoint_splits", None)
+    return splits() if callable(splits) else {}
+
+
+def _split(
+    model: nn.Module,
+    name: str,
+    tensor: torch.Tensor,
+    parts: list[tuple[str, int, int]],
+    targets: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Cut a fused checkpoint tensor (Phi-3's qkv_proj) by rows into its parameters."""
+    rows = sum(count for _, _, count in parts)
+    if tensor.shape[0] != rows:
+        raise ValueError(
+            f"weight {name} has {tensor.shape[0]} rows in the checkpoint but the model's "
+            f"{', '.join(target for target, _, _ in parts)} have {rows}; does config.json match "
+            "the weights?"
+        )
+    values = []
+    for target, start, count in parts:
+        value = _convert(name, tensor[start : start + count], targets[target], dtype, device)
+        set_tensor(model, target, value)
+        values.append(value)
+    return values
 
 
 def _copy_into_slot(

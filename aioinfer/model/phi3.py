@@ -1,0 +1,44 @@
+"""Phi-3 and Phi-4 (Phi3ForCausalLM): the Llama decoder whose checkpoints fuse q, k and v into
+`self_attn.qkv_proj` and gate and up into `mlp.gate_up_proj`. The loader splits each fused
+tensor into the model's own projections by rows (`checkpoint_splits`), so every path that
+knows Llama's projections (the CPU kernels, fuse_gemms on a GPU) runs Phi-3 unchanged.
+
+LongRoPE runs with its short factors, within the original context (sizing.py); a partial
+rotary (Phi-4-mini's 0.75) is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aioinfer.model.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def _check_supported(cls, hf_config: Any) -> None:
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        partial = rope.get(
+            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
+        )
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+
+    def checkpoint_splits(self) -> dict[str, list[tuple[str, int, int]]]:
+        """{fused checkpoint key: [(parameter, first row, rows), ...]} for every layer."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        splits: dict[str, list[tuple[str, int, int]]] = {}
+        for i in range(cfg.num_layers):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            splits[f"{attn}.qkv_proj.weight"] = [
+                (f"{attn}.q_proj.weight", 0, q),
+                (f"{attn}.k_proj.weight", q, kv),
+                (f"{attn}.v_proj.weight", q + kv, kv),
+            ]
+            splits[f"{mlp}.gate_up_proj.weight"] = [
+                (f"{mlp}.gate_proj.weight", 0, inter),
+                (f"{mlp}.up_proj.weight", inter, inter),
+            ]
+        return splits

@@ -1,0 +1,86 @@
+"""Phi-3 and Phi-4 (fused qkv_proj and gate_up_proj checkpoints, LongRoPE) through the whole
+engine against transformers in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Phi3Config, Phi3ForCausalLM
+
+from aioinfer import LLM
+from aioinfer.model.kernels import cpu_native
+from aioinfer.model.layers.rotary import attention_factor, compute_inv_freq, rope_config_from_hf
+from aioinfer.model.loader import checkpoint_keys
+from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+from tests.model.tiny_models import BASE_CONFIG, _randomize
+from tests.tokenizer_fixtures import make_tokenizer
+
+OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01}
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    "long_factor": [2.0] * 8,
+}
+
+
+def make_phi3(**overrides) -> torch.nn.Module:
+    settings = {**BASE_CONFIG, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
+    config = Phi3Config(**{**settings, **overrides}, attn_implementation="eager")
+    config.architectures = ["Phi3ForCausalLM"]
+    torch.manual_seed(0)
+    hf = Phi3ForCausalLM(config).float().eval()
+    _randomize(hf, 0)
+    return hf
+
+
+@pytest.fixture(scope="module", params=["default", "longrope"])
+def phi3(request, tmp_path_factory):
+    overrides = {}
+    if request.param == "longrope":  # within its original context: the short factors
+        overrides = {"rope_scaling": LONGROPE, "original_max_position_embeddings": 64}
+    hf = make_phi3(**overrides)
+    path = tmp_path_factory.mktemp(f"phi3-{request.param}")
+    hf.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path, hf
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_greedy_equals_transformers(phi3, backend):
+    if backend == "native" and cpu_native.load() is None:
+        pytest.skip(cpu_native.unavailable_reason())
+    path, hf = phi3
+    prompts = make_prompts(0, 512, lengths=(1, 3, 7, 16, 17, 33, 50))
+    options = {**OPTIONS, "attention_backend": backend, "cpu_kernels": backend}
+    with LLM(str(path), max_num_batched_tokens=16, **options) as llm:
+        limit = getattr(hf.config, "original_max_position_embeddings", 256)
+        longrope = hf.config.rope_parameters.get("rope_type") == "longrope"
+        assert llm.engine.max_model_len == (limit if longrope else 256)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_the_checkpoint_keys_are_the_fused_ones(phi3):
+    path, hf = phi3
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        assert checkpoint_keys(hf.config) == set(f.keys())
+
+
+def test_longrope_frequencies_and_factor_equal_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = make_phi3(rope_scaling=LONGROPE, original_max_position_embeddings=64)
+    rope = rope_config_from_hf(hf.config)
+    expected, factor = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu")
+    torch.testing.assert_close(compute_inv_freq(16, rope), expected, atol=0, rtol=1e-6)
+    assert attention_factor(rope) == pytest.approx(factor) and factor > 1
+
+
+def test_a_partial_rotary_is_refused(tmp_path):
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.75}
+    make_phi3(rope_scaling=rope).save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        LLM(str(tmp_path), **OPTIONS)
