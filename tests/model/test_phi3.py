@@ -82,5 +82,5 @@ def test_a_partial_rotary_is_refused(tmp_path):
     rope = {"rope_type": "default", "partial_rotary_factor": 0.75}
     make_phi3(rope_scaling=rope).save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.75"):
         LLM(str(tmp_path), **OPTIONS)
