@@ -135,6 +135,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with the chat template.
         A message's content is a string or a list of text parts. `tools` (OpenAI function
@@ -154,7 +155,7 @@ class LLM:
                 tools=tools,
             )
             encoded.append((text, encode_rendered_chat(self.engine.tokenizer, text)))
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, loras=[lora_request] * len(encoded))
 
     def embed(
         self,

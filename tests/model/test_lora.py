@@ -301,6 +301,10 @@ def test_the_offline_api_swaps_adapters_through_its_slots(lora_setup, tmp_path):
         (requests["first"], references["first"]),
     ]
     with LLM(str(root / "base"), max_loras=1, **OPTIONS) as llm:
+        messages = [{"role": "user", "content": "hello there"}]
+        plain_chat = llm.chat(messages, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        first_chat = llm.chat(messages, GREEDY, use_tqdm=False, lora_request=requests["first"])
+        assert first_chat[0].outputs[0].token_ids != plain_chat
         for lora, reference in calls:
             (output,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
             assert output.outputs[0].token_ids == hf_greedy(reference, prompt), lora
