@@ -6,36 +6,16 @@ classes and the label of the likeliest one, named as the model's config.json nam
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
-from pydantic import Field, field_validator
 from typing_extensions import TypedDict
 
-from aioinfer.server.embeddings_protocol import EmbeddingUsage
-from aioinfer.server.protocol import OpenAIRequest, check_prompt_shape
+from aioinfer.server.embeddings_protocol import EmbeddingUsage, PoolingInputRequest
 
 
-class ClassifyRequest(OpenAIRequest):
+class ClassifyRequest(PoolingInputRequest):
     """POST /classify."""
-
-    model: str | None = Field(None, description="The served model name (default: the only one).")
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        description="A text, a list of texts, a list of token ids or a list of such lists."
-    )
-    user: str | None = Field(None, description="Accepted and ignored.")
-    truncate_prompt_tokens: int | None = Field(
-        None, description="Keep only each input's last k tokens (-1: what the context holds)."
-    )
-    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens.")
-    priority: int = Field(
-        0, description="With --scheduling-policy priority: lower runs first (vLLM's field)."
-    )
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input_shape(cls, value: Any) -> Any:
-        return check_prompt_shape(value)
 
 
 class ClassifyData(TypedDict):

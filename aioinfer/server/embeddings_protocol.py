@@ -17,25 +17,16 @@ from aioinfer.core.pooling import PoolingParams
 from aioinfer.server.protocol import OpenAIRequest, RequestValidationError, check_prompt_shape
 
 
-class EmbeddingRequest(OpenAIRequest):
-    """POST /v1/embeddings."""
+class PoolingInputRequest(OpenAIRequest):
+    """The fields /v1/embeddings and /classify share: inputs, truncation, priority."""
 
     model: str | None = Field(None, description="The served model name (default: the only one).")
     input: str | list[str] | list[int] | list[list[int]] = Field(
         description="A text, a list of texts, a list of token ids or a list of such lists."
     )
-    encoding_format: Literal["float", "base64"] = Field(
-        "float", description="float: lists of numbers; base64: little-endian float32 bytes."
-    )
-    dimensions: int | None = Field(
-        None, description="Keep the first d values, then normalize (Matryoshka models)."
-    )
     user: str | None = Field(None, description="Accepted and ignored.")
     truncate_prompt_tokens: int | None = Field(
         None, description="Keep only each input's last k tokens (-1: what the context holds)."
-    )
-    normalize: bool | None = Field(
-        None, description="L2-normalize the vectors (default: the model's setting)."
     )
     add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens.")
     priority: int = Field(
@@ -46,6 +37,20 @@ class EmbeddingRequest(OpenAIRequest):
     @classmethod
     def _input_shape(cls, value: Any) -> Any:
         return check_prompt_shape(value)
+
+
+class EmbeddingRequest(PoolingInputRequest):
+    """POST /v1/embeddings."""
+
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: little-endian float32 bytes."
+    )
+    dimensions: int | None = Field(
+        None, description="Keep the first d values, then normalize (Matryoshka models)."
+    )
+    normalize: bool | None = Field(
+        None, description="L2-normalize the vectors (default: the model's setting)."
+    )
 
     def to_pooling_params(self) -> PoolingParams:
         return pooling_params(self.dimensions, self.normalize, self.truncate_prompt_tokens)

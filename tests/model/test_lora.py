@@ -23,6 +23,19 @@ TARGETS = {"q_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 
 
+async def lora_engine(root: Path):
+    """An engine over the base model with LoRA enabled, as `aioinfer serve` builds it."""
+    from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+    from aioinfer.engine.async_engine import AsyncEngine
+
+    model_options = {k: v for k, v in OPTIONS.items() if k != "kv_cache_memory"}
+    return await AsyncEngine.create(
+        ModelConfig(model=str(root / "base"), **model_options),
+        CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )
+
+
 def write_adapter(
     hf: torch.nn.Module, path: Path, seed: int, rank: int = 4, alpha: float = 8.0, **config
 ) -> dict[str, torch.Tensor]:
@@ -138,17 +151,11 @@ def test_bad_adapters_are_refused_with_the_reason(lora_setup, tmp_path):
 async def test_the_server_routes_requests_by_adapter_name(lora_setup, aiohttp_client):
     """`model` picks the adapter (as vLLM's --lora-modules names it); /v1/models lists the
     adapters with the served model as their parent; responses name the adapter."""
-    from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
-    from aioinfer.engine.async_engine import AsyncEngine
+    from aioinfer.config import ServerConfig
     from aioinfer.server.app import create_app
 
     root, references, requests = lora_setup
-    model_options = {k: v for k, v in OPTIONS.items() if k != "kv_cache_memory"}
-    engine = await AsyncEngine.create(
-        ModelConfig(model=str(root / "base"), **model_options),
-        CacheConfig(kv_cache_memory=0.01),
-        SchedulerConfig(),
-    )
+    engine = await lora_engine(root)
     try:
         for request in requests.values():
             await engine.add_lora(request)
@@ -221,19 +228,13 @@ async def test_adapters_load_and_unload_at_runtime(lora_setup, aiohttp_client, m
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, behind their environment
     switch; an adapter in use is not unloaded, and one loaded again gets a fresh slot (its
     old cached prefix blocks are never served to it)."""
-    from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from aioinfer.config import ServerConfig
     from aioinfer.core.sampling_params import SamplingParams
-    from aioinfer.engine.async_engine import AsyncEngine
     from aioinfer.server.app import create_app
     from aioinfer.server.routes import RUNTIME_LORA_ENV
 
     root, references, requests = lora_setup
-    model_options = {k: v for k, v in OPTIONS.items() if k != "kv_cache_memory"}
-    engine = await AsyncEngine.create(
-        ModelConfig(model=str(root / "base"), **model_options),
-        CacheConfig(kv_cache_memory=0.01),
-        SchedulerConfig(),
-    )
+    engine = await lora_engine(root)
     try:
         closed = await aiohttp_client(create_app(engine, ServerConfig()))
         response = await closed.post("/v1/load_lora_adapter", json={"lora_name": "x"})
