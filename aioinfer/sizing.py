@@ -25,15 +25,17 @@ def default_token_budget(device_type: str, total_bytes: int | None, offline: boo
 
 
 def sliding_window(hf_config: Any) -> int | None:
-    """The sliding window the model's attention applies (Mistral's, Mixtral's; Qwen's with
-    use_sliding_window), or None. The engine does not apply windows: a context that fits in
-    the window attends exactly as the model does."""
+    """The sliding window the model's attention applies, or None: transformers applies a
+    config's `sliding_window` (Mistral, Mixtral, Phi-3) unless Qwen's `use_sliding_window` is
+    off or no layer slides (`layer_types`). The engine does not apply windows: a context that
+    fits in the window attends exactly as the model does."""
     window = getattr(hf_config, "sliding_window", None)
-    model_type = getattr(hf_config, "model_type", "")
-    applied = model_type in ("mistral", "mixtral") or getattr(
-        hf_config, "use_sliding_window", False
-    )
-    return int(window) if applied and window else None
+    if not window or getattr(hf_config, "use_sliding_window", None) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
 
 
 def longrope_original(hf_config: Any) -> int | None:
@@ -56,7 +58,13 @@ def max_model_len(hf_config: Any, requested: int | None) -> int:
     what = f"max_position_embeddings={limit}"
     window = sliding_window(hf_config)
     if window is not None and window < limit:
-        limit, what = window, f"sliding_window={window}, beyond which attention is not applied"
+        limit, what = (
+            window,
+            (
+                f"sliding_window={window}: the engine applies no windowed attention, and a longer "
+                "context would differ from the model"
+            ),
+        )
     original = longrope_original(hf_config)
     if original is not None and original < limit:
         limit, what = (

@@ -253,12 +253,14 @@ def test_a_sliding_window_caps_the_context() -> None:
     """The engine applies no window: the context stays within it, where attention is exact."""
     from aioinfer import sizing
 
-    config = make_hf_model("qwen2").config
-    config.use_sliding_window, config.sliding_window = True, 32
+    window = {"use_sliding_window": True, "sliding_window": 32}
+    config = make_hf_model("qwen2", **window, max_window_layers=0).config  # every layer slides
     assert sizing.max_model_len(config, None) == 32
     with pytest.raises(ValueError, match=r"max_model_len \(64\).*sliding_window=32"):
         sizing.max_model_len(config, 64)
-    config.use_sliding_window = False  # Qwen's configs name a window they do not apply
+    # Layers from max_window_layers on slide: with none of them past it, no window applies.
+    assert sizing.max_model_len(make_hf_model("qwen2", **window).config, None) == 256
+    config = make_hf_model("qwen2", sliding_window=32).config  # named, never applied
     assert sizing.max_model_len(config, None) == 256
 
 
