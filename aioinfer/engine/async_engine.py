@@ -25,8 +25,10 @@ from aioinfer.core.pooling import PoolerConfig, PoolingParams, embedding
 from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import RequestUpdate, Scheduler
+from aioinfer.engine.lora_adapters import LoRAAdapters
 from aioinfer.engine.model_limits import ModelLimits
 from aioinfer.engine.runner_factory import default_runner_factory
+from aioinfer.engine.stats import EngineStats
 from aioinfer.engine.step_loop import StepLoop
 from aioinfer.engine.stream import (
     EngineDeadError,
@@ -41,18 +43,6 @@ logger = logging.getLogger(__name__)
 
 _request_counter = itertools.count()
 _POOLING_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
-
-
-@dataclass
-class EngineStats:
-    """Counters the metrics endpoint and the periodic log line read."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    aborted: int = 0  # requests (not sequences) that ended early, all reasons together
-    aborted_by_reason: dict[str, int] = field(default_factory=dict)
-    rejected: dict[str, int] = field(default_factory=dict)  # refused at admission, by reason
 
 
 @dataclass
@@ -79,10 +69,6 @@ class _Group:
     name: str
     member_ids: set[str] = field(default_factory=set)  # its unfinished engine requests
     one_finished: bool = False  # (and so was scheduled)
-
-
-def _count(counter: dict[str, int], key: str) -> None:
-    counter[key] = counter.get(key, 0) + 1
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -115,6 +101,7 @@ class AsyncEngine:
         self.offline = offline
         self._runner_factory = runner_factory
         self.gpu = GpuThread()
+        self.loras = LoRAAdapters(self.gpu)
         self.info: Any = None  # RunnerInfo from the GPU thread
         self.tokenizer: Any = tokenizer  # loaded at start() unless given
         self.scheduler: Scheduler | None = None
@@ -123,8 +110,6 @@ class AsyncEngine:
         self.default_sampling: dict[str, Any] = {}  # from the model's generation_config.json
         self.constraints: ConstraintBuilder | None = None  # set at start()
         self.pooler: PoolerConfig | None = None  # set at start() when the model makes embeddings
-        self.lora_slots: dict[str, int] = {}  # loaded LoRA adapters by name (add_lora)
-        self.lora_paths: dict[str, str] = {}  # and their folders
         self.limits = ModelLimits(0, 0, 0)  # the model's, set at start()
         self._children: dict[str, _Child] = {}
         self._parents: dict[str, _Parent] = {}
@@ -284,7 +269,7 @@ class AsyncEngine:
             )
         waiting = self.scheduler.num_waiting
         if waiting + num_sequences > limit:
-            _count(self.stats.rejected, "queue_full")
+            EngineStats.count(self.stats.rejected, "queue_full")
             raise EngineOverloadedError(
                 f"The server is overloaded: {waiting} sequences are waiting and the limit is "
                 f"{limit} (--max-queued-requests); retry later"
@@ -316,7 +301,7 @@ class AsyncEngine:
                 "LLM.embed; it does not generate text"
             )
         self._check_priority(priority)
-        lora_slot = self._lora_slot(lora)
+        lora_slot = self.loras.slot_of(lora)
         prompt_token_ids = self.limits.truncate(prompt_token_ids, params)
         max_tokens = self.limits.check_generation(prompt_token_ids, params)
         make_constraints = constraints or self.constraints.prepare(params)
@@ -418,44 +403,16 @@ class AsyncEngine:
         )
 
     async def add_lora(self, lora: LoRARequest) -> None:
-        """Load a LoRA adapter (on the GPU thread, between steps) so that requests may name it;
-        a no-op when it is loaded already. ValueError for an adapter the model cannot take, a
-        name loaded (or being loaded) from another path, or without --enable-lora."""
+        """Load a LoRA adapter (see LoRAAdapters.add)."""
         self._check_running()
-        name, path = lora.lora_name, lora.lora_path
-        known = self.lora_paths.get(name)
-        if known is not None and name in self.lora_slots and known == path:
-            return
-        if known is not None:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded from {known}")
-        self.lora_paths[name] = path  # reserved while it loads
-        try:
-            slot = await asyncio.wrap_future(self.gpu.call(lambda: self.gpu.runner.load_lora(lora)))
-        except BaseException:
-            del self.lora_paths[name]
-            raise
-        self.lora_slots[name] = slot
+        await self.loras.add(lora)
 
     async def remove_lora(self, name: str) -> None:
-        """Unload an adapter; KeyError when none has that name, ValueError while requests that
-        use it are unfinished."""
+        """Unload a LoRA adapter no unfinished request uses (see LoRAAdapters.remove)."""
         self._check_running()
         assert self.scheduler is not None
-        slot = self.lora_slots.pop(name)  # from now on no new request can name it
-        users = sum(r.lora_slot == slot for r in self.scheduler.requests.values())
-        if users:
-            self.lora_slots[name] = slot
-            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
-        del self.lora_paths[name]
-        await asyncio.wrap_future(self.gpu.call(lambda: self.gpu.runner.unload_lora(name)))
-
-    def _lora_slot(self, name: str | None) -> int:
-        if name is None:
-            return 0
-        slot = self.lora_slots.get(name)
-        if slot is None:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded")
-        return slot
+        requests = self.scheduler.requests.values()
+        await self.loras.remove(name, lambda slot: sum(r.lora_slot == slot for r in requests))
 
     def _check_priority(self, priority: int) -> None:
         assert self.scheduler is not None
@@ -498,7 +455,7 @@ class AsyncEngine:
         if error is not None:
             parent.stream.fail(error)
         self.stats.aborted += 1
-        _count(self.stats.aborted_by_reason, reason)
+        EngineStats.count(self.stats.aborted_by_reason, reason)
         return True
 
     def abort_all(self, reason: str) -> int:

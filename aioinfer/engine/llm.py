@@ -439,12 +439,12 @@ class LLM:
                 f"these prompts use {len(adapters)} LoRA adapters; max_loras is {limit}"
             )
         for name, adapter in adapters.items():
-            if engine.lora_paths.get(name) == adapter.lora_path:
+            if engine.loras.paths.get(name) == adapter.lora_path:
                 continue
-            if name in engine.lora_paths:
+            if name in engine.loras.paths:
                 await engine.remove_lora(name)
-            idle = [loaded for loaded in engine.lora_slots if loaded not in adapters]
-            if len(engine.lora_slots) >= limit and idle:
+            idle = [loaded for loaded in engine.loras.slots if loaded not in adapters]
+            if len(engine.loras.slots) >= limit and idle:
                 await engine.remove_lora(idle[0])  # the longest loaded
             await engine.add_lora(adapter)
 

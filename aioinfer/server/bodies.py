@@ -150,8 +150,8 @@ def _too_large(size: int, limit: int) -> str:
 
 def check_model(name: str | None, engine: AsyncEngine) -> None:
     """404 unless `name` is the served model or one of its LoRA adapters (or not given)."""
-    if name and name != engine.model_name and name not in engine.lora_slots:
-        valid = ", ".join([engine.model_name, *engine.lora_slots])
+    if name and name != engine.model_name and name not in engine.loras.slots:
+        valid = ", ".join([engine.model_name, *engine.loras.slots])
         raise NotFoundError(
             f"The model `{name}` does not exist. Valid models: {valid}.", param="model"
         )

@@ -215,7 +215,7 @@ def start_generation(
             "generate text; use /v1/embeddings",
             param="model",
         )
-    if ctx.lora is not None and ctx.lora not in engine.lora_slots:
+    if ctx.lora is not None and ctx.lora not in engine.loras.slots:
         raise NotFoundError(
             f"The model `{ctx.lora}` does not exist (its LoRA adapter was unloaded).",
             param="model",

@@ -82,7 +82,7 @@ async def openapi(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.serving_engine()
-    names = [engine.model_name, *engine.lora_slots]
+    names = [engine.model_name, *engine.loras.slots]
     cards = [_model_card(state, engine, name) for name in names]
     return json_response({"object": "list", "data": cards})
 
@@ -99,7 +99,7 @@ def _model_card(state: ServerState, engine: AsyncEngine, name: str) -> ModelCard
     """The served model's card, or a LoRA adapter's (its parent: the served model)."""
     card = model_card(name, engine.max_model_len, state.created)
     if name != engine.model_name:
-        card["root"] = engine.lora_paths.get(name, name)
+        card["root"] = engine.loras.paths.get(name, name)
         card["parent"] = engine.model_name
     return card
 
@@ -112,12 +112,12 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     """vLLM's: {"lora_name", "lora_path"} loads an adapter that requests may then name."""
     engine = request.app[STATE].serving_engine()
     name, path = _lora_fields(await read_json(request, MiB), "lora_name", "lora_path")
-    if name in engine.lora_paths or name == engine.model_name:
+    if name in engine.loras.paths or name == engine.model_name:
         raise BadRequestError(
             f"The lora adapter '{name}' has already been loaded.", param="lora_name"
         )
     try:
-        await engine.add_lora(LoRARequest(name, len(engine.lora_slots) + 1, path))
+        await engine.add_lora(LoRARequest(name, len(engine.loras.slots) + 1, path))
     except ValueError as exc:
         raise BadRequestError(str(exc), param="lora_path") from None
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
@@ -127,7 +127,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     """vLLM's: {"lora_name"} unloads an adapter no unfinished request uses."""
     engine = request.app[STATE].serving_engine()
     (name,) = _lora_fields(await read_json(request, MiB), "lora_name")
-    if name not in engine.lora_slots:
+    if name not in engine.loras.slots:
         raise NotFoundError(f"The lora adapter '{name}' cannot be found.", param="lora_name")
     try:
         await engine.remove_lora(name)

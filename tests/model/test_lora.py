@@ -309,4 +309,4 @@ def test_the_offline_api_swaps_adapters_through_its_slots(lora_setup, tmp_path):
         for lora, reference in calls:
             (output,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
             assert output.outputs[0].token_ids == hf_greedy(reference, prompt), lora
-            assert list(llm.engine.lora_slots) == [lora.lora_name]
+            assert list(llm.engine.loras.slots) == [lora.lora_name]
