@@ -86,6 +86,15 @@ class PoolerConfig:
         prefix cache: MEAN reads them all, CLS the first."""
         return self.pooling_type != "LAST"
 
+    def check_cross_encoder(self) -> None:
+        """Scoring text pairs as one prompt (/score, /rerank, LLM.score on a classifier) needs
+        one label, whose probability is the score; ValueError otherwise."""
+        if len(self.labels) != 1:
+            raise ValueError(
+                f"scoring needs a classifier of one label (a cross-encoder); this model has "
+                f"{len(self.labels)}"
+            )
+
     def describe(self) -> str:
         if self.classifies:
             return f"classifier of {len(self.labels)} label(s) over the last token"

@@ -34,7 +34,7 @@ from aioinfer.engine.stream import RequestStream, gather_or_cancel
 Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 _T = TypeVar("_T")
-_P = TypeVar("_P", SamplingParams, PoolingParams, "LoRARequest | None")
+_P = TypeVar("_P")
 
 
 # vLLM's LLM options that change nothing for one model on one device: accepted, so that vLLM
@@ -261,21 +261,21 @@ class LLM:
         self, pairs: list[tuple[Prompt, Prompt]], truncate_prompt_tokens: int | None, use_tqdm: bool
     ) -> list[ScoringRequestOutput]:
         assert self.engine.pooler is not None
-        if len(self.engine.pooler.labels) != 1:
-            raise ValueError(
-                f"scoring needs a classifier of one label (a cross-encoder); this one has "
-                f"{len(self.engine.pooler.labels)}"
-            )
+        self.engine.pooler.check_cross_encoder()
         if not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
             raise ValueError("a cross-encoder scores pairs of texts (str), not token ids or dicts")
         from aioinfer.engine.tokenizer import encode_pairs
 
         firsts, seconds = [str(a) for a, _ in pairs], [str(b) for _, b in pairs]
-        keep = truncate_prompt_tokens
-        if keep is not None:
-            PoolingParams(truncate_prompt_tokens=keep)  # its range checks
-            keep = self.engine.max_model_len if keep == -1 else keep
-        prompts: list[Prompt] = list(encode_pairs(self.engine.tokenizer, firsts, seconds, keep))
+        PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)  # its range checks
+        pair_ids = encode_pairs(
+            self.engine.tokenizer,
+            firsts,
+            seconds,
+            truncate_prompt_tokens,
+            self.engine.max_model_len,
+        )
+        prompts: list[Prompt] = list(pair_ids)
         outputs = self._pool(prompts, None, use_tqdm, None)
         return [
             ScoringRequestOutput(

@@ -177,12 +177,15 @@ def encode_pairs(
     tokenizer: PreTrainedTokenizerBase,
     firsts: list[str],
     seconds: list[str],
-    max_length: int | None = None,
+    truncate_prompt_tokens: int | None,
+    max_model_len: int,
 ) -> list[list[int]]:
     """Each (first, second) pair as one prompt, the way the tokenizer joins a text pair (its
     special tokens included): what a cross-encoder reads, as transformers and vLLM feed it.
-    `max_length`: cut the longer text first, so that both keep a part (not the pair's tail)."""
-    cut = {"truncation": True, "max_length": max_length} if max_length is not None else {}
+    `truncate_prompt_tokens` (-1: the context; checked by the caller) cuts the longer text
+    first, so that both keep a part (not the pair's tail)."""
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    cut = {"truncation": True, "max_length": keep} if keep is not None else {}
     encoded = tokenizer(firsts, seconds, **cut)["input_ids"]
     return [list(ids) for ids in encoded]
 

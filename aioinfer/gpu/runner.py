@@ -113,6 +113,10 @@ class ModelRunner:
         self.hf_config = hf_config
         torch.manual_seed(model_config.seed)
         self.pooler = model_pooler(resolved, model_config.runner, model_config.pooler_overrides)
+        if model_config.enable_lora and self.pooler is not None:  # before the weights load
+            raise ValueError(
+                "LoRA adapters serve text generation: --enable-lora needs a generating model"
+            )
 
         start = time.perf_counter()
         mem_before = memory.device_memory_used(self.device)
@@ -120,10 +124,6 @@ class ModelRunner:
             resolved, self.dtype, self.device, model_config.seed, pooling=self.pooler is not None
         )
         self.lora: LoRAManager | None = None
-        if model_config.enable_lora and self.pooler is not None:
-            raise ValueError(
-                "LoRA adapters serve text generation: --enable-lora needs a generating model"
-            )
         if model_config.enable_lora:
             # Before the CPU kernels: layers with LoRA linears then run module by module.
             self.lora = LoRAManager(

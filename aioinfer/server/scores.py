@@ -112,16 +112,17 @@ async def _cross_encode(
     from aioinfer.engine.tokenizer import encode_pairs
 
     assert engine.pooler is not None
-    if len(engine.pooler.labels) != 1:
-        raise BadRequestError(
-            f"The model {engine.model_name!r} classifies into {len(engine.pooler.labels)} "
-            "labels: scoring needs a classifier of one label (a cross-encoder)",
-            param="model",
-        )
+    try:
+        engine.pooler.check_cross_encoder()
+    except ValueError as exc:
+        raise BadRequestError(f"{engine.model_name!r}: {exc}", param="model") from None
+    keep = req.truncate_prompt_tokens
+    pooling_params(None, None, keep)  # a 400 naming the field for a bad value
     firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
     chars = sum(len(a) + len(b) for a, b in pairs)
-    keep = pair_length(req.truncate_prompt_tokens, engine.max_model_len)
-    prompts = await off_loop_if_long(chars, encode_pairs, engine.tokenizer, firsts, seconds, keep)
+    prompts = await off_loop_if_long(
+        chars, encode_pairs, engine.tokenizer, firsts, seconds, keep, engine.max_model_len
+    )
     fields = [names[0] if len(a) > len(b) else names[1] for a, b in pairs]
     outputs = await embed_inputs(
         request, record, engine, prompts, pooling_params(None, None, None), prefix, names[1],
@@ -130,15 +131,6 @@ async def _cross_encode(
     if outputs is None:
         return None
     return [float(o.outputs.data[0]) for o in outputs], record.prompt_tokens
-
-
-def pair_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
-    """The tokens a pair may keep under `truncate_prompt_tokens` (-1: the context); None: all,
-    and a 400 if that is too many. A bad value is a 400 naming the field."""
-    if truncate_prompt_tokens is None:
-        return None
-    pooling_params(None, None, truncate_prompt_tokens)  # the field's own checks
-    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 async def _embed(
