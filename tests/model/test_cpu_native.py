@@ -158,6 +158,25 @@ def test_paged_decode_matches_torch_reference(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_paged_decode_shares_unequal_requests_among_any_threads(
+    kernels: cpu_native.NativeKernels, threads: int
+) -> None:
+    """Each thread takes a contiguous run of requests by context length: one long request
+    among short ones, more threads than requests, every request attended exactly once."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seq_lens in ([300, 1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 400], [5, 900, 17, 1, 33]):
+            query, cache, tables, lens = random_paged_case(threads, 16, 64, 3, seq_lens)
+            got = kernels.paged_decode_attention(query, cache, tables, lens, 0.125)
+            expected = decode_attention(query, cache, tables, lens, max(seq_lens), 0.125)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 def causal_chunk_attention(
     query: torch.Tensor,
     cache: torch.Tensor,
