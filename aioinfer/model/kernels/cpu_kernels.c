@@ -309,59 +309,71 @@ static inline __attribute__((always_inline)) vf key_scores(const vf *q, const fl
     return scores;
 }
 
+/* Prefetch into L2 the lines [from, to) of the `lines` lines at p, or nothing if p is NULL. */
+static inline void prefetch_share(const float *p, long lines, long from, long to) {
+    if (p)
+        for (long l = from; l < to && l < lines; l++) __builtin_prefetch(p + l * 16, 0, 1);
+}
+
+#define DECODE_CHUNK_KEYS 64 /* keys per online-softmax step, whole blocks */
+
 /* Query heads of KV heads [h0, h1) of one request; q and out point at the request's [H, D].
- * Inlined with a constant D, the loops over D unroll and q and acc live in registers. Each
- * block goes in three passes over the heads: scores, softmax, values. */
+ * Inlined with a constant D, the loops over D unroll and q and acc live in registers. The
+ * context goes in chunks of whole blocks, about DECODE_CHUNK_KEYS keys, each in three passes
+ * over the heads: scores, block by block; the softmax; values, block by block. The softmax's
+ * max, exps and sums are a chain of dependent shuffles paid once per chunk: per block of 16
+ * keys they were 40 % of the kernel's work on cached data. */
 static inline __attribute__((always_inline)) void decode_heads_impl(const DecodeTask t, long h0,
                                                                     long h1, const float *q,
                                                                     float *out, const long D) {
     const long G = t.G, bs = t.block_size, row = t.KV * D, nv = D / LANES;
     const long first = h0 * G, count = (h1 - h0) * G; /* query heads handled here */
     const long padded = (bs + LANES - 1) / LANES * LANES;
-    /* The heads' scores for one block; on the heap, as blocks can be larger than a worker
-     * thread's stack allows. */
-    float *scores = malloc(count * padded * sizeof(float)), run_max[count], run_sum[count];
+    const long chunk_blocks = bs < DECODE_CHUNK_KEYS ? DECODE_CHUNK_KEYS / bs : 1;
+    const long width = chunk_blocks * padded; /* a head's scores of one chunk */
+    /* On the heap, as blocks can be larger than a worker thread's stack allows. */
+    float *scores = malloc(count * width * sizeof(float)), run_max[count], run_sum[count];
     float keep[count];
     for (long j = 0; j < count; j++) {
         run_max[j] = -INFINITY;
         run_sum[j] = 0.0f;
         memset(out + (first + j) * D, 0, D * sizeof(float));
     }
-    for (long start = 0; start < t.seq_len; start += bs) {
-        const long n = t.seq_len - start < bs ? t.seq_len - start : bs;
-        const long vecs = (n + LANES - 1) / LANES;
-        const float *keys = t.cache + (long)t.table[start / bs] * 2 * bs * row;
-        const float *values = keys + bs * row;
-        /* The next block (past the last, the thread's next task's first) is prefetched into
-         * L2 while this one computes: its keys a share per head during the scores, its values
-         * during the values. All at once and into L1, the prefetches stalled on the line fill
-         * buffers (64 requests x 192 context, 30 layers: 34.5 -> 30.6 ms); spread over both
-         * passes 25.1 -> 23.7 ms on a Zen 4, and 21.1 ms with the next task's first block. */
-        const float *next = start + bs < t.seq_len
-                                ? t.cache + (long)t.table[start / bs + 1] * 2 * bs * row
-                                : t.after;
-        const long half = bs * row / 16, share = (half + count - 1) / count; /* lines */
-        for (long j = 0; j < count; j++) {
-            long head = first + j;
-            if (next)
-                for (long l = j * share; l < (j + 1) * share && l < half; l++)
-                    __builtin_prefetch(next + l * 16, 0, 1);
-            vf qv[MAX_HEAD_VECS];
-            for (long v = 0; v < nv; v++) qv[v] = load(q + head * D + v * LANES);
-            for (long i = 0; i < vecs; i++) {
-                long rest = n - i * LANES;
-                store(scores + j * padded + i * LANES,
-                      key_scores(qv, keys + i * LANES * row + head / G * D, row,
-                                 rest < LANES ? rest : LANES, nv, t.scale));
+    /* Each block's K, then V, and each pass reads the next in that order: what a pass reads
+     * next is prefetched while it computes, a share per head (all at once and into L1, the
+     * prefetches stalled on the line fill buffers). After the context's last V comes the
+     * first block of the thread's next task. */
+    const long half = bs * row / 16, share = (half + count - 1) / count; /* lines */
+    const long num_blocks = (t.seq_len + bs - 1) / bs;
+#define BLOCK_KEYS(c) (t.cache + (long)t.table[c] * 2 * bs * row)
+    for (long c0 = 0; c0 < num_blocks; c0 += chunk_blocks) {
+        const long c1 = c0 + chunk_blocks < num_blocks ? c0 + chunk_blocks : num_blocks;
+        const long vecs = (c1 - c0) * padded / LANES; /* of each head's scores */
+        for (long c = c0; c < c1; c++) {
+            const long n = t.seq_len - c * bs < bs ? t.seq_len - c * bs : bs;
+            const float *keys = BLOCK_KEYS(c);
+            const float *next = c + 1 < c1 ? BLOCK_KEYS(c + 1) : BLOCK_KEYS(c0) + bs * row;
+            for (long j = 0; j < count; j++) {
+                long head = first + j;
+                prefetch_share(next, half, j * share, (j + 1) * share);
+                vf qv[MAX_HEAD_VECS];
+                for (long v = 0; v < nv; v++) qv[v] = load(q + head * D + v * LANES);
+                for (long i = 0; i * LANES < bs; i++) {
+                    long rest = n - i * LANES;
+                    vf s = rest > 0 ? key_scores(qv, keys + i * LANES * row + head / G * D, row,
+                                                 rest < LANES ? rest : LANES, nv, t.scale)
+                                    : splat(-INFINITY);
+                    store(scores + j * width + (c - c0) * padded + i * LANES, s);
+                }
             }
         }
         for (long j = 0; j < count; j++) {
-            float *s = scores + j * padded;
+            float *s = scores + j * width;
             vf m = load(s);
             for (long i = 1; i < vecs; i++) m = max_v(m, load(s + i * LANES));
-            float block_max = max_lanes(m);
-            float new_max = block_max > run_max[j] ? block_max : run_max[j];
-            /* Earlier blocks' sums and accumulators, rescaled to the new max. */
+            float chunk_max = max_lanes(m);
+            float new_max = chunk_max > run_max[j] ? chunk_max : run_max[j];
+            /* Earlier chunks' sums and accumulators, rescaled to the new max. */
             keep[j] = run_max[j] == -INFINITY ? 0.0f : expf(run_max[j] - new_max);
             vf sum = splat(0.0f);
             for (long i = 0; i < vecs; i++) {
@@ -372,22 +384,30 @@ static inline __attribute__((always_inline)) void decode_heads_impl(const Decode
             run_sum[j] = run_sum[j] * keep[j] + sum_lanes(sum);
             run_max[j] = new_max;
         }
-        for (long j = 0; j < count; j++) {
-            long head = first + j;
-            const float *s = scores + j * padded, *value = values + head / G * D;
-            float *acc_out = out + head * D;
-            if (next)
-                for (long l = half + j * share; l < half + (j + 1) * share && l < 2 * half; l++)
-                    __builtin_prefetch(next + l * 16, 0, 1);
-            vf acc[MAX_HEAD_VECS];
-            for (long v = 0; v < nv; v++) acc[v] = load(acc_out + v * LANES) * keep[j];
-            for (long i = 0; i < n; i++) {
-                vf p = splat(s[i]);
-                for (long v = 0; v < nv; v++) acc[v] += p * load(value + i * row + v * LANES);
+        for (long c = c0; c < c1; c++) {
+            const long n = t.seq_len - c * bs < bs ? t.seq_len - c * bs : bs;
+            const float *values = BLOCK_KEYS(c) + bs * row;
+            const float *next = c + 1 < c1          ? BLOCK_KEYS(c + 1) + bs * row
+                                : c1 < num_blocks ? BLOCK_KEYS(c1)
+                                                  : t.after;
+            for (long j = 0; j < count; j++) {
+                long head = first + j;
+                const float *s = scores + j * width + (c - c0) * padded;
+                const float *value = values + head / G * D;
+                float *acc_out = out + head * D;
+                prefetch_share(next, half, j * share, (j + 1) * share);
+                const float scale = c == c0 ? keep[j] : 1.0f;
+                vf acc[MAX_HEAD_VECS];
+                for (long v = 0; v < nv; v++) acc[v] = load(acc_out + v * LANES) * scale;
+                for (long i = 0; i < n; i++) {
+                    vf p = splat(s[i]);
+                    for (long v = 0; v < nv; v++) acc[v] += p * load(value + i * row + v * LANES);
+                }
+                for (long v = 0; v < nv; v++) store(acc_out + v * LANES, acc[v]);
             }
-            for (long v = 0; v < nv; v++) store(acc_out + v * LANES, acc[v]);
         }
     }
+#undef BLOCK_KEYS
     for (long j = 0; j < count; j++) {
         float inv = t.seq_len > 0 ? 1.0f / run_sum[j] : 0.0f;
         for (long d = 0; d < D; d++) out[(first + j) * D + d] *= inv;
@@ -708,6 +728,20 @@ long decoder_layer_work_floats(const DecoderLayer *l, long B) {
     return B * (l->hidden + 2 * qn + 2 * kvn + l->intermediate);
 }
 
+/* Row b of k and v [B, kvn] into slot slots[b] of the cache, the rows shared among the
+ * threads: the first write to each page of the cache (mapped lazily, see the runner) faults,
+ * and one thread alone spent 0.3 s of the 8192 prompt tokens of the offline benchmark here. */
+static void store_kv(float *cache, const long *slots, const float *k, const float *v, long B,
+                     long kvn, long block_size, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (long b = 0; b < B; b++) {
+        long block = slots[b] / block_size, offset = slots[b] % block_size;
+        float *key_row = cache + (block * 2 * block_size + offset) * kvn;
+        memcpy(key_row, k + b * kvn, kvn * sizeof(float));
+        memcpy(key_row + block_size * kvn, v + b * kvn, kvn * sizeof(float)); /* V half */
+    }
+}
+
 static void decoder_layer(const DecoderLayer *l, float *x, long B, const float *cos,
                           const float *sin, float *cache, const long *slots, const int *tables,
                           long table_width, const int *query_start, const int *seq_lens,
@@ -732,12 +766,7 @@ static void decoder_layer(const DecoderLayer *l, float *x, long B, const float *
     }
     rotary(q, B, l->heads, D, cos, sin, q, num_threads);
     rotary(k, B, l->kv_heads, D, cos, sin, k, num_threads);
-    for (long b = 0; b < B; b++) {
-        long block = slots[b] / block_size, offset = slots[b] % block_size;
-        float *key_row = cache + (block * 2 * block_size + offset) * kvn;
-        memcpy(key_row, k + b * kvn, kvn * sizeof(float));
-        memcpy(key_row + block_size * kvn, v + b * kvn, kvn * sizeof(float)); /* V half */
-    }
+    store_kv(cache, slots, k, v, B, kvn, block_size, num_threads);
     if (num_decodes > 0)
         paged_decode_attention(q, cache, tables, table_width, seq_lens, num_decodes, l->heads,
                                l->kv_heads, D, block_size, l->scale, attn, num_threads);
