@@ -24,18 +24,19 @@ def default_token_budget(device_type: str, total_bytes: int | None, offline: boo
     return 4096 if offline else 512
 
 
-def sliding_window(hf_config: Any) -> int | None:
-    """The sliding window the model's attention applies, or None: transformers applies a
-    config's `sliding_window` (Mistral, Mixtral, Phi-3) unless Qwen's `use_sliding_window` is
-    off or no layer slides (`layer_types`). The engine does not apply windows: a context that
-    fits in the window attends exactly as the model does."""
+def sliding_windows(hf_config: Any) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens, 0 where it attends to the whole context, as
+    transformers applies them: a config's `sliding_window` (Mistral, Mixtral, Phi-3, Gemma) on
+    every layer, or on the layers `layer_types` names "sliding_attention" (Qwen from
+    max_window_layers on, Gemma 2 and 3); none when Qwen's `use_sliding_window` is off."""
+    num_layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", None) is False:
-        return None
+        return (0,) * num_layers
     layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+    if layer_types is None:
+        return (int(window),) * num_layers
+    return tuple(int(window) if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
 def longrope_original(hf_config: Any) -> int | None:
@@ -53,18 +54,9 @@ def longrope_original(hf_config: Any) -> int | None:
 
 def max_model_len(hf_config: Any, requested: int | None) -> int:
     """The flag, else the config's max_position_embeddings; never more than the model's, nor
-    more than a sliding window (see `sliding_window`) or a LongRoPE model's original context."""
+    more than a LongRoPE model's original context."""
     limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
     what = f"max_position_embeddings={limit}"
-    window = sliding_window(hf_config)
-    if window is not None and window < limit:
-        limit, what = (
-            window,
-            (
-                f"sliding_window={window}: the engine applies no windowed attention, and a longer "
-                "context would differ from the model"
-            ),
-        )
     original = longrope_original(hf_config)
     if original is not None and original < limit:
         limit, what = (

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aioinfer import sizing
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.attention import Attention, kv_cache_shape
 from aioinfer.model.layers.moe import SparseMoeBlock, WeightSlot
@@ -50,6 +51,9 @@ class DecoderConfig:
     mlp_bias: bool = False
     # Per-head RMSNorm of queries and keys before rotary (Qwen3).
     qk_norm: bool = False
+    # Each layer's sliding window in tokens, 0 for full attention (sizing.sliding_windows);
+    # empty: none anywhere.
+    sliding_windows: tuple[int, ...] = ()
     # Mixture of experts: in `sparse_layers` the MLP is a router over `num_experts` MLPs of
     # `expert_intermediate_size`, of which each token takes `experts_per_token`, their weights
     # scaled to sum to 1 when `renormalize_routing`; plus, when its size is set, a shared
@@ -144,7 +148,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = ApplyRotary()
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx)
+        window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else 0
+        self.attn = Attention(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx, window=window
+        )
         # q, k and v as one GEMM, set by `LlamaForCausalLM.fuse_gemms`.
         self.qkv_proj: MergedLinear | None = None
 
@@ -226,6 +233,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`model(input_ids [T], positions [T]) -> hidden [T, hidden]`; logits via `compute_logits`."""
 
+    # Whether the architecture applies a config's sliding_window (transformers' Llama does not).
+    applies_sliding_window = False
+
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.hf_config = hf_config
@@ -257,6 +267,7 @@ class LlamaForCausalLM(nn.Module):
             rms_norm_eps=float(hf_config.rms_norm_eps),
             rope=rope_config_from_hf(hf_config),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            sliding_windows=sizing.sliding_windows(hf_config) if cls.applies_sliding_window else (),
             **cls._arch_options(hf_config),
             **cls._moe_options(hf_config),
         )
@@ -348,5 +359,6 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama with an optional sliding window, which max_model_len stays within (sizing.py), so
-    that attention never reaches past it."""
+    """Llama with an optional sliding window."""
+
+    applies_sliding_window = True

@@ -15,6 +15,8 @@ from aioinfer.model.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    applies_sliding_window = True
+
     @classmethod
     def _check_supported(cls, hf_config: Any) -> None:
         rope = getattr(hf_config, "rope_parameters", None) or {}

@@ -8,6 +8,8 @@ from aioinfer.model.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    applies_sliding_window = True
+
     @classmethod
     def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
         return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, "qk_norm": False}

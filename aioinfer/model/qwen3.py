@@ -8,6 +8,8 @@ from aioinfer.model.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    applies_sliding_window = True
+
     @classmethod
     def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
         return {**super()._arch_options(hf_config), "qk_norm": True}

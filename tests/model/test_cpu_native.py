@@ -158,7 +158,6 @@ def test_paged_decode_matches_torch_reference(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
 def test_paged_decode_shares_unequal_requests_among_any_threads(
     kernels: cpu_native.NativeKernels, threads: int
@@ -184,9 +183,11 @@ def causal_chunk_attention(
     query_lens: list[int],
     seq_lens: list[int],
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Reference: each request's chunk (its last query_len positions of seq_len) attends to
-    its context up to and including each query's own position, K/V read from the cache."""
+    its context up to and including each query's own position (with a sliding window, the last
+    `window` positions up to it), K/V read from the cache."""
     block_size, kv_heads = cache.shape[2], cache.shape[3]
     group = query.shape[1] // kv_heads
     outs, start = [], 0
@@ -199,6 +200,9 @@ def causal_chunk_attention(
         scores = torch.einsum("thd,lhd->htl", q.double(), keys.double()) * scale
         q_pos = torch.arange(length - n, length)
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if window:
+            outside = pos[None, None, :] <= q_pos[None, :, None] - window
+            scores.masked_fill_(outside, float("-inf"))
         outs.append(torch.einsum("htl,lhd->thd", scores.softmax(-1), values.double()))
         start += n
     return torch.cat(outs).float()

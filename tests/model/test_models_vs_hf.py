@@ -249,40 +249,47 @@ def test_unsupported_settings_raise() -> None:
         LlamaForCausalLM(config)
 
 
-def test_a_sliding_window_caps_the_context() -> None:
-    """The engine applies no window: the context stays within it, where attention is exact."""
+def test_sliding_windows_per_layer_as_transformers_applies_them() -> None:
+    """Qwen slides from max_window_layers on and only with use_sliding_window; the window no
+    longer caps the context."""
     from aioinfer import sizing
 
     window = {"use_sliding_window": True, "sliding_window": 32}
-    config = make_hf_model("qwen2", **window, max_window_layers=0).config  # every layer slides
-    assert sizing.max_model_len(config, None) == 32
-    with pytest.raises(ValueError, match=r"max_model_len \(64\).*sliding_window=32"):
-        sizing.max_model_len(config, 64)
-    # Layers from max_window_layers on slide: with none of them past it, no window applies.
-    assert sizing.max_model_len(make_hf_model("qwen2", **window).config, None) == 256
-    config = make_hf_model("qwen2", sliding_window=32).config  # named, never applied
+    config = make_hf_model("qwen2", **window, max_window_layers=1).config
+    assert sizing.sliding_windows(config) == (0, 32)
     assert sizing.max_model_len(config, None) == 256
+    assert LlamaForCausalLM.decoder_config(config).sliding_windows == ()  # Llama ignores it
+    assert sizing.sliding_windows(make_hf_model("qwen2", **window).config) == (0, 0)
+    config = make_hf_model("qwen2", sliding_window=32).config  # named, never applied
+    assert sizing.sliding_windows(config) == (0, 0)
 
 
-def test_mistral_with_a_sliding_window_equals_transformers(tmp_path) -> None:
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from aioinfer import LLM
-    from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
-    from tests.model.tiny_models import BASE_CONFIG, _randomize
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("mistral", {"sliding_window": 8}),
+        ("mixtral", {"sliding_window": 8}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_sliding_windows_equal_transformers_past_the_window(
+    tmp_path, arch: str, overrides: dict, backend: str
+) -> None:
+    """Prompts and outputs far past an 8-token window, in chunks of 16 tokens with prefix-cache
+    hits: greedy outputs token for token equal to transformers'."""
+    from tests.model.test_llm_vs_hf import hf_greedy, make_prompts, run_llm
     from tests.tokenizer_fixtures import make_tokenizer
 
-    config = MistralConfig(**BASE_CONFIG, sliding_window=32, attn_implementation="eager")
-    config.architectures = ["MistralForCausalLM"]
-    hf = MistralForCausalLM(config).eval()
-    _randomize(hf, 0)
+    hf = make_hf_model(arch, **overrides)
+    hf.config.architectures = [type(hf).__name__]
     hf.save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
-    prompts = make_prompts(0, 512, lengths=(1, 7, 16, 19))  # + 12 new tokens: within 32
-    with LLM(str(tmp_path), dtype="float32", kv_cache_memory=0.01) as llm:
-        assert llm.engine.max_model_len == 32
-        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+    prompts = make_prompts(2, 512, lengths=(1, 7, 9, 30, 45))
+    prompts.append([*prompts[-1][:40], 5, 6, 7])  # a prefix-cache hit of 32 tokens
+    got = run_llm(tmp_path, prompts, attention_backend=backend, max_num_batched_tokens=16)
+    assert run_llm.last_stats[1] > 0  # type: ignore[attr-defined]
+    assert got == [hf_greedy(hf, p) for p in prompts]
 
 
 @pytest.mark.parametrize(

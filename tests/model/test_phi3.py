@@ -86,14 +86,14 @@ def test_a_partial_rotary_is_refused(tmp_path):
         LLM(str(tmp_path), **OPTIONS)
 
 
-def test_a_phi3_sliding_window_caps_the_context(tmp_path):
-    """Phi-3-mini-4k's window (2047 of 4096 positions): transformers applies it, so the
-    context stays within it, where the outputs are equal."""
-    hf = make_phi3(sliding_window=24)
+def test_a_phi3_sliding_window_applies_past_it(tmp_path):
+    """Phi-3-mini-4k's window (2047 of 4096 positions), as transformers applies it: prompts
+    and outputs past an 8-token window are equal."""
+    hf = make_phi3(sliding_window=8)
     hf.save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
-    prompts = make_prompts(1, 512, lengths=(4, 12))  # + 12 new tokens: within 24
+    prompts = make_prompts(1, 512, lengths=(4, 12, 30))
     with LLM(str(tmp_path), **OPTIONS) as llm:
-        assert llm.engine.max_model_len == 24
+        assert llm.engine.max_model_len == hf.config.max_position_embeddings
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]

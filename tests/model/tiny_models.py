@@ -13,6 +13,8 @@ from torch import nn
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     PretrainedConfig,
@@ -29,6 +31,7 @@ from transformers import (
 
 ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mixtral": (MixtralConfig, MixtralForCausalLM),
@@ -54,6 +57,7 @@ BASE_CONFIG: dict[str, Any] = {
 _EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
 ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "llama": {},
+    "mistral": {},
     "qwen2": {},
     "qwen3": {"head_dim": 32},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48},

@@ -285,6 +285,7 @@ typedef struct {
     const int *table;   /* this request's blocks */
     long seq_len, block_size, KV, D, G;
     float scale;
+    long first_key;     /* keys before it are outside the sliding window */
     const float *after; /* the first block this thread reads after this task's, or NULL */
 } DecodeTask;
 
@@ -346,7 +347,7 @@ static inline __attribute__((always_inline)) void decode_heads_impl(const Decode
     const long half = bs * row / 16, share = (half + count - 1) / count; /* lines */
     const long num_blocks = (t.seq_len + bs - 1) / bs;
 #define BLOCK_KEYS(c) (t.cache + (long)t.table[c] * 2 * bs * row)
-    for (long c0 = 0; c0 < num_blocks; c0 += chunk_blocks) {
+    for (long c0 = t.first_key / bs; c0 < num_blocks; c0 += chunk_blocks) {
         const long c1 = c0 + chunk_blocks < num_blocks ? c0 + chunk_blocks : num_blocks;
         const long vecs = (c1 - c0) * padded / LANES; /* of each head's scores */
         for (long c = c0; c < c1; c++) {
@@ -363,6 +364,12 @@ static inline __attribute__((always_inline)) void decode_heads_impl(const Decode
                     vf s = rest > 0 ? key_scores(qv, keys + i * LANES * row + head / G * D, row,
                                                  rest < LANES ? rest : LANES, nv, t.scale)
                                     : splat(-INFINITY);
+                    const long key0 = c * bs + i * LANES; /* the window's first block */
+                    if (key0 < t.first_key) {
+                        vi lane;
+                        for (int l = 0; l < LANES; l++) lane[l] = l;
+                        s = select_v(lane + (int)key0 >= (int)t.first_key, s, splat(-INFINITY));
+                    }
                     store(scores + j * width + (c - c0) * padded + i * LANES, s);
                 }
             }
@@ -431,11 +438,14 @@ static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, f
  * of each item and prefetches it (a dynamic schedule cannot: 25.4 -> 21.1 ms above). */
 void paged_decode_attention(const float *q, const float *cache, const int *tables,
                             long table_width, const int *seq_lens, long B, long H, long KV,
-                            long D, long block_size, float scale, float *out, int num_threads) {
+                            long D, long block_size, long window, float scale, float *out,
+                            int num_threads) {
     const long G = H / KV;
     const long splits = B >= 2 * num_threads ? 1 : KV; /* KV heads split this many ways */
     const long items = B * splits;
-#define ITEM_COST(i) ((long)seq_lens[(i) / splits] + block_size) /* the block_size: its setup */
+    /* The first key a request's query sees: a sliding window's keys only. */
+#define FIRST_KEY(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)
+#define ITEM_COST(i) ((long)seq_lens[(i) / splits] - FIRST_KEY((i) / splits) + block_size)
     long total = 0;
     for (long i = 0; i < items; i++) total += ITEM_COST(i);
 #pragma omp parallel num_threads(num_threads)
@@ -456,16 +466,19 @@ void paged_decode_attention(const float *q, const float *cache, const int *table
             long b = item / splits, part = item % splits;
             long h0 = part * KV / splits, h1 = (part + 1) * KV / splits;
             long following = (item + 1) / splits;
-            const float *after = item + 1 < hi && seq_lens[following] > 0
-                                     ? cache + (long)tables[following * table_width] * 2 *
-                                                   block_size * KV * D
-                                     : 0;
+            const float *after =
+                item + 1 < hi && seq_lens[following] > 0
+                    ? cache + (long)tables[following * table_width +
+                                           FIRST_KEY(following) / block_size] *
+                                  2 * block_size * KV * D
+                    : 0;
             DecodeTask t = {cache, tables + b * table_width, seq_lens[b], block_size, KV, D, G,
-                            scale, after};
+                            scale, FIRST_KEY(b), after};
             decode_heads(t, h0, h1, q + b * H * D, out + b * H * D);
         }
     }
 #undef ITEM_COST
+#undef FIRST_KEY
 }
 
 /* ------------------------------------------------------------------ paged prefill attention
@@ -494,6 +507,7 @@ typedef struct {
     long t0, t1;        /* the item's query tokens, within the chunk */
     long g;             /* its KV head */
     long H, KV, G, block_size;
+    long window;        /* a query at position p sees keys p - window + 1 .. p, or all if 0 */
     float scale;
 } PrefillItem;
 
@@ -523,7 +537,10 @@ static inline __attribute__((always_inline)) void prefill_item_impl(const Prefil
     vi lane;
     for (int i = 0; i < LANES; i++) lane[i] = i;
     const long last = t.before + t.t1 - 1; /* the last key any row reads */
-    for (long start = 0; start <= last; start += KEYS) {
+    /* The first key any row reads: the window of the item's first token. */
+    const long lowest = t.window > 0 && t.before + t.t0 >= t.window ? t.before + t.t0 - t.window + 1
+                                                                     : 0;
+    for (long start = lowest / KEYS * KEYS; start <= last; start += KEYS) {
         const long n = last + 1 - start < KEYS ? last + 1 - start : KEYS;
         for (long j = 0; j < KEYS; j++) {
             if (j < n) {
@@ -555,8 +572,11 @@ static inline __attribute__((always_inline)) void prefill_item_impl(const Prefil
             for (long i = 0; i < SCORE_ROWS; i++) {
                 const long row = r + i;
                 const long pos = t.before + t.t0 + (row < rows ? row : rows - 1) / G;
-                vi valid0 = (lane < (int)n) & (lane + (int)start <= (int)pos);
-                vi valid1 = (lane + LANES < (int)n) & (lane + (int)(start + LANES) <= (int)pos);
+                const int lo = t.window > 0 ? (int)(pos - t.window + 1) : 0; /* its window */
+                vi valid0 = (lane < (int)n) & (lane + (int)start <= (int)pos) &
+                            (lane + (int)start >= lo);
+                vi valid1 = (lane + LANES < (int)n) & (lane + (int)(start + LANES) <= (int)pos) &
+                            (lane + (int)(start + LANES) >= lo);
                 vf sc0 = select_v(valid0, s[i][0] * t.scale, splat(-INFINITY));
                 vf sc1 = select_v(valid1, s[i][1] * t.scale, splat(-INFINITY));
                 float block_max = max_lanes(max_v(sc0, sc1));
@@ -602,7 +622,7 @@ static inline __attribute__((always_inline)) void prefill_item_impl(const Prefil
 void paged_prefill_attention(const float *q, const float *cache, const int *tables,
                              long table_width, const int *query_start, const int *seq_lens,
                              long first, long last, long H, long KV, long D, long block_size,
-                             float scale, float *out, int num_threads) {
+                             long window, float scale, float *out, int num_threads) {
     const long G = H / KV;
     long num_items = 0;
     for (long r = first; r < last; r++) {
@@ -629,7 +649,7 @@ void paged_prefill_attention(const float *q, const float *cache, const int *tabl
             PrefillItem t = {cache, tables + r * table_width, q + query_start[r] * H * D,
                              out + query_start[r] * H * D, seq_lens[r] - tokens, t0,
                              t0 + PREFILL_TOKENS < tokens ? t0 + PREFILL_TOKENS : tokens,
-                             rest % KV, H, KV, G, block_size, scale};
+                             rest % KV, H, KV, G, block_size, window, scale};
             if (D == 64)
                 prefill_item_impl(t, work, 64);
             else if (D == 128)
@@ -707,6 +727,7 @@ void rotary(const float *x, long tokens, long heads, long dim, const float *cos,
  */
 typedef struct {
     long hidden, heads, kv_heads, head_dim, intermediate;
+    long window; /* sliding window of the attention, or 0 */
     float eps, scale;
     const float *input_norm, *post_norm; /* [hidden] */
     const float *q_norm, *k_norm;        /* [head_dim], or both NULL */
@@ -769,11 +790,12 @@ static void decoder_layer(const DecoderLayer *l, float *x, long B, const float *
     store_kv(cache, slots, k, v, B, kvn, block_size, num_threads);
     if (num_decodes > 0)
         paged_decode_attention(q, cache, tables, table_width, seq_lens, num_decodes, l->heads,
-                               l->kv_heads, D, block_size, l->scale, attn, num_threads);
+                               l->kv_heads, D, block_size, l->window, l->scale, attn,
+                               num_threads);
     if (num_decodes < num_reqs)
         paged_prefill_attention(q, cache, tables, table_width, query_start, seq_lens,
                                 num_decodes, num_reqs, l->heads, l->kv_heads, D, block_size,
-                                l->scale, attn, num_threads);
+                                l->window, l->scale, attn, num_threads);
     packed_linear(attn, B, qn, l->o, H, l->o_bias, x, 1, num_threads);
 
     rms_norm(x, B, H, l->post_norm, l->eps, h, num_threads);

@@ -43,6 +43,7 @@ def _decode_split_kernel(
     mid_out_ptr,
     mid_lse_ptr,
     scale_log2,
+    window,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -71,8 +72,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    # A sliding window's keys only: the splits share [first, seq_len).
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, G_PAD)
@@ -202,8 +205,10 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per request: query [B, H, D] over seq_lens[b] cached tokens -> [B, H, D].
+    """One query token per request: query [B, H, D] over seq_lens[b] cached tokens -> [B, H, D]
+    (with a sliding `window`, over the last `window` of them).
 
     The query of request b sits at position seq_lens[b] - 1 and its K/V must already be in
     kv_cache [N, 2, block_size, KV, D]; block_tables [B, max_blocks] lists each request's
@@ -236,6 +241,7 @@ def paged_decode_attention(
         mid_out,
         mid_lse,
         scale * LOG2E,
+        window,
         *query.stride(),
         *kv_cache.stride(),
         block_tables.stride(0),

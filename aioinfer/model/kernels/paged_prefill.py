@@ -47,6 +47,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -101,7 +102,10 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_ROWS], tl.float32)
     acc = tl.zeros([BLOCK_ROWS, D_PAD], tl.float32)
     table = block_tables_ptr + req * stride_bt
-    for tile in range(0, kv_end, BLOCK_N):
+    # With a sliding window, keys before the window of the tile's first query are masked for
+    # every row: start at the tile of BLOCK_N keys that holds the first one it sees.
+    kv_start = tl.where(window > 0, tl.maximum(prefix + q_tile * BLOCK_Q - window + 1, 0), 0)
+    for tile in range((kv_start // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
@@ -113,6 +117,7 @@ def _prefill_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_ROWS, BLOCK_N]
         causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        causal &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -179,8 +184,10 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of R requests' new tokens over their paged contexts, one launch.
+    """Causal attention of R requests' new tokens over their paged contexts, one launch; with a
+    sliding `window`, a query at position p sees keys p - window + 1 .. p only.
 
     query [T, H, D] is the step's flat batch; request r owns rows
     query_start_loc[r] .. query_start_loc[r + 1] (R + 1 entries, absolute rows, so a slice
@@ -210,6 +217,7 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         scale * LOG2E,
+        window,
         *query.stride(),
         *out.stride(),
         *kv_cache.stride(),

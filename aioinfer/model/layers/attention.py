@@ -156,8 +156,10 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        """query [T, H, D], key/value [T, KV, D] -> [T, H, D]; mutates kv_cache in place."""
+        """query [T, H, D], key/value [T, KV, D] -> [T, H, D]; mutates kv_cache in place. With
+        a sliding `window`, a query at position p attends to keys p - window + 1 .. p only."""
         ...
 
 
@@ -174,6 +176,7 @@ class Attention(nn.Module):
         head_dim: int,
         layer_idx: int,
         scale: float | None = None,
+        window: int = 0,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -185,16 +188,20 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.layer_idx = layer_idx
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window  # sliding window in tokens, or 0 for none
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [T, H, D], key/value [T, KV, D] -> [T, H, D]."""
         ctx = get_forward_context()
         backend = ctx.attn_backend or _TORCH_BACKEND
         kv_cache = ctx.kv_caches[self.layer_idx]
-        return backend.forward(query, key, value, kv_cache, ctx.attn_metadata, self.scale)
+        return backend.forward(
+            query, key, value, kv_cache, ctx.attn_metadata, self.scale, self.window
+        )
 
     def extra_repr(self) -> str:
         return (
             f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+            + (f", window={self.window}" if self.window else "")
         )

@@ -43,10 +43,11 @@ class NativeAttentionBackend(TorchAttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         nd = query.shape[0]
         return self.kernels.paged_decode_attention(
-            query, kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale
+            query, kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale, window
         )
 
     def prefill(
@@ -58,9 +59,11 @@ class NativeAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         i: int,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        if metadata.seq_lens_host[i] > query.shape[0]:  # a cached prefix: read it from the cache
-            return super().prefill(query, key, value, kv_cache, metadata, i, scale)
+        # A cached prefix (read it from the cache), or a window inside the prompt: the torch path.
+        if metadata.seq_lens_host[i] > query.shape[0] or 0 < window < query.shape[0]:
+            return super().prefill(query, key, value, kv_cache, metadata, i, scale, window)
         # A whole prompt: its keys and values are these tensors, no gather from the cache.
         # [1, heads, L, D]: batched 4-D inputs take SDPA's flash kernel on the CPU.
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))

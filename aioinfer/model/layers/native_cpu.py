@@ -223,6 +223,7 @@ def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | No
         eps=layer.input_layernorm.eps,
         scale=attn.attn.scale,
         tensors=tensors,
+        window=attn.attn.window,
     )
 
 

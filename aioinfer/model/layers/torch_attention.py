@@ -65,14 +65,17 @@ def decode_attention(
     max_seq_len: int,
     scale: float,
     min_seq_len: int = 0,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query token per request: query [B, H, D] over seq_lens[b] cached tokens -> [B, H, D].
+    """One query token per request: query [B, H, D] over seq_lens[b] cached tokens -> [B, H, D];
+    with a sliding `window`, over the last `window` of them.
 
     `min_seq_len` (any lower bound of seq_lens) lets the padding clean-up skip the slots that
     every request uses."""
     num_blocks = _cdiv(max_seq_len, kv_cache.shape[2])
     keys, values = _gather(kv_cache, block_tables[:, :num_blocks], query.dtype)  # [B, L, KV, D]
-    valid = torch.arange(keys.shape[1], device=keys.device) < seq_lens[:, None]  # [B, L]
+    key_pos = torch.arange(keys.shape[1], device=keys.device)
+    valid = key_pos < seq_lens[:, None]  # [B, L]
     # Slots past a request's length may hold anything, NaN included, and SDPA's mask does not
     # shield it (NaN scores, 0 * NaN values). The gathered tensors are fresh copies: zero in place,
     # past the shortest request only.
@@ -83,7 +86,9 @@ def decode_attention(
         query.unsqueeze(2),  # [B, H, 1, D]
         keys.transpose(1, 2),  # [B, KV, L, D]
         values.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
+        attn_mask=(valid & (key_pos >= seq_lens[:, None] - window) if window else valid)[
+            :, None, None, :
+        ],
         scale=scale,
         enable_gqa=True,
     )
@@ -96,10 +101,12 @@ def prefill_attention(
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """The last L positions of a seq_len context: query [L, H, D] -> [L, H, D], causal.
 
-    Query j sits at position prefix + j (prefix = seq_len - L) and sees keys 0 .. prefix + j:
+    Query j sits at position prefix + j (prefix = seq_len - L) and sees keys 0 .. prefix + j
+    (with a sliding `window`, only the last `window` of them):
 
         keys     0 1 2 3 4 5
         q0 (p=3) x x x x . .
@@ -114,13 +121,15 @@ def prefill_attention(
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
     k = keys.transpose(0, 1).unsqueeze(0)  # [1, KV, S, D]
     v = values.transpose(0, 1).unsqueeze(0)
-    if prefix == 0:
+    if prefix == 0 and not window:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         device = query.device
         key_pos = torch.arange(seq_len, device=device)
         query_pos = torch.arange(prefix, seq_len, device=device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [L, S]
+        if window:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 
@@ -138,18 +147,19 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KV, D] -> [T, H, D]; writes key/value into kv_cache."""
         write_kv_cache(kv_cache, key, value, metadata.slot_mapping)
         out = torch.empty_like(query)
         nd = metadata.num_decodes
         if nd > 0:
-            out[:nd] = self.decode(query[:nd], kv_cache, metadata, scale).to(out.dtype)
+            out[:nd] = self.decode(query[:nd], kv_cache, metadata, scale, window).to(out.dtype)
         qsl = metadata.query_start_loc_host
         for i in range(nd, metadata.num_reqs):
             rows = slice(qsl[i], qsl[i + 1])
             out[rows] = self.prefill(
-                query[rows], key[rows], value[rows], kv_cache, metadata, i, scale
+                query[rows], key[rows], value[rows], kv_cache, metadata, i, scale, window
             ).to(out.dtype)
         return out
 
@@ -162,11 +172,12 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         i: int,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """Request i of metadata, whose new tokens are query/key/value [L, ...]; the reference
         reads every key, new ones included, back from the cache."""
         seq_len = metadata.seq_lens_host[i]
-        return prefill_attention(query, kv_cache, metadata.block_tables[i], seq_len, scale)
+        return prefill_attention(query, kv_cache, metadata.block_tables[i], seq_len, scale, window)
 
     def decode(
         self,
@@ -174,6 +185,7 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """The leading `len(query)` requests of metadata, one query token each."""
         nd = query.shape[0]
@@ -185,4 +197,5 @@ class TorchAttentionBackend:
             max(metadata.seq_lens_host[:nd]),
             scale,
             min_seq_len=min(metadata.seq_lens_host[:nd]),
+            window=window,
         )

@@ -35,6 +35,7 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KV, D] -> [T, H, D]; writes key/value into kv_cache."""
         store_kv_cache(key, value, kv_cache, metadata.slot_mapping)
@@ -48,6 +49,7 @@ class TritonAttentionBackend:
                 metadata.seq_lens[:nd],
                 scale,
                 out=out[:nd],
+                window=window,
             )
         if nd < metadata.num_reqs:
             paged_prefill_attention(
@@ -59,5 +61,6 @@ class TritonAttentionBackend:
                 metadata.max_query_len,
                 scale,
                 out=out,
+                window=window,
             )
         return out
