@@ -131,7 +131,7 @@ def count_parameters(cfg: DecoderConfig, lm_head: bool = True) -> int:
     sparse_mlp += (3 * h * shared + (2 * shared + h) * cfg.mlp_bias + h) if shared else 0
     num_sparse = len(cfg.sparse_layers)
     mlps = (cfg.num_layers - num_sparse) * dense_mlp + num_sparse * sparse_mlp
-    per_layer = attention + 2 * h  # plus the two RMSNorms
+    per_layer = attention + cfg.norms_per_layer * h
     head = 0 if cfg.tie_word_embeddings or not lm_head else v * h
     return v * h + cfg.num_layers * per_layer + mlps + h + head
 

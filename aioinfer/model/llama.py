@@ -51,6 +51,10 @@ class DecoderConfig:
     mlp_bias: bool = False
     # Per-head RMSNorm of queries and keys before rotary (Qwen3).
     qk_norm: bool = False
+    # What attention scores are scaled by; None: head_dim ** -0.5.
+    attention_scale: float | None = None
+    # RMSNorms of hidden_size in each layer: Llama's two, Gemma's four.
+    norms_per_layer: int = 2
     # Each layer's sliding window in tokens, 0 for full attention (sizing.sliding_windows);
     # empty: none anywhere.
     sliding_windows: tuple[int, ...] = ()
@@ -114,7 +118,7 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn: nn.Module = SiluAndMul()
         # gate and up as one GEMM, set by `LlamaForCausalLM.fuse_gemms`.
         self.gate_up_proj: MergedLinear | None = None
 
@@ -150,7 +154,7 @@ class LlamaAttention(nn.Module):
         self.rotary = ApplyRotary()
         window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else 0
         self.attn = Attention(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx, window=window
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx, cfg.attention_scale, window
         )
         # q, k and v as one GEMM, set by `LlamaForCausalLM.fuse_gemms`.
         self.qkv_proj: MergedLinear | None = None
@@ -177,6 +181,13 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k)
         out = self.attn(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v)
         return linear_into(residual, out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
+
+
+def fuse_projections(attn: LlamaAttention, mlp: nn.Module) -> None:
+    """q/k/v as one GEMM, and gate/up as one where the MLP is dense (see `MergedLinear`)."""
+    attn.qkv_proj = MergedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+    if isinstance(mlp, LlamaMLP):
+        mlp.gate_up_proj = MergedLinear([mlp.gate_proj, mlp.up_proj])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -215,11 +226,16 @@ def _sparse_mlp(cfg: DecoderConfig) -> SparseMoeBlock:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        layer_class: type[nn.Module] = LlamaDecoderLayer,
+        norm_class: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_layers))
+        self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -240,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.config = self.decoder_config(hf_config)
-        self.model = LlamaModel(self.config)
+        self.model = self.decoder_stack()
         self.lm_head: nn.Linear | None = nn.Linear(
             self.config.hidden_size, self.config.vocab_size, bias=False
         )
@@ -265,12 +281,21 @@ class LlamaForCausalLM(nn.Module):
             num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope=rope_config_from_hf(hf_config),
+            rope=cls.rope_config(hf_config),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             sliding_windows=sizing.sliding_windows(hf_config) if cls.applies_sliding_window else (),
             **cls._arch_options(hf_config),
             **cls._moe_options(hf_config),
         )
+
+    @classmethod
+    def rope_config(cls, hf_config: Any) -> RopeConfig:
+        """The rotary embedding of the decoder's layers."""
+        return rope_config_from_hf(hf_config)
+
+    def decoder_stack(self) -> LlamaModel:
+        """`self.model`: the embedding, the decoder layers and the final norm."""
+        return LlamaModel(self.config)
 
     @classmethod
     def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
@@ -336,10 +361,7 @@ class LlamaForCausalLM(nn.Module):
         inside the o_proj and down_proj GEMMs."""
         for module in self.model.layers:
             layer: LlamaDecoderLayer = module  # type: ignore[assignment]
-            attn: LlamaAttention = layer.self_attn  # type: ignore[assignment]
-            attn.qkv_proj = MergedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-            if isinstance(layer.mlp, LlamaMLP):
-                layer.mlp.gate_up_proj = MergedLinear([layer.mlp.gate_proj, layer.mlp.up_proj])
+            fuse_projections(layer.self_attn, layer.mlp)  # type: ignore[arg-type]
             layer.residual_in_gemm = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

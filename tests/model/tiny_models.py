@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -37,6 +39,7 @@ ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 
 BASE_CONFIG: dict[str, Any] = {
@@ -63,6 +66,19 @@ ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48},
     "qwen2_moe": {**_EXPERTS, "shared_expert_intermediate_size": 96},
     "qwen3_moe": {**_EXPERTS, "head_dim": 32, "mlp_only_layers": [1], "norm_topk_prob": True},
+    # A sliding layer and a full one, each with its rotary base (the full one scaled, as Gemma
+    # 3's larger models), scores scaled by another number than head_dim.
+    "gemma3": {
+        "head_dim": 32,
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 24,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+    },
 }
 
 # Llama 3.1-style scaling, with a short original context so tiny prompts cross every band.
@@ -100,6 +116,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3_moe",
         {"num_experts": 16, "num_experts_per_tok": 1, "norm_topk_prob": False},
     ),
+    "gemma3": ("gemma3", {"tie_word_embeddings": True}),
+    # Gemma 2's final soft cap, untied, with biases on q/k/v/o.
+    "gemma3-softcap": ("gemma3", {"final_logit_softcapping": 30.0, "attention_bias": True}),
     # Without q/k/v biases; experts in every second layer; renormalized.
     "qwen2-moe-step2": (
         "qwen2_moe",

@@ -1,4 +1,4 @@
-"""The gated MLP activation, a module so the CPU path can swap in its native kernel."""
+"""The gated MLP activations, modules so the CPU path can swap in its native kernel."""
 
 from __future__ import annotations
 
@@ -12,3 +12,10 @@ class SiluAndMul(nn.Module):
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate, inplace=True).mul_(up)
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate) * up with gelu's tanh approximation (Gemma's `gelu_pytorch_tanh`)."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh").mul_(up)

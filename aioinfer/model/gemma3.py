@@ -1,0 +1,132 @@
+"""Gemma 3 text models (`Gemma3ForCausalLM`: gemma-3-270m, gemma-3-1b): the Llama decoder with
+Gemma's differences, each as transformers' modeling_gemma3 computes it:
+
+- the embeddings scaled by sqrt(hidden_size), in the model's dtype;
+- RMSNorms that scale by (1 + weight) (`GemmaRMSNorm`), per head on queries and keys, and
+  after the attention and around the MLP (pre- and post-feed-forward) besides Llama's two;
+- the MLP gated by gelu with the tanh approximation;
+- attention scores scaled by query_pre_attn_scalar ** -0.5;
+- the layers `layer_types` names "sliding_attention" (five of six) attend over a sliding window
+  with their own rotary base (`rope_parameters["sliding_attention"]`), the others over the whole
+  context with theirs (`rope_parameters["full_attention"]`, Gemma 3's larger ones scaled);
+- logits soft-capped, tanh(logits / cap) * cap, when final_logit_softcapping is set.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from aioinfer.model.layers.activation import GeluTanhAndMul
+from aioinfer.model.layers.norm import GemmaRMSNorm
+from aioinfer.model.layers.rotary import RopeConfig, RotaryEmbedding, rope_config_from_hf
+from aioinfer.model.llama import (
+    DecoderConfig,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    fuse_projections,
+)
+
+
+class Gemma3Attention(LlamaAttention):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.self_attn = Gemma3Attention(cfg, layer_idx)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.mlp = LlamaMLP(cfg)
+        self.mlp.act_fn = GeluTanhAndMul()
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(LlamaModel):
+    def __init__(self, cfg: DecoderConfig, sliding_rope: RopeConfig) -> None:
+        super().__init__(cfg, Gemma3DecoderLayer, GemmaRMSNorm)
+        self.embed_scale = cfg.hidden_size**0.5
+        self.sliding_rotary_emb = RotaryEmbedding(cfg.head_dim, sliding_rope)
+        self.sliding = [bool(w) for w in cfg.sliding_windows] or [False] * cfg.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        full = self.rotary_emb(positions, x.dtype)
+        sliding = self.sliding_rotary_emb(positions, x.dtype)
+        for layer, slides in zip(self.layers, self.sliding, strict=True):
+            x = layer(x, *(sliding if slides else full))
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    applies_sliding_window = True
+
+    @classmethod
+    def rope_config(cls, hf_config: Any) -> RopeConfig:
+        return _layer_rope(hf_config, "full_attention")
+
+    def decoder_stack(self) -> LlamaModel:
+        return Gemma3Model(self.config, _layer_rope(self.hf_config, "sliding_attention"))
+
+    @classmethod
+    def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return {
+            "qkv_bias": bias,
+            "o_bias": bias,
+            "mlp_bias": False,
+            "qk_norm": True,
+            "attention_scale": float(hf_config.query_pre_attn_scalar) ** -0.5,
+            "norms_per_layer": 4,
+        }
+
+    @classmethod
+    def _check_supported(cls, hf_config: Any) -> None:
+        act = getattr(hf_config, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation must be 'gelu_pytorch_tanh', got {act!r}")
+        if getattr(hf_config, "attn_logit_softcapping", None):
+            raise ValueError("attn_logit_softcapping is not supported")
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention is not supported (causal only)")
+
+    def fuse_gemms(self) -> None:
+        """q/k/v and gate/up as one GEMM each; the residuals stay outside the GEMMs, as the
+        outputs are normed before they are added."""
+        for module in self.model.layers:
+            layer: Gemma3DecoderLayer = module  # type: ignore[assignment]
+            fuse_projections(layer.self_attn, layer.mlp)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden_states)
+        cap = getattr(self.hf_config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _layer_rope(hf_config: Any, layer_type: str) -> RopeConfig:
+    """The rotary settings of one kind of layer: transformers keeps them per layer type."""
+    params = (getattr(hf_config, "rope_parameters", None) or {}).get(layer_type)
+    if params is None:
+        raise ValueError(f"rope_parameters has no entry for {layer_type!r}")
+    view = SimpleNamespace(
+        rope_parameters=params, max_position_embeddings=hf_config.max_position_embeddings
+    )
+    return rope_config_from_hf(view)
