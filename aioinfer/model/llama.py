@@ -53,6 +53,8 @@ class DecoderConfig:
     qk_norm: bool = False
     # What attention scores are scaled by; None: head_dim ** -0.5.
     attention_scale: float | None = None
+    # Scores soft-capped to softcap * tanh(score / softcap) (Gemma 2), or 0.
+    attention_softcap: float = 0.0
     # RMSNorms of hidden_size in each layer: Llama's two, Gemma's four.
     norms_per_layer: int = 2
     # Each layer's sliding window in tokens, 0 for full attention (sizing.sliding_windows);
@@ -154,7 +156,13 @@ class LlamaAttention(nn.Module):
         self.rotary = ApplyRotary()
         window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else 0
         self.attn = Attention(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx, cfg.attention_scale, window
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            layer_idx,
+            cfg.attention_scale,
+            window,
+            cfg.attention_softcap,
         )
         # q, k and v as one GEMM, set by `LlamaForCausalLM.fuse_gemms`.
         self.qkv_proj: MergedLinear | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aioinfer.model.gemma3 import Gemma3ForCausalLM
+from aioinfer.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from aioinfer.model.llama import LlamaForCausalLM, MistralForCausalLM
 from aioinfer.model.mixtral import MixtralForCausalLM
 from aioinfer.model.phi3 import Phi3ForCausalLM
@@ -19,6 +19,7 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Mixture of experts.
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -45,6 +46,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",

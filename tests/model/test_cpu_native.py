@@ -184,10 +184,12 @@ def causal_chunk_attention(
     seq_lens: list[int],
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Reference: each request's chunk (its last query_len positions of seq_len) attends to
     its context up to and including each query's own position (with a sliding window, the last
-    `window` positions up to it), K/V read from the cache."""
+    `window` positions up to it), K/V read from the cache; scores soft-capped to
+    softcap * tanh(score / softcap) when softcap is set."""
     block_size, kv_heads = cache.shape[2], cache.shape[3]
     group = query.shape[1] // kv_heads
     outs, start = [], 0
@@ -198,6 +200,8 @@ def causal_chunk_attention(
         values = cache[blocks, 1, pos % block_size].repeat_interleave(group, 1)
         q = query[start : start + n]
         scores = torch.einsum("thd,lhd->htl", q.double(), keys.double()) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(length - n, length)
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         if window:

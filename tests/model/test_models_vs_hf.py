@@ -271,6 +271,7 @@ def test_sliding_windows_per_layer_as_transformers_applies_them() -> None:
         ("mixtral", {"sliding_window": 8}),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("gemma3", {"final_logit_softcapping": 30.0}),  # sliding and full layers, 8 tokens
+        ("gemma2", {}),  # soft-capped scores and logits
     ],
 )
 @pytest.mark.parametrize("backend", ["auto", "torch"])

@@ -431,10 +431,13 @@ def forward(
 # --- sliding windows ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("window", [1, 6, 16, 40])
-def test_windowed_decode_and_prefill_match_reference(window: int) -> None:
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(1, 0.0), (6, 0.0), (16, 0.0), (40, 0.0), (0, 2.0), (6, 2.0)]
+)
+def test_windowed_decode_and_prefill_match_reference(window: int, softcap: float) -> None:
     """Each kernel against the torch reference (itself checked against a brute force in
-    test_sliding_window.py) with a window shorter and longer than a block and a key tile."""
+    test_sliding_window.py) with a window shorter and longer than a block and a key tile, and
+    with soft-capped scores."""
     batch = make_batch(
         DECODE_CASES + PREFILL_CASES,
         block_size=4,
@@ -453,6 +456,7 @@ def test_windowed_decode_and_prefill_match_reference(window: int) -> None:
         meta.seq_lens[:nd],
         batch.scale,
         window=window,
+        softcap=softcap,
     )
     ref = decode_attention(
         batch.query[:nd],
@@ -462,6 +466,7 @@ def test_windowed_decode_and_prefill_match_reference(window: int) -> None:
         max(meta.seq_lens_host[:nd]),
         batch.scale,
         window=window,
+        softcap=softcap,
     )
     torch.testing.assert_close(out, ref, **FP32_TOL)
     out = paged_prefill_attention(
@@ -473,6 +478,7 @@ def test_windowed_decode_and_prefill_match_reference(window: int) -> None:
         meta.max_query_len,
         batch.scale,
         window=window,
+        softcap=softcap,
     )
     qsl = meta.query_start_loc_host
     for i in range(nd, meta.num_reqs):
@@ -484,5 +490,6 @@ def test_windowed_decode_and_prefill_match_reference(window: int) -> None:
             meta.seq_lens_host[i],
             batch.scale,
             window,
+            softcap,
         )
         torch.testing.assert_close(out[rows], ref, **FP32_TOL)

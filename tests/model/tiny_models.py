@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -39,6 +41,7 @@ ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 
@@ -66,6 +69,15 @@ ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48},
     "qwen2_moe": {**_EXPERTS, "shared_expert_intermediate_size": 96},
     "qwen3_moe": {**_EXPERTS, "head_dim": 32, "mlp_only_layers": [1], "norm_topk_prob": True},
+    # Sliding and full layers in turn; Gemma 2's soft caps, tighter so that they bite.
+    "gemma2": {
+        "head_dim": 32,
+        "num_hidden_layers": 3,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 5.0,
+    },
     # A sliding layer and a full one, each with its rotary base (the full one scaled, as Gemma
     # 3's larger models), scores scaled by another number than head_dim.
     "gemma3": {
@@ -116,6 +128,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "qwen3_moe",
         {"num_experts": 16, "num_experts_per_tok": 1, "norm_topk_prob": False},
     ),
+    "gemma2": ("gemma2", {"tie_word_embeddings": True}),
     "gemma3": ("gemma3", {"tie_word_embeddings": True}),
     # Gemma 2's final soft cap, untied, with biases on q/k/v/o.
     "gemma3-softcap": ("gemma3", {"final_logit_softcapping": 30.0, "attention_bias": True}),

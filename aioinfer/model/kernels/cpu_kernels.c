@@ -79,6 +79,15 @@ static inline vf exp_v(vf in) {
     return select_v(in == in, p * (vf)((n + 127) << 23), in); /* NaN stays NaN */
 }
 
+/* Gemma 2's soft cap of attention scores, cap * tanh(s / cap), or s itself when cap <= 0:
+ * tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates to +-1 where exp_v clamps. Apply it before
+ * masking: a capped -inf is -cap. */
+static inline vf soft_cap(vf s, float cap) {
+    if (cap <= 0.0f) return s;
+    vf e = exp_v(s * (2.0f / cap));
+    return (1.0f - 2.0f / (e + 1.0f)) * cap;
+}
+
 /* ------------------------------------------------------------------ packed_linear
  *
  * y[M, N] = x[M, K] @ W^T + bias for the small M of decode steps, where a general GEMM packs
@@ -284,16 +293,17 @@ typedef struct {
     const float *cache; /* [num_blocks, 2, block_size, KV, D] */
     const int *table;   /* this request's blocks */
     long seq_len, block_size, KV, D, G;
-    float scale;
+    float scale, softcap; /* softcap: see soft_cap */
     long first_key;     /* keys before it are outside the sliding window */
     const float *after; /* the first block this thread reads after this task's, or NULL */
 } DecodeTask;
 
-/* scores[0:LANES) = scale * (q . k_i) for the n <= LANES keys k_i = keys + i * row, and -inf
- * past n; q is in registers (nv vectors). Returns the vector of scores. */
+/* scores[0:LANES) = soft_cap(scale * (q . k_i), cap) for the n <= LANES keys
+ * k_i = keys + i * row, and -inf past n; q is in registers (nv vectors). Returns the vector of
+ * scores. */
 static inline __attribute__((always_inline)) vf key_scores(const vf *q, const float *keys,
                                                            long row, long n, long nv,
-                                                           float scale) {
+                                                           float scale, float cap) {
     vf part[LANES];
     for (long i = 0; i < LANES; i++) {
         vf acc = splat(0.0f);
@@ -301,7 +311,7 @@ static inline __attribute__((always_inline)) vf key_scores(const vf *q, const fl
             for (long v = 0; v < nv; v++) acc += q[v] * load(keys + i * row + v * LANES);
         part[i] = acc;
     }
-    vf scores = sum_each(part) * splat(scale);
+    vf scores = soft_cap(sum_each(part) * splat(scale), cap);
     if (n < LANES) {
         vi lane;
         for (int i = 0; i < LANES; i++) lane[i] = i;
@@ -362,7 +372,8 @@ static inline __attribute__((always_inline)) void decode_heads_impl(const Decode
                 for (long i = 0; i * LANES < bs; i++) {
                     long rest = n - i * LANES;
                     vf s = rest > 0 ? key_scores(qv, keys + i * LANES * row + head / G * D, row,
-                                                 rest < LANES ? rest : LANES, nv, t.scale)
+                                                 rest < LANES ? rest : LANES, nv, t.scale,
+                                                 t.softcap)
                                     : splat(-INFINITY);
                     const long key0 = c * bs + i * LANES; /* the window's first block */
                     if (key0 < t.first_key) {
@@ -438,8 +449,8 @@ static void decode_heads(const DecodeTask t, long h0, long h1, const float *q, f
  * of each item and prefetches it (a dynamic schedule cannot: 25.4 -> 21.1 ms above). */
 void paged_decode_attention(const float *q, const float *cache, const int *tables,
                             long table_width, const int *seq_lens, long B, long H, long KV,
-                            long D, long block_size, long window, float scale, float *out,
-                            int num_threads) {
+                            long D, long block_size, long window, float scale,
+                            float softcap, float *out, int num_threads) {
     const long G = H / KV;
     const long splits = B >= 2 * num_threads ? 1 : KV; /* KV heads split this many ways */
     const long items = B * splits;
@@ -473,7 +484,7 @@ void paged_decode_attention(const float *q, const float *cache, const int *table
                                   2 * block_size * KV * D
                     : 0;
             DecodeTask t = {cache, tables + b * table_width, seq_lens[b], block_size, KV, D, G,
-                            scale, FIRST_KEY(b), after};
+                            scale, softcap, FIRST_KEY(b), after};
             decode_heads(t, h0, h1, q + b * H * D, out + b * H * D);
         }
     }
@@ -508,7 +519,7 @@ typedef struct {
     long g;             /* its KV head */
     long H, KV, G, block_size;
     long window;        /* a query at position p sees keys p - window + 1 .. p, or all if 0 */
-    float scale;
+    float scale, softcap; /* softcap: see soft_cap */
 } PrefillItem;
 
 static inline __attribute__((always_inline)) void prefill_item_impl(const PrefillItem t,
@@ -577,8 +588,8 @@ static inline __attribute__((always_inline)) void prefill_item_impl(const Prefil
                             (lane + (int)start >= lo);
                 vi valid1 = (lane + LANES < (int)n) & (lane + (int)(start + LANES) <= (int)pos) &
                             (lane + (int)(start + LANES) >= lo);
-                vf sc0 = select_v(valid0, s[i][0] * t.scale, splat(-INFINITY));
-                vf sc1 = select_v(valid1, s[i][1] * t.scale, splat(-INFINITY));
+                vf sc0 = select_v(valid0, soft_cap(s[i][0] * t.scale, t.softcap), splat(-INFINITY));
+                vf sc1 = select_v(valid1, soft_cap(s[i][1] * t.scale, t.softcap), splat(-INFINITY));
                 float block_max = max_lanes(max_v(sc0, sc1));
                 float new_max = block_max > run_max[row] ? block_max : run_max[row];
                 float keep = new_max == run_max[row]      ? 1.0f /* the usual case, once settled */
@@ -622,7 +633,8 @@ static inline __attribute__((always_inline)) void prefill_item_impl(const Prefil
 void paged_prefill_attention(const float *q, const float *cache, const int *tables,
                              long table_width, const int *query_start, const int *seq_lens,
                              long first, long last, long H, long KV, long D, long block_size,
-                             long window, float scale, float *out, int num_threads) {
+                             long window, float scale, float softcap, float *out,
+                             int num_threads) {
     const long G = H / KV;
     long num_items = 0;
     for (long r = first; r < last; r++) {
@@ -649,7 +661,7 @@ void paged_prefill_attention(const float *q, const float *cache, const int *tabl
             PrefillItem t = {cache, tables + r * table_width, q + query_start[r] * H * D,
                              out + query_start[r] * H * D, seq_lens[r] - tokens, t0,
                              t0 + PREFILL_TOKENS < tokens ? t0 + PREFILL_TOKENS : tokens,
-                             rest % KV, H, KV, G, block_size, window, scale};
+                             rest % KV, H, KV, G, block_size, window, scale, softcap};
             if (D == 64)
                 prefill_item_impl(t, work, 64);
             else if (D == 128)
@@ -727,8 +739,8 @@ void rotary(const float *x, long tokens, long heads, long dim, const float *cos,
  */
 typedef struct {
     long hidden, heads, kv_heads, head_dim, intermediate;
-    long window; /* sliding window of the attention, or 0 */
-    float eps, scale;
+    long window;          /* sliding window of the attention, or 0 */
+    float eps, scale, softcap; /* softcap: of the attention scores, see soft_cap */
     const float *input_norm, *post_norm; /* [hidden] */
     const float *q_norm, *k_norm;        /* [head_dim], or both NULL */
     const float *q, *k, *v, *o, *gate, *up, *down;                             /* packed */
@@ -790,12 +802,12 @@ static void decoder_layer(const DecoderLayer *l, float *x, long B, const float *
     store_kv(cache, slots, k, v, B, kvn, block_size, num_threads);
     if (num_decodes > 0)
         paged_decode_attention(q, cache, tables, table_width, seq_lens, num_decodes, l->heads,
-                               l->kv_heads, D, block_size, l->window, l->scale, attn,
-                               num_threads);
+                               l->kv_heads, D, block_size, l->window, l->scale, l->softcap,
+                               attn, num_threads);
     if (num_decodes < num_reqs)
         paged_prefill_attention(q, cache, tables, table_width, query_start, seq_lens,
                                 num_decodes, num_reqs, l->heads, l->kv_heads, D, block_size,
-                                l->window, l->scale, attn, num_threads);
+                                l->window, l->scale, l->softcap, attn, num_threads);
     packed_linear(attn, B, qn, l->o, H, l->o_bias, x, 1, num_threads);
 
     rms_norm(x, B, H, l->post_norm, l->eps, h, num_threads);

@@ -52,10 +52,10 @@ class NativeKernels:
         V, W = ctypes.c_void_p, ctypes.POINTER(DecoderLayerWeights)
         self._packed_linear = _bind(lib.packed_linear, P, L, L, P, L, P, P, I, I)
         self._paged_decode = _bind(
-            lib.paged_decode_attention, P, P, P, L, P, L, L, L, L, L, L, F, P, I
+            lib.paged_decode_attention, P, P, P, L, P, L, L, L, L, L, L, F, F, P, I
         )
         self._paged_prefill = _bind(
-            lib.paged_prefill_attention, P, P, V, L, V, V, L, L, L, L, L, L, L, F, P, I
+            lib.paged_prefill_attention, P, P, V, L, V, V, L, L, L, L, L, L, L, F, F, P, I
         )
         self._rms_norm = _bind(lib.rms_norm, P, L, L, P, F, P, I)
         self._silu_mul = _bind(lib.silu_mul, P, P, L, P, I)
@@ -101,10 +101,12 @@ class NativeKernels:
         seq_lens: torch.Tensor,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """query [B, H, D] over seq_lens[b] tokens of kv_cache [N, 2, block_size, KV, D] through
         block_tables [B, W] (int32) -> [B, H, D]; with a sliding `window`, over the last `window`
-        tokens only. All float32; D a multiple of 16."""
+        tokens only; with a `softcap`, scores become softcap * tanh(score / softcap). All
+        float32; D a multiple of 16."""
         b, h, d = query.shape
         query = query.contiguous()
         _check(query, kv_cache)
@@ -124,6 +126,7 @@ class NativeKernels:
             kv_cache.shape[2],
             window,
             scale,
+            softcap,
             out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -138,12 +141,13 @@ class NativeKernels:
         seq_lens: torch.Tensor,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """query [T, H, D] of R requests' chunks, request r's tokens at query_start_loc[r] ..
         query_start_loc[r + 1] ([R + 1], int32, ending at T), each attending causally over its
         seq_lens[r] ([R], int32) tokens of context (with a sliding `window`, its last `window`
         tokens), the chunk's own K/V included, read from kv_cache [N, 2, block_size, KV, D]
-        through block_tables [R, W] (int32) -> [T, H, D]."""
+        through block_tables [R, W] (int32) -> [T, H, D]; `softcap` as paged_decode_attention."""
         t, h, d = query.shape
         query = query.contiguous()
         _check(query, kv_cache)
@@ -152,7 +156,7 @@ class NativeKernels:
         self._paged_prefill(
             query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             query_start_loc.data_ptr(), seq_lens.data_ptr(), 0, seq_lens.shape[0], h,
-            kv_cache.shape[3], d, kv_cache.shape[2], window, scale, out.data_ptr(),
+            kv_cache.shape[3], d, kv_cache.shape[2], window, scale, softcap, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -332,8 +336,8 @@ class DecoderLayerWeights(ctypes.Structure):
     _fields_ = [
         ("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
         ("head_dim", ctypes.c_long), ("intermediate", ctypes.c_long), ("window", ctypes.c_long),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float), *((name, ctypes.c_void_p) for name in _LAYER_TENSORS),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        *((name, ctypes.c_void_p) for name in _LAYER_TENSORS),
     ]  # fmt: skip
 
     @classmethod
@@ -347,6 +351,7 @@ class DecoderLayerWeights(ctypes.Structure):
         scale: float,
         tensors: dict[str, torch.Tensor | None],
         window: int = 0,
+        softcap: float = 0.0,
     ) -> DecoderLayerWeights:
         if set(tensors) != set(_LAYER_TENSORS):
             raise ValueError(f"tensors must name exactly {_LAYER_TENSORS}, got {sorted(tensors)}")
@@ -377,7 +382,9 @@ class DecoderLayerWeights(ctypes.Structure):
                 if tuple(t.shape) != shapes[name]:
                     raise ValueError(f"{name} must have shape {shapes[name]}, got {tuple(t.shape)}")
         pointers = (None if tensors[n] is None else tensors[n].data_ptr() for n in _LAYER_TENSORS)  # type: ignore[union-attr]
-        layer = cls(hidden, heads, kv_heads, head_dim, intermediate, window, eps, scale, *pointers)
+        layer = cls(
+            hidden, heads, kv_heads, head_dim, intermediate, window, eps, scale, softcap, *pointers
+        )
         layer.tensors = tensors  # keeps the pointed-to storage alive
         return layer
 

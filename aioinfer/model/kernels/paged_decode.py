@@ -32,6 +32,7 @@ from aioinfer.model.kernels.common import (
 )
 
 LOG2E = math.log2(math.e)
+LOG2E_F = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -44,6 +45,7 @@ def _decode_split_kernel(
     mid_lse_ptr,
     scale_log2,
     window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -67,6 +69,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -105,6 +108,9 @@ def _decode_split_kernel(
         v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G_PAD, BLOCK_N]
+        if SOFTCAP:  # cap * tanh(score / cap), in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1)
+            capped = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 / softcap)) + 1.0))
+            s = capped * LOG2E_F
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -206,6 +212,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per request: query [B, H, D] over seq_lens[b] cached tokens -> [B, H, D]
     (with a sliding `window`, over the last `window` of them).
@@ -242,6 +249,7 @@ def paged_decode_attention(
         mid_lse,
         scale * LOG2E,
         window,
+        softcap,
         *query.stride(),
         *kv_cache.stride(),
         block_tables.stride(0),
@@ -256,6 +264,7 @@ def paged_decode_attention(
         NUM_SPLITS=splits,
         DOT_DTYPE=operand_dtype,
         PRECISION=dot_precision(operand_dtype),
+        SOFTCAP=softcap > 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -36,6 +36,7 @@ from aioinfer.model.kernels.common import (
 )
 
 LOG2E = math.log2(math.e)
+LOG2E_F = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -48,6 +49,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     scale_log2,
     window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -69,6 +71,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     q_tile = tl.program_id(1)
@@ -116,6 +119,9 @@ def _prefill_kernel(
         v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_ROWS, BLOCK_N]
+        if SOFTCAP:  # cap * tanh(score / cap), in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1)
+            capped = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 / softcap)) + 1.0))
+            s = capped * LOG2E_F
         causal = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         causal &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
@@ -185,6 +191,7 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of R requests' new tokens over their paged contexts, one launch; with a
     sliding `window`, a query at position p sees keys p - window + 1 .. p only.
@@ -218,6 +225,7 @@ def paged_prefill_attention(
         seq_lens,
         scale * LOG2E,
         window,
+        softcap,
         *query.stride(),
         *out.stride(),
         *kv_cache.stride(),
@@ -231,6 +239,7 @@ def paged_prefill_attention(
         BLOCK_N=cfg.block_n,
         DOT_DTYPE=operand_dtype,
         PRECISION=dot_precision(operand_dtype),
+        SOFTCAP=softcap > 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

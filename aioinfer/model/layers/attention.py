@@ -157,9 +157,11 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KV, D] -> [T, H, D]; mutates kv_cache in place. With
-        a sliding `window`, a query at position p attends to keys p - window + 1 .. p only."""
+        a sliding `window`, a query at position p attends to keys p - window + 1 .. p only; with
+        a `softcap`, scores become softcap * tanh(score / softcap) (Gemma 2)."""
         ...
 
 
@@ -177,6 +179,7 @@ class Attention(nn.Module):
         layer_idx: int,
         scale: float | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -189,6 +192,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window  # sliding window in tokens, or 0 for none
+        self.softcap = softcap  # soft cap of the scores, or 0 for none
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [T, H, D], key/value [T, KV, D] -> [T, H, D]."""
@@ -196,7 +200,7 @@ class Attention(nn.Module):
         backend = ctx.attn_backend or _TORCH_BACKEND
         kv_cache = ctx.kv_caches[self.layer_idx]
         return backend.forward(
-            query, key, value, kv_cache, ctx.attn_metadata, self.scale, self.window
+            query, key, value, kv_cache, ctx.attn_metadata, self.scale, self.window, self.softcap
         )
 
     def extra_repr(self) -> str:
@@ -204,4 +208,5 @@ class Attention(nn.Module):
             f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
             + (f", window={self.window}" if self.window else "")
+            + (f", softcap={self.softcap}" if self.softcap else "")
         )

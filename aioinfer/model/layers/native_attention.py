@@ -3,8 +3,9 @@
 Decode steps dominate serving on the CPU, and the torch reference spends most of their attention
 time gathering every request's K/V into a padded copy; the native kernel reads the cache in place
 through the block table (cpu_kernels.c). A whole prompt attends over its own new keys and values
-without reading them back; a chunk after a cached prefix keeps the torch path. Native decoder
-layers (native_cpu.py) run prompt chunks through the native prefill kernel instead.
+without reading them back (SDPA); a chunk after a cached prefix, a sliding window shorter than
+the prompt and soft-capped scores take the native prefill kernel, as every prompt chunk of the
+native decoder layers (native_cpu.py) does.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ class NativeAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         nd = query.shape[0]
+        tables, seq_lens = metadata.block_tables[:nd], metadata.seq_lens[:nd]
         return self.kernels.paged_decode_attention(
-            query, kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale, window
+            query, kv_cache, tables, seq_lens, scale, window, softcap
         )
 
     def prefill(
@@ -60,10 +63,17 @@ class NativeAttentionBackend(TorchAttentionBackend):
         i: int,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        # A cached prefix (read it from the cache), or a window inside the prompt: the torch path.
-        if metadata.seq_lens_host[i] > query.shape[0] or 0 < window < query.shape[0]:
-            return super().prefill(query, key, value, kv_cache, metadata, i, scale, window)
+        tokens = query.shape[0]
+        if metadata.seq_lens_host[i] > tokens or 0 < window < tokens or softcap:
+            # A cached prefix, a window inside the prompt or soft-capped scores: the native
+            # prefill kernel, which reads the context from the cache through the block table.
+            starts = torch.tensor([0, tokens], dtype=torch.int32)
+            return self.kernels.paged_prefill_attention(
+                query, kv_cache, metadata.block_tables[i : i + 1], starts,
+                metadata.seq_lens[i : i + 1], scale, window, softcap,
+            )  # fmt: skip
         # A whole prompt: its keys and values are these tensors, no gather from the cache.
         # [1, heads, L, D]: batched 4-D inputs take SDPA's flash kernel on the CPU.
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))

@@ -224,6 +224,7 @@ def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | No
         scale=attn.attn.scale,
         tensors=tensors,
         window=attn.attn.window,
+        softcap=attn.attn.softcap,
     )
 
 

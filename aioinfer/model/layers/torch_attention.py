@@ -57,6 +57,31 @@ def _gather(
     return keys, values
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """SDPA of q [B, H, L, D] over k, v [B, KV, S, D] (GQA) where mask (broadcast to
+    [B, H, L, S]) is True, causal when mask is None; with a `softcap` (Gemma 2) the scores
+    become softcap * tanh(score / softcap) before the mask, which SDPA cannot do."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.float().softmax(-1).to(v.dtype), v)
+
+
 def decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -66,12 +91,13 @@ def decode_attention(
     scale: float,
     min_seq_len: int = 0,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per request: query [B, H, D] over seq_lens[b] cached tokens -> [B, H, D];
     with a sliding `window`, over the last `window` of them.
 
     `min_seq_len` (any lower bound of seq_lens) lets the padding clean-up skip the slots that
-    every request uses."""
+    every request uses. `softcap`: see `attend`."""
     num_blocks = _cdiv(max_seq_len, kv_cache.shape[2])
     keys, values = _gather(kv_cache, block_tables[:, :num_blocks], query.dtype)  # [B, L, KV, D]
     key_pos = torch.arange(keys.shape[1], device=keys.device)
@@ -82,15 +108,13 @@ def decode_attention(
     invalid = ~valid[:, min_seq_len:, None, None]
     keys[:, min_seq_len:].masked_fill_(invalid, 0.0)
     values[:, min_seq_len:].masked_fill_(invalid, 0.0)
-    out = F.scaled_dot_product_attention(
+    out = attend(
         query.unsqueeze(2),  # [B, H, 1, D]
         keys.transpose(1, 2),  # [B, KV, L, D]
         values.transpose(1, 2),
-        attn_mask=(valid & (key_pos >= seq_lens[:, None] - window) if window else valid)[
-            :, None, None, :
-        ],
-        scale=scale,
-        enable_gqa=True,
+        scale,
+        (valid & (key_pos >= seq_lens[:, None] - window) if window else valid)[:, None, None, :],
+        softcap,
     )
     return out.squeeze(2)
 
@@ -102,8 +126,10 @@ def prefill_attention(
     seq_len: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The last L positions of a seq_len context: query [L, H, D] -> [L, H, D], causal.
+    `softcap`: see `attend`.
 
     Query j sits at position prefix + j (prefix = seq_len - L) and sees keys 0 .. prefix + j
     (with a sliding `window`, only the last `window` of them):
@@ -122,7 +148,7 @@ def prefill_attention(
     k = keys.transpose(0, 1).unsqueeze(0)  # [1, KV, S, D]
     v = values.transpose(0, 1).unsqueeze(0)
     if prefix == 0 and not window:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = attend(q, k, v, scale, softcap=softcap)
     else:
         device = query.device
         key_pos = torch.arange(seq_len, device=device)
@@ -130,7 +156,7 @@ def prefill_attention(
         mask = key_pos[None, :] <= query_pos[:, None]  # [L, S]
         if window:
             mask &= key_pos[None, :] > query_pos[:, None] - window
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = attend(q, k, v, scale, mask, softcap)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -148,18 +174,20 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KV, D] -> [T, H, D]; writes key/value into kv_cache."""
         write_kv_cache(kv_cache, key, value, metadata.slot_mapping)
         out = torch.empty_like(query)
         nd = metadata.num_decodes
         if nd > 0:
-            out[:nd] = self.decode(query[:nd], kv_cache, metadata, scale, window).to(out.dtype)
+            decoded = self.decode(query[:nd], kv_cache, metadata, scale, window, softcap)
+            out[:nd] = decoded.to(out.dtype)
         qsl = metadata.query_start_loc_host
         for i in range(nd, metadata.num_reqs):
             rows = slice(qsl[i], qsl[i + 1])
             out[rows] = self.prefill(
-                query[rows], key[rows], value[rows], kv_cache, metadata, i, scale, window
+                query[rows], key[rows], value[rows], kv_cache, metadata, i, scale, window, softcap
             ).to(out.dtype)
         return out
 
@@ -173,11 +201,13 @@ class TorchAttentionBackend:
         i: int,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Request i of metadata, whose new tokens are query/key/value [L, ...]; the reference
         reads every key, new ones included, back from the cache."""
         seq_len = metadata.seq_lens_host[i]
-        return prefill_attention(query, kv_cache, metadata.block_tables[i], seq_len, scale, window)
+        table = metadata.block_tables[i]
+        return prefill_attention(query, kv_cache, table, seq_len, scale, window, softcap)
 
     def decode(
         self,
@@ -186,6 +216,7 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """The leading `len(query)` requests of metadata, one query token each."""
         nd = query.shape[0]
@@ -198,4 +229,5 @@ class TorchAttentionBackend:
             scale,
             min_seq_len=min(metadata.seq_lens_host[:nd]),
             window=window,
+            softcap=softcap,
         )

@@ -36,6 +36,7 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KV, D] -> [T, H, D]; writes key/value into kv_cache."""
         store_kv_cache(key, value, kv_cache, metadata.slot_mapping)
@@ -50,6 +51,7 @@ class TritonAttentionBackend:
                 scale,
                 out=out[:nd],
                 window=window,
+                softcap=softcap,
             )
         if nd < metadata.num_reqs:
             paged_prefill_attention(
@@ -62,5 +64,6 @@ class TritonAttentionBackend:
                 scale,
                 out=out,
                 window=window,
+                softcap=softcap,
             )
         return out

@@ -1,15 +1,17 @@
-"""Gemma 3 text models (`Gemma3ForCausalLM`: gemma-3-270m, gemma-3-1b): the Llama decoder with
-Gemma's differences, each as transformers' modeling_gemma3 computes it:
+"""Gemma 2 and Gemma 3 text models (`Gemma2ForCausalLM`; `Gemma3ForCausalLM`: gemma-3-270m,
+gemma-3-1b): the Llama decoder with Gemma's differences, each as transformers' modeling_gemma2
+and modeling_gemma3 compute it:
 
 - the embeddings scaled by sqrt(hidden_size), in the model's dtype;
-- RMSNorms that scale by (1 + weight) (`GemmaRMSNorm`), per head on queries and keys, and
-  after the attention and around the MLP (pre- and post-feed-forward) besides Llama's two;
+- RMSNorms that scale by (1 + weight) (`GemmaRMSNorm`): after the attention and around the MLP
+  (pre- and post-feed-forward) besides Llama's two, and per head on queries and keys (Gemma 3);
 - the MLP gated by gelu with the tanh approximation;
-- attention scores scaled by query_pre_attn_scalar ** -0.5;
-- the layers `layer_types` names "sliding_attention" (five of six) attend over a sliding window
-  with their own rotary base (`rope_parameters["sliding_attention"]`), the others over the whole
-  context with theirs (`rope_parameters["full_attention"]`, Gemma 3's larger ones scaled);
-- logits soft-capped, tanh(logits / cap) * cap, when final_logit_softcapping is set.
+- attention scores scaled by query_pre_attn_scalar ** -0.5, and soft-capped to
+  cap * tanh(score / cap) when attn_logit_softcapping is set (Gemma 2's 50);
+- the layers `layer_types` names "sliding_attention" attend over a sliding window: every other
+  layer of Gemma 2, five of six of Gemma 3, whose sliding layers also have their own rotary base
+  (`rope_parameters["sliding_attention"]`, the others `["full_attention"]`);
+- logits soft-capped likewise when final_logit_softcapping is set (Gemma 2's 30).
 """
 
 from __future__ import annotations
@@ -33,19 +35,20 @@ from aioinfer.model.llama import (
 )
 
 
-class Gemma3Attention(LlamaAttention):
+class GemmaAttention(LlamaAttention):
     def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = Gemma3Attention(cfg, layer_idx)
+        self.self_attn = GemmaAttention(cfg, layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.mlp = LlamaMLP(cfg)
@@ -57,32 +60,34 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(LlamaModel):
-    def __init__(self, cfg: DecoderConfig, sliding_rope: RopeConfig) -> None:
-        super().__init__(cfg, Gemma3DecoderLayer, GemmaRMSNorm)
+class GemmaModel(LlamaModel):
+    """With `sliding_rope`, the sliding layers rotate by it and the others by cfg.rope."""
+
+    def __init__(self, cfg: DecoderConfig, sliding_rope: RopeConfig | None = None) -> None:
+        super().__init__(cfg, GemmaDecoderLayer, GemmaRMSNorm)
         self.embed_scale = cfg.hidden_size**0.5
-        self.sliding_rotary_emb = RotaryEmbedding(cfg.head_dim, sliding_rope)
+        self.sliding_rotary_emb = None
+        if sliding_rope is not None:
+            self.sliding_rotary_emb = RotaryEmbedding(cfg.head_dim, sliding_rope)
         self.sliding = [bool(w) for w in cfg.sliding_windows] or [False] * cfg.num_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         full = self.rotary_emb(positions, x.dtype)
-        sliding = self.sliding_rotary_emb(positions, x.dtype)
+        sliding = full
+        if self.sliding_rotary_emb is not None:
+            sliding = self.sliding_rotary_emb(positions, x.dtype)
         for layer, slides in zip(self.layers, self.sliding, strict=True):
             x = layer(x, *(sliding if slides else full))
         return self.norm(x)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma2ForCausalLM(LlamaForCausalLM):
     applies_sliding_window = True
 
-    @classmethod
-    def rope_config(cls, hf_config: Any) -> RopeConfig:
-        return _layer_rope(hf_config, "full_attention")
-
     def decoder_stack(self) -> LlamaModel:
-        return Gemma3Model(self.config, _layer_rope(self.hf_config, "sliding_attention"))
+        return GemmaModel(self.config)
 
     @classmethod
     def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
@@ -91,8 +96,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             "qkv_bias": bias,
             "o_bias": bias,
             "mlp_bias": False,
-            "qk_norm": True,
+            "qk_norm": False,
             "attention_scale": float(hf_config.query_pre_attn_scalar) ** -0.5,
+            "attention_softcap": float(getattr(hf_config, "attn_logit_softcapping", None) or 0),
             "norms_per_layer": 4,
         }
 
@@ -101,16 +107,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         act = getattr(hf_config, "hidden_activation", None) or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation must be 'gelu_pytorch_tanh', got {act!r}")
-        if getattr(hf_config, "attn_logit_softcapping", None):
-            raise ValueError("attn_logit_softcapping is not supported")
-        if getattr(hf_config, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention is not supported (causal only)")
 
     def fuse_gemms(self) -> None:
         """q/k/v and gate/up as one GEMM each; the residuals stay outside the GEMMs, as the
         outputs are normed before they are added."""
         for module in self.model.layers:
-            layer: Gemma3DecoderLayer = module  # type: ignore[assignment]
+            layer: GemmaDecoderLayer = module  # type: ignore[assignment]
             fuse_projections(layer.self_attn, layer.mlp)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -119,6 +121,25 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    @classmethod
+    def rope_config(cls, hf_config: Any) -> RopeConfig:
+        return _layer_rope(hf_config, "full_attention")
+
+    def decoder_stack(self) -> LlamaModel:
+        return GemmaModel(self.config, _layer_rope(self.hf_config, "sliding_attention"))
+
+    @classmethod
+    def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
+        return {**super()._arch_options(hf_config), "qk_norm": True}
+
+    @classmethod
+    def _check_supported(cls, hf_config: Any) -> None:
+        super()._check_supported(hf_config)
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention is not supported (causal only)")
 
 
 def _layer_rope(hf_config: Any, layer_type: str) -> RopeConfig:
