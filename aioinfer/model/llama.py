@@ -57,6 +57,8 @@ class DecoderConfig:
     attention_softcap: float = 0.0
     # RMSNorms of hidden_size in each layer: Llama's two, Gemma's four.
     norms_per_layer: int = 2
+    # Partial rotary (Phi-4-mini): only each head's first rotary_dim dims rotate; 0: all.
+    rotary_dim: int = 0
     # Each layer's sliding window in tokens, 0 for full attention (sizing.sliding_windows);
     # empty: none anywhere.
     sliding_windows: tuple[int, ...] = ()
@@ -154,6 +156,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = ApplyRotary()
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
         window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else 0
         self.attn = Attention(
             cfg.num_heads,
@@ -187,8 +190,16 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        out = self.attn(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v)
+        out = self.attn(self._rotate(q, cos, sin), self._rotate(k, cos, sin), v)
         return linear_into(residual, out.reshape(t, self.num_heads * self.head_dim), self.o_proj)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by cos/sin [T, rotary_dim // 2]: its first rotary_dim
+        dims, the others passed through."""
+        if self.rotary_dim == self.head_dim:
+            return self.rotary(x, cos, sin)
+        rotated = self.rotary(x[..., : self.rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
 
 
 def fuse_projections(attn: LlamaAttention, mlp: nn.Module) -> None:
@@ -244,7 +255,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.rotary_emb = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -3,8 +3,8 @@
 tensor into the model's own projections by rows (`checkpoint_splits`), so every path that
 knows Llama's projections (the CPU kernels, fuse_gemms on a GPU) runs Phi-3 unchanged.
 
-LongRoPE runs with its short factors, within the original context (sizing.py); a partial
-rotary (Phi-4-mini's 0.75) is refused.
+LongRoPE runs with its short factors, within the original context (sizing.py). Phi-4-mini
+rotates only the first 0.75 of each head's dims (partial_rotary_factor).
 """
 
 from __future__ import annotations
@@ -18,13 +18,18 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     applies_sliding_window = True
 
     @classmethod
-    def _check_supported(cls, hf_config: Any) -> None:
+    def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
+        """Phi-4-mini rotates only the first partial_rotary_factor of each head's dims."""
         rope = getattr(hf_config, "rope_parameters", None) or {}
-        partial = rope.get(
-            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)
-        )
+        partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1))
+        options = super()._arch_options(hf_config)
         if partial not in (None, 1, 1.0):
-            raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
+            num_heads = int(hf_config.num_attention_heads)
+            head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+            options["rotary_dim"] = int(head_dim * float(partial))  # transformers' rounding
+            if options["rotary_dim"] % 2:
+                raise ValueError(f"partial_rotary_factor {partial} leaves an odd rotary dim")
+        return options
 
     def checkpoint_splits(self) -> dict[str, list[tuple[str, int, int]]]:
         """{fused checkpoint key: [(parameter, first row, rows), ...]} for every layer."""

@@ -78,12 +78,31 @@ def test_longrope_frequencies_and_factor_equal_transformers():
     assert attention_factor(rope) == pytest.approx(factor) and factor > 1
 
 
-def test_a_partial_rotary_is_refused(tmp_path):
-    rope = {"rope_type": "default", "partial_rotary_factor": 0.75}
-    make_phi3(rope_scaling=rope).save_pretrained(tmp_path)
+@pytest.mark.parametrize(
+    ("rope", "sizes"),
+    [
+        ({"rope_type": "default", "partial_rotary_factor": 0.75}, {}),  # 12 of 16 dims
+        # Phi-4-mini's shape: LongRoPE factors for the rotated dims only.
+        ({**LONGROPE, "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [2.0] * 4,
+          "partial_rotary_factor": 0.5}, {"original_max_position_embeddings": 64}),
+        # 32 of 64 dims: the native rotary kernel, on a strided view.
+        ({"rope_type": "default", "partial_rotary_factor": 0.5},
+         {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_a_partial_rotary_equals_transformers(tmp_path, rope, sizes, backend):
+    """Phi-4-mini rotates the first partial_rotary_factor of each head's dims."""
+    if backend == "native" and cpu_native.load() is None:
+        pytest.skip(cpu_native.unavailable_reason())
+    hf = make_phi3(rope_scaling=rope, **sizes)
+    hf.save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.75"):
-        LLM(str(tmp_path), **OPTIONS)
+    prompts = make_prompts(4, 512, lengths=(1, 9, 30))
+    options = {**OPTIONS, "attention_backend": backend, "cpu_kernels": backend}
+    with LLM(str(tmp_path), max_num_batched_tokens=16, **options) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
 
 
 def test_a_phi3_sliding_window_applies_past_it(tmp_path):

@@ -204,6 +204,7 @@ def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | No
         and isinstance(mlp.act_fn, NativeSiluAndMul)
         and len({m.eps for m in norms + qk_norms}) == 1
         and attn.head_dim % (2 * STRIP) == 0
+        and attn.rotary_dim == attn.head_dim  # the kernel rotates whole heads
     )
     if not native:
         return None
