@@ -24,17 +24,18 @@ def default_token_budget(device_type: str, total_bytes: int | None, offline: boo
     return 4096 if offline else 512
 
 
-def sliding_windows(hf_config: Any) -> tuple[int, ...]:
-    """Each layer's sliding window in tokens, 0 where it attends to the whole context, as
-    transformers applies them: a config's `sliding_window` (Mistral, Mixtral, Phi-3, Gemma) on
-    every layer, or on the layers `layer_types` names "sliding_attention" (Qwen from
-    max_window_layers on, Gemma 2 and 3); none when Qwen's `use_sliding_window` is off."""
+def sliding_windows(hf_config: Any, layers: str | None) -> tuple[int, ...]:
+    """Each layer's sliding window in tokens, 0 where it attends to the whole context, as the
+    architecture's transformers class applies a config's `sliding_window`: `layers` "all" on
+    every layer (Mistral, Mixtral, Phi-3), "layer_types" on those the config's `layer_types`
+    names "sliding_attention" (Qwen from max_window_layers on, Gemma 2 and 3), None nowhere
+    (Llama); never when Qwen's `use_sliding_window` is off."""
     num_layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
     window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", None) is False:
+    if layers is None or not window or getattr(hf_config, "use_sliding_window", None) is False:
         return (0,) * num_layers
     layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is None:
+    if layers == "all" or layer_types is None:
         return (int(window),) * num_layers
     return tuple(int(window) if kind == "sliding_attention" else 0 for kind in layer_types)
 

@@ -84,7 +84,7 @@ class GemmaModel(LlamaModel):
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    applies_sliding_window = True
+    sliding_window_layers = "layer_types"
 
     def decoder_stack(self) -> LlamaModel:
         return GemmaModel(self.config)

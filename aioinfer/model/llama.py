@@ -268,8 +268,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`model(input_ids [T], positions [T]) -> hidden [T, hidden]`; logits via `compute_logits`."""
 
-    # Whether the architecture applies a config's sliding_window (transformers' Llama does not).
-    applies_sliding_window = False
+    # Where the architecture applies a config's sliding_window, as its transformers class does
+    # (sizing.sliding_windows): None, nowhere (Llama); "all" layers (Mistral, Mixtral, Phi-3);
+    # the "layer_types" that name it (Qwen, Gemma).
+    sliding_window_layers: str | None = None
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
@@ -285,9 +287,6 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def decoder_config(cls, hf_config: Any) -> DecoderConfig:
         """Read and validate the decoder settings of a Hugging Face config."""
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {act!r}")
         cls._check_supported(hf_config)
         num_heads = int(hf_config.num_attention_heads)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -302,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
             rms_norm_eps=float(hf_config.rms_norm_eps),
             rope=cls.rope_config(hf_config),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            sliding_windows=sizing.sliding_windows(hf_config) if cls.applies_sliding_window else (),
+            sliding_windows=sizing.sliding_windows(hf_config, cls.sliding_window_layers),
             **cls._arch_options(hf_config),
             **cls._moe_options(hf_config),
         )
@@ -335,6 +334,9 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def _check_supported(cls, hf_config: Any) -> None:
         """Raise ValueError for settings the decoder would silently get wrong."""
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {act!r}")
 
     # How checkpoints name a sparse layer's block and an expert's gate, up and down weights.
     checkpoint_expert_names = ("mlp", "gate_proj", "up_proj", "down_proj")
@@ -402,4 +404,4 @@ class LlamaForCausalLM(nn.Module):
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama with an optional sliding window."""
 
-    applies_sliding_window = True
+    sliding_window_layers = "all"

@@ -15,7 +15,7 @@ from aioinfer.model.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    applies_sliding_window = True
+    sliding_window_layers = "all"
 
     @classmethod
     def _arch_options(cls, hf_config: Any) -> dict[str, Any]:

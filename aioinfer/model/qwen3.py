@@ -8,7 +8,7 @@ from aioinfer.model.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    applies_sliding_window = True
+    sliding_window_layers = "layer_types"
 
     @classmethod
     def _arch_options(cls, hf_config: Any) -> dict[str, Any]:

@@ -250,18 +250,35 @@ def test_unsupported_settings_raise() -> None:
 
 
 def test_sliding_windows_per_layer_as_transformers_applies_them() -> None:
-    """Qwen slides from max_window_layers on and only with use_sliding_window; the window no
-    longer caps the context."""
+    """Qwen slides from max_window_layers on and only with use_sliding_window; Mistral slides
+    on every layer whatever layer_types says, Llama nowhere; the window no longer caps the
+    context."""
     from aioinfer import sizing
+    from aioinfer.model.llama import MistralForCausalLM
 
     window = {"use_sliding_window": True, "sliding_window": 32}
     config = make_hf_model("qwen2", **window, max_window_layers=1).config
-    assert sizing.sliding_windows(config) == (0, 32)
+    assert sizing.sliding_windows(config, "layer_types") == (0, 32)
+    assert get_model_class(config).decoder_config(config).sliding_windows == (0, 32)
     assert sizing.max_model_len(config, None) == 256
-    assert LlamaForCausalLM.decoder_config(config).sliding_windows == ()  # Llama ignores it
-    assert sizing.sliding_windows(make_hf_model("qwen2", **window).config) == (0, 0)
+    assert LlamaForCausalLM.decoder_config(config).sliding_windows == (0, 0)  # Llama ignores it
+    config = make_hf_model("qwen2", **window).config
+    assert sizing.sliding_windows(config, "layer_types") == (0, 0)
     config = make_hf_model("qwen2", sliding_window=32).config  # named, never applied
-    assert sizing.sliding_windows(config) == (0, 0)
+    assert sizing.sliding_windows(config, "layer_types") == (0, 0)
+    mistral = {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention"]}
+    config = make_hf_model("mistral", **mistral).config
+    assert MistralForCausalLM.decoder_config(config).sliding_windows == (4, 4)
+
+
+def test_gemma_ignores_hidden_act() -> None:
+    """transformers' Gemma reads hidden_activation; a config that also names hidden_act loads."""
+    config = make_hf_model("gemma3", hidden_act="gelu_pytorch_tanh").config
+    assert get_model_class(config)(config).config.num_layers == 3
+    with pytest.raises(ValueError, match="hidden_activation must be 'gelu_pytorch_tanh'"):
+        get_model_class(config).decoder_config(
+            make_hf_model("gemma3", hidden_activation="relu").config
+        )
 
 
 @pytest.mark.parametrize(

@@ -417,7 +417,8 @@ static inline __attribute__((always_inline)) void decode_heads_impl(const Decode
                 const float scale = c == c0 ? keep[j] : 1.0f;
                 vf acc[MAX_HEAD_VECS];
                 for (long v = 0; v < nv; v++) acc[v] = load(acc_out + v * LANES) * scale;
-                for (long i = 0; i < n; i++) {
+                /* Keys before the window weigh exp(-87), not 0 (exp_v clamps): skip them. */
+                for (long i = c * bs < t.first_key ? t.first_key - c * bs : 0; i < n; i++) {
                     vf p = splat(s[i]);
                     for (long v = 0; v < nv; v++) acc[v] += p * load(value + i * row + v * LANES);
                 }
