@@ -91,12 +91,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def _arch_options(cls, hf_config: Any) -> dict[str, Any]:
-        bias = bool(getattr(hf_config, "attention_bias", False))
         return {
-            "qkv_bias": bias,
-            "o_bias": bias,
-            "mlp_bias": False,
-            "qk_norm": False,
+            **super()._arch_options(hf_config),  # Llama's biases: attention_bias
             "attention_scale": float(hf_config.query_pre_attn_scalar) ** -0.5,
             "attention_softcap": float(getattr(hf_config, "attn_logit_softcapping", None) or 0),
             "norms_per_layer": 4,
