@@ -164,6 +164,11 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "Forget a stored response", ok(ResponseDeleted), parameters=[response_param]
             ),
         },
+        "/v1/responses/{response_id}/cancel": {
+            "post": op(
+                "Stop a background response", ok(ResponseObject), parameters=[response_param]
+            ),
+        },
         "/v1/messages": {
             "post": op(
                 "Create a message (Anthropic's Messages API; streamed as named events)",

@@ -5,7 +5,7 @@ A Responses request is a chat in another shape: `instructions` is a system messa
 `text.format` a response_format, flat function tools the chat's tools. `to_chat` builds that
 chat request, so the messages go through the chat template and the tools and formats become
 constraints exactly as on /v1/chat/completions. What cannot be served (images, files, built-in
-tools, background runs) is refused with a 400 naming the field.
+tools) is refused with a 400 naming the field.
 
 PURE: pydantic and the core package only (no torch, no asyncio).
 """
@@ -255,7 +255,12 @@ class ResponsesRequest(OpenAIRequest):
     truncation: Literal["auto", "disabled"] | None = Field(
         None, description='Only "disabled": a prompt over the context is a 400.'
     )
-    background: bool | None = Field(None, description="Not supported: refused when true.")
+    background: bool | None = Field(
+        None,
+        description="Answer at once with a queued response and generate it in the background: "
+        "GET /v1/responses/{id} reads it, POST /v1/responses/{id}/cancel stops it. Needs "
+        "store; not streamed.",
+    )
     conversation: Any = Field(None, description="Not supported.")
     prompt: Any = Field(None, description="Not supported (prompt templates).")
 
@@ -291,7 +296,6 @@ class ResponsesRequest(OpenAIRequest):
 
     def check_supported(self) -> None:
         unsupported = {
-            "background": "background responses are not supported",
             "conversation": "conversations are not supported: use previous_response_id",
             "prompt": "prompt templates are not supported: send input",
         }
@@ -300,6 +304,16 @@ class ResponsesRequest(OpenAIRequest):
         for param, message in unsupported.items():
             if getattr(self, param):
                 raise RequestValidationError(message, param)
+        if self.background and self.store is False:
+            raise RequestValidationError(
+                "background responses must be stored: drop store false", "background"
+            )
+        if self.background and self.stream:
+            raise RequestValidationError(
+                "background responses are not streamed: drop stream, then poll GET "
+                "/v1/responses/{id}",
+                "background",
+            )
         if self.truncation == "auto":
             raise RequestValidationError(
                 'truncation "auto" is not supported: send "disabled" (a prompt over the '
@@ -401,6 +415,7 @@ class ResponsesRequest(OpenAIRequest):
             "text": {"format": {"type": "text"}} | text,
             "metadata": self.metadata or {},
             "store": self.store is not False,
+            "background": bool(self.background),
             "user": self.user,
             "reasoning": self.reasoning.model_dump(exclude_none=True) if self.reasoning else None,
             "truncation": self.truncation or "disabled",

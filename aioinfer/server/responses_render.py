@@ -33,7 +33,7 @@ from aioinfer.server.responses import ChatLogprob
 from aioinfer.server.tool_parsers import ToolParser
 from aioinfer.server.tools import ToolMode
 
-Status = Literal["in_progress", "completed", "incomplete", "failed"]
+Status = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 # The stream's last event, by the response's final status.
 _FINAL_EVENTS = {
     "completed": "response.completed",
@@ -131,6 +131,7 @@ class ResponseObject(TypedDict):
     metadata: NotRequired[dict[str, str]]
     previous_response_id: NotRequired[str | None]
     store: NotRequired[bool]
+    background: NotRequired[bool]
 
 
 class ResponseStreamEvent(TypedDict):
@@ -228,8 +229,10 @@ class ResponseEvents:
             return "incomplete"
         return "failed" if self.finish_reason == "abort" else "completed"
 
-    def response(self) -> ResponseObject:
-        status = self.status
+    def response(self, status: Status | None = None) -> ResponseObject:
+        """The response as it stands; `status` overrides the output's (a background response
+        "queued" before it runs, "cancelled" after it was stopped)."""
+        status = status or self.status
         body: ResponseObject = {
             "id": self.ctx.response_id,
             "object": "response",
@@ -246,7 +249,7 @@ class ResponseEvents:
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         elif status == "failed":
             body["error"] = {"code": "server_error", "message": "The generation was aborted"}
-        if status != "in_progress":
+        if status not in ("queued", "in_progress"):
             body["usage"] = self._usage()
         return body
 

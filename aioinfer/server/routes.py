@@ -22,7 +22,12 @@ from aioinfer.server.prompts import off_loop_if_long, render_chat_off_loop
 from aioinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.render import model_card
 from aioinfer.server.responses import ModelCard, TokenizeResponse
-from aioinfer.server.responses_api import create_response, delete_response, retrieve_response
+from aioinfer.server.responses_api import (
+    cancel_response,
+    create_response,
+    delete_response,
+    retrieve_response,
+)
 from aioinfer.server.scores import create_rerank, create_score
 from aioinfer.server.state import STATE, ServerState
 
@@ -50,6 +55,7 @@ def setup_routes(app: web.Application) -> None:
     router.add_post("/v1/responses", create_response)
     router.add_get("/v1/responses/{response_id}", retrieve_response)
     router.add_delete("/v1/responses/{response_id}", delete_response)
+    router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     router.add_post("/v1/messages", create_message)
     router.add_post("/v1/messages/count_tokens", count_message_tokens)
     if os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"):

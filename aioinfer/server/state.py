@@ -39,6 +39,8 @@ class ServerState:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: ServerMetrics = field(init=False)
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
+    # Background responses being generated, by id (POST /v1/responses/{id}/cancel stops them).
+    background: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _token_texts: dict[int, str] = field(default_factory=dict)
     _openapi: bytes | None = None
 
