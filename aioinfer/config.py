@@ -73,7 +73,12 @@ class ModelConfig:
     dtype: str = _opt(
         "auto", "auto (bfloat16 on GPU, float32 on CPU), float32 (float), bfloat16, float16 (half)."
     )
-    load_format: str = _opt("auto", "auto (safetensors or gguf) or dummy (random weights).")
+    load_format: str = _opt(
+        "auto",
+        "auto (safetensors or gguf) or dummy (random weights; the configs of "
+        "Qwen/Qwen2.5-1.5B-Instruct, meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B and "
+        "google/gemma-3-1b-it are bundled, so these need no download).",
+    )
     max_model_len: int | None = _opt(None, "Longest prompt plus output (default: the model's).")
     device: str = _opt("auto", "auto (cuda if available), cuda or cpu.")
     seed: int = _opt(0, "Seed for random weights and for unseeded sampling.")

@@ -356,3 +356,25 @@ def test_a_yarn_model_through_the_engine(tmp_path) -> None:
     with LLM(str(tmp_path), dtype="float32", kv_cache_memory=0.01) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_the_bundled_gemma_3_1b_has_the_real_shapes() -> None:
+    """The config `--load-format dummy` benchmarks with: parameters as transformers' in name
+    and shape, five sliding layers of 512 tokens to each full one, each kind with its rotary
+    base, and `aioinfer plan`'s parameter count."""
+    from transformers import AutoModelForCausalLM
+
+    from aioinfer.model.loader import resolve_model
+    from aioinfer.plan import count_parameters
+
+    config = resolve_model("google/gemma-3-1b-it", load_format="dummy").hf_config
+    with torch.device("meta"):
+        ours = get_model_class(config)(config)
+        ref = AutoModelForCausalLM.from_config(config)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {
+        k: v.shape for k, v in ref.state_dict().items()
+    }
+    assert ours.config.sliding_windows == ((512,) * 5 + (0,)) * 4 + (512,) * 2
+    assert ours.config.rope.theta == 1_000_000.0
+    assert ours.model.sliding_rotary_emb.rope.theta == 10_000.0
+    assert count_parameters(ours.config) == ref.num_parameters()

@@ -43,6 +43,7 @@ BUNDLED_CONFIGS = {
     "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b-instruct",
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "google/gemma-3-1b-it": "gemma-3-1b-it",
 }
 
 HUB_PATTERNS = [
