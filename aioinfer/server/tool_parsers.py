@@ -15,16 +15,24 @@ parse as a call stays in the content as written: nothing is dropped or guessed.
 `<|python_tag|>`, a special token that decoding drops). An output is calls when all of it parses
 as such; otherwise it is all content.
 
+`pythonic`: Llama 3.2 and 4 (and Gemma 3 with a template that asks for it) answer with a Python
+list of calls with keyword arguments, `[get_weather(city="Paris"), get_time()]`; the arguments
+are Python literals (strings, numbers, True/False/None, lists, dicts). As with `llama3_json`,
+an output is calls when all of it parses as such (read by `ast`, never evaluated), otherwise
+all content.
+
 Streamed, a Hermes call goes out whole once its block closes (one delta with the name and all
 the arguments, which OpenAI's format allows); content goes out as it comes, except a tail that
 could be the start of `<tool_call>`, held until the next text tells. A Llama output that
-starts with `{` is held to its end, then goes out as calls or as content.
+starts with `{` (a pythonic one with `[`) is held to its end, then goes out as calls or as
+content.
 
 PURE: no torch, no asyncio.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 
 from aioinfer.server.tools import ToolCall, loads_or_none, new_call_id
@@ -102,22 +110,35 @@ def partial_suffix(text: str, marker: str) -> int:
 
 
 class Llama3JsonToolParser:
+    opener = "{"  # how an output of calls begins
+
     def __init__(self, single_call: bool = False) -> None:
         self.single_call = single_call  # parallel_tool_calls false: the first call only
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole output's content (None when only calls) and calls."""
-        calls = _json_calls(text)
+        calls = self.calls(text)
         if not calls:
             return text, []
         return None, calls[:1] if self.single_call else calls
 
-    def stream(self) -> Llama3JsonStream:
-        return Llama3JsonStream(self)
+    def calls(self, text: str) -> list[ToolCall] | None:
+        return _json_calls(text)
+
+    def stream(self) -> WholeOutputStream:
+        return WholeOutputStream(self)
 
 
-class Llama3JsonStream:
-    """One choice's output, fed delta by delta."""
+class PythonicToolParser(Llama3JsonToolParser):
+    opener = "["
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        return _pythonic_calls(text)
+
+
+class WholeOutputStream:
+    """One choice's output, fed delta by delta, for parsers that read a whole output as calls
+    or as content: one that begins with the parser's opener is held to its end."""
 
     def __init__(self, parser: Llama3JsonToolParser) -> None:
         self.parser = parser
@@ -133,7 +154,7 @@ class Llama3JsonStream:
             head = self._pending.lstrip()
             if not head and not final:
                 return "", []
-            self._json = head.startswith("{")
+            self._json = head.startswith(self.parser.opener)
             if not self._json:
                 text, self._pending = self._pending, ""
                 return text, []
@@ -167,6 +188,31 @@ def _json_calls(text: str) -> list[ToolCall] | None:
     return calls or None
 
 
+def _pythonic_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a text that is only a Python list of calls with keyword arguments whose
+    values are literals; None for anything else. Parsed, never evaluated."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls: list[ToolCall] = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            # Tuples become lists; sets, bytes and NaN are no JSON: not a call.
+            text_ = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            return None
+        if None in arguments:  # a **kwargs splat
+            return None
+        calls.append(ToolCall(new_call_id(), node.func.id, text_))
+    return calls
+
+
 def _call_of(value: object) -> ToolCall | None:
     """The call a parsed JSON value is; None unless it is {"name": str, "arguments": an
     object} (arguments may also be "parameters", the object's JSON text, or absent or null
@@ -188,11 +234,12 @@ def _call_of(value: object) -> ToolCall | None:
 
 
 ToolParser = HermesToolParser | Llama3JsonToolParser
-ToolCallStream = HermesStream | Llama3JsonStream
+ToolCallStream = HermesStream | WholeOutputStream
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "pythonic": PythonicToolParser,
 }
 
 

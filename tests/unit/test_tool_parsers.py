@@ -9,7 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aioinfer.config import TOOL_CALL_PARSER_NAMES
-from aioinfer.server.tool_parsers import TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser
+from aioinfer.server.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    PythonicToolParser,
+)
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 SECOND = '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
@@ -124,6 +129,55 @@ def test_llama3_json_streaming_in_any_pieces_gives_the_whole_output(text, cuts):
     assert _calls(calls) == _calls(whole_calls)
     assert content == (whole_content or "")
     assert stream.num_calls == len(whole_calls)
+
+
+PYTHONIC_CALL = '[get_weather(city="Oslo", days=3, units=None, when=["mon", 1.5], x={"a": True})]'
+PYTHONIC_TEXTS = [
+    PYTHONIC_CALL,
+    ' [get_weather(city="Oslo"), get_time()]\n',
+    "[1, 2, 3]",  # a list, no calls: an answer
+    '[get_weather("Oslo")]',  # positional arguments are not the format
+    "[get_weather(**kwargs)]",
+    "[get_weather(city=os.system('x'))]",  # not a literal: never evaluated
+    "[get_weather(city={1, 2})]",  # a set is no JSON
+    "[f(x=float('nan'))]",
+    "[]",
+    '[get_weather(city="Oslo")] and more',
+    "The answer: [get_time()]",
+    "[" * 3000,
+    "",
+]
+
+
+def test_pythonic_whole_outputs():
+    parser = PythonicToolParser()
+    content, calls = parser.parse(PYTHONIC_CALL)
+    expected = {"city": "Oslo", "days": 3, "units": None, "when": ["mon", 1.5], "x": {"a": True}}
+    assert content is None and _calls(calls) == [("get_weather", expected)]
+    content, calls = parser.parse(PYTHONIC_TEXTS[1])
+    assert content is None and _calls(calls) == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+    assert parser.parse("[f(t=(1, 2))]")[1][0].arguments == '{"t": [1, 2]}'  # tuples: lists
+    for text in PYTHONIC_TEXTS[2:]:  # anything but calls alone is content, as written
+        assert parser.parse(text) == (text, [])
+    assert len(PythonicToolParser(single_call=True).parse(PYTHONIC_TEXTS[1])[1]) == 1
+
+
+@given(st.sampled_from(PYTHONIC_TEXTS), st.lists(st.integers(0, 200), max_size=12))
+def test_pythonic_streaming_in_any_pieces_gives_the_whole_output(text, cuts):
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    stream = PythonicToolParser().stream()
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        out, done = stream.feed(piece, final=i == len(pieces) - 1)
+        content += out
+        calls += done
+    whole_content, whole_calls = PythonicToolParser().parse(text)
+    assert _calls(calls) == _calls(whole_calls)
+    assert content == (whole_content or "")
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call_only():
