@@ -8,8 +8,8 @@ Latencies are observed by the HTTP layer, per request, as outputs arrive.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -90,6 +90,8 @@ class EngineCollector(Collector):
             for position, count in enumerate(scheduler.spec_stats.accepted_per_position):
                 per_position.add_metric([*name, str(position)], float(count))
             yield per_position
+        if engine.model_config.enable_lora:
+            yield _lora_info(engine)
         yield _by_reason(
             "request_aborted",
             "Requests ended early (once each), by reason: client_disconnect, write_timeout, "
@@ -103,6 +105,29 @@ class EngineCollector(Collector):
             name,
             engine.stats.rejected,
         )
+
+
+def _lora_info(engine: AsyncEngine) -> GaugeMetricFamily:
+    """vLLM's `lora_requests_info`: the adapters of the running and the waiting requests as
+    labels (names joined by commas), its value the time of the scrape."""
+    scheduler = engine.scheduler
+    assert scheduler is not None
+    running = adapters_of(engine.loras.slots, scheduler.running)
+    waiting = adapters_of(engine.loras.slots, scheduler.waiting)
+    info = GaugeMetricFamily(
+        PREFIX + "lora_requests_info",
+        "Running stats on LoRA requests.",
+        labels=("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+    )
+    labels = [str(engine.model_config.max_loras), ",".join(waiting), ",".join(running)]
+    info.add_metric(labels, time.time())
+    return info
+
+
+def adapters_of(slots: dict[str, int], requests: Iterable[Any]) -> list[str]:
+    """The names of the adapters (`slots`: name -> slot) that `requests` run with, sorted."""
+    names = {slot: name for name, slot in slots.items()}
+    return sorted({names[r.lora_slot] for r in requests if r.lora_slot in names})
 
 
 def _by_reason(

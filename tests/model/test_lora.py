@@ -176,6 +176,8 @@ async def test_the_server_routes_requests_by_adapter_name(lora_setup, aiohttp_cl
             reference = references.get(name)  # the served model's name maps to None
             expected = hf_greedy(reference if reference is not None else references[None], prompt)
             assert data["choices"][0]["token_ids"] == expected, name
+        metrics = await (await client.get("/metrics")).text()
+        assert 'aioinfer:lora_requests_info{max_lora="4",running_lora_adapters="",' in metrics
         response = await client.post("/v1/completions", json={"model": "third", "prompt": "hi"})
         error = (await response.json())["error"]
         assert response.status == 404 and "first, second" in error["message"]
