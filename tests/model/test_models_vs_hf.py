@@ -362,18 +362,10 @@ def test_the_bundled_gemma_3_1b_has_the_real_shapes() -> None:
     """The config `--load-format dummy` benchmarks with: parameters as transformers' in name
     and shape, five sliding layers of 512 tokens to each full one, each kind with its rotary
     base, and `aioinfer plan`'s parameter count."""
-    from transformers import AutoModelForCausalLM
-
-    from aioinfer.model.loader import resolve_model
     from aioinfer.plan import count_parameters
+    from tests.model.tiny_models import bundled_model_and_reference
 
-    config = resolve_model("google/gemma-3-1b-it", load_format="dummy").hf_config
-    with torch.device("meta"):
-        ours = get_model_class(config)(config)
-        ref = AutoModelForCausalLM.from_config(config)
-    assert {k: v.shape for k, v in ours.state_dict().items()} == {
-        k: v.shape for k, v in ref.state_dict().items()
-    }
+    _, ours, ref = bundled_model_and_reference("google/gemma-3-1b-it")
     assert ours.config.sliding_windows == ((512,) * 5 + (0,)) * 4 + (512,) * 2
     assert ours.config.rope.theta == 1_000_000.0
     assert ours.model.sliding_rotary_emb.rope.theta == 10_000.0

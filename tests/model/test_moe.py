@@ -125,17 +125,9 @@ def test_sparse_and_dense_layers_follow_the_config():
 def test_the_bundled_qwen3_30b_a3b_has_the_real_shapes():
     """The config `--load-format dummy` benchmarks with: our model's parameters are
     transformers' in name and shape, and the checkpoint keys are one per expert and projection."""
-    from transformers import AutoModelForCausalLM
+    from tests.model.tiny_models import bundled_model_and_reference
 
-    from aioinfer.model.loader import resolve_model
-
-    config = resolve_model("Qwen/Qwen3-30B-A3B", load_format="dummy").hf_config
-    with torch.device("meta"):
-        ours = get_model_class(config)(config)
-        ref = AutoModelForCausalLM.from_config(config)
-    assert {k: v.shape for k, v in ours.state_dict().items()} == {
-        k: v.shape for k, v in ref.state_dict().items()
-    }
+    config, _, _ = bundled_model_and_reference("Qwen/Qwen3-30B-A3B")
     keys = checkpoint_keys(config)
     assert sum(".experts." in key for key in keys) == 48 * 128 * 3
     assert "model.layers.47.mlp.experts.127.down_proj.weight" in keys

@@ -168,3 +168,21 @@ def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel
 def make_variant(name: str, seed: int = 0) -> PreTrainedModel:
     arch, overrides = VARIANTS[name]
     return make_hf_model(arch, seed=seed, **overrides)
+
+
+def bundled_model_and_reference(hub_id: str) -> tuple[Any, nn.Module, PreTrainedModel]:
+    """A bundled config (`--load-format dummy`), our model of it and transformers', both on
+    the meta device, after checking that their parameters agree in name and shape."""
+    from transformers import AutoModelForCausalLM
+
+    from aioinfer.model.loader import resolve_model
+    from aioinfer.model.registry import get_model_class
+
+    config = resolve_model(hub_id, load_format="dummy").hf_config
+    with torch.device("meta"):
+        ours = get_model_class(config)(config)
+        ref = AutoModelForCausalLM.from_config(config)
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {
+        k: v.shape for k, v in ref.state_dict().items()
+    }
+    return config, ours, ref

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -115,22 +116,6 @@ def test_llama3_json_whole_outputs():
         assert parser.parse(text) == (text, [])
 
 
-@given(st.sampled_from(LLAMA_TEXTS), st.lists(st.integers(0, 200), max_size=12))
-def test_llama3_json_streaming_in_any_pieces_gives_the_whole_output(text, cuts):
-    points = sorted({min(c, len(text)) for c in cuts})
-    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
-    stream = Llama3JsonToolParser().stream()
-    content, calls = "", []
-    for i, piece in enumerate(pieces):
-        out, done = stream.feed(piece, final=i == len(pieces) - 1)
-        content += out
-        calls += done
-    whole_content, whole_calls = Llama3JsonToolParser().parse(text)
-    assert _calls(calls) == _calls(whole_calls)
-    assert content == (whole_content or "")
-    assert stream.num_calls == len(whole_calls)
-
-
 PYTHONIC_CALL = '[get_weather(city="Oslo", days=3, units=None, when=["mon", 1.5], x={"a": True})]'
 PYTHONIC_TEXTS = [
     PYTHONIC_CALL,
@@ -165,19 +150,27 @@ def test_pythonic_whole_outputs():
     assert len(PythonicToolParser(single_call=True).parse(PYTHONIC_TEXTS[1])[1]) == 1
 
 
-@given(st.sampled_from(PYTHONIC_TEXTS), st.lists(st.integers(0, 200), max_size=12))
-def test_pythonic_streaming_in_any_pieces_gives_the_whole_output(text, cuts):
+@pytest.mark.parametrize(
+    ("parser", "texts"),
+    [(Llama3JsonToolParser, LLAMA_TEXTS), (PythonicToolParser, PYTHONIC_TEXTS)],
+)
+@given(data=st.data(), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_whole_output_parsers_streamed_in_any_pieces_give_the_whole_output(
+    parser, texts, data, cuts
+):
+    text = data.draw(st.sampled_from(texts))
     points = sorted({min(c, len(text)) for c in cuts})
     pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
-    stream = PythonicToolParser().stream()
+    stream = parser().stream()
     content, calls = "", []
     for i, piece in enumerate(pieces):
         out, done = stream.feed(piece, final=i == len(pieces) - 1)
         content += out
         calls += done
-    whole_content, whole_calls = PythonicToolParser().parse(text)
+    whole_content, whole_calls = parser().parse(text)
     assert _calls(calls) == _calls(whole_calls)
     assert content == (whole_content or "")
+    assert stream.num_calls == len(whole_calls)
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call_only():
