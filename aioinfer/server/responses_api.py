@@ -41,7 +41,7 @@ from aioinfer.server.responses_render import (
 )
 from aioinfer.server.responses_store import ResponseStore, StoredResponse, owner_of
 from aioinfer.server.sse import encode_named_event
-from aioinfer.server.state import STATE, ServerState
+from aioinfer.server.state import STATE, BackgroundResponse, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
         return events.complete(finals[0])
 
     if req.background:
-        return _in_background(state, started.generation, events, store)
+        return _in_background(state, started.generation, events, store, owner)
     framing = Framing(encode_named_event, done=False, error=events.error)
     chunks = events if req.stream else None
     return await answer(request, state, started.generation, record, chunks, body, framing)
@@ -94,11 +94,23 @@ def _in_background(
     generation: Generation,
     events: ResponseEvents,
     store: Callable[[ResponseObject], None],
+    owner: bytes | None,
 ) -> web.Response:
-    """Answer "queued" now; a task generates the response and stores each state of it."""
+    """Answer "queued" now; a task generates the response and stores each state of it. The
+    task is registered with its owner, so cancel and delete find it even where the store has
+    already dropped its entry."""
     response_id = events.ctx.response_id
     queued = events.response("queued")
     store(queued)
+
+    def store_failure(message: str) -> None:
+        failed = events.response("failed")
+        failed["error"] = {"code": "server_error", "message": message}
+        try:
+            store(failed)
+        except Exception:  # the output itself cannot be stored: the status must still end
+            failed["output"] = []
+            store(failed)
 
     async def run() -> None:
         try:
@@ -111,16 +123,20 @@ def _in_background(
             error = generation_error(exc)
             if error is None:
                 logger.exception("background response %s failed", response_id)
-            failed = events.response("failed")
-            failed["error"] = {"code": "server_error", "message": str(error or exc)}
-            store(failed)
-        finally:
-            generation.abort_unfinished("cancelled")
-            state.in_flight -= 1
-            state.background.pop(response_id, None)
+            store_failure(str(error or exc))
 
+    def finished(task: asyncio.Task[None]) -> None:
+        # Also for a task cancelled before it ran, whose body never started.
+        if task.cancelled():
+            store(events.response("cancelled"))
+        generation.abort_unfinished("cancelled")
+        state.in_flight -= 1
+        del state.background[response_id]
+
+    task = asyncio.get_running_loop().create_task(run())
+    task.add_done_callback(finished)
     state.in_flight += 1  # shutdown waits for it as for a request being answered
-    state.background[response_id] = asyncio.get_running_loop().create_task(run())
+    state.background[response_id] = BackgroundResponse(task, owner)
     return json_response(queued)
 
 
@@ -128,23 +144,33 @@ async def cancel_response(request: web.Request) -> web.Response:
     """Stop a background response that is still generating; its stored state says
     "cancelled". A finished one, or one that was not in the background, is a 400."""
     state = request.app[STATE]
-    response_id = request.match_info["response_id"]
-    stored = state.responses.get(response_id, _owner(request))
-    if stored is None:
+    response_id, owner = request.match_info["response_id"], _owner(request)
+    if not await _stop(state, response_id, owner):
+        stored = state.responses.get(response_id, owner)
+        if stored is None:
+            raise _not_found(response_id)
+        if stored.body["status"] != "cancelled":
+            raise BadRequestError(
+                f"Response with id '{response_id}' is not being generated in the background "
+                f"(its status is {stored.body['status']!r}): only a background response that "
+                "has not finished can be cancelled.",
+                param="response_id",
+            )
+    stored = state.responses.get(response_id, owner)
+    if stored is None:  # deleted meanwhile
         raise _not_found(response_id)
-    task = state.background.get(response_id)
-    if task is not None:
-        task.cancel()
-        await asyncio.wait([task])
-    elif stored.body["status"] != "cancelled":
-        raise BadRequestError(
-            f"Response with id '{response_id}' is not being generated in the background "
-            f"(its status is {stored.body['status']!r}): only a background response that has "
-            "not finished can be cancelled.",
-            param="response_id",
-        )
-    final = state.responses.get(response_id, _owner(request))
-    return json_response(final.body if final is not None else stored.body)
+    return json_response(stored.body)
+
+
+async def _stop(state: ServerState, response_id: str, owner: bytes | None) -> bool:
+    """Cancel the background response `owner` runs under this id and wait until it stored
+    its "cancelled" state; False when there is none."""
+    running = state.background.get(response_id)
+    if running is None or running.owner != owner:
+        return False
+    running.task.cancel()
+    await asyncio.wait([running.task])
+    return True
 
 
 def _owner(request: web.Request) -> bytes | None:
@@ -167,6 +193,12 @@ def _previous(
         raise NotFoundError(
             f"Previous response with id '{previous_id}' not found.", param="previous_response_id"
         )
+    if previous.body["status"] in ("queued", "in_progress"):  # its output is not there yet
+        raise BadRequestError(
+            f"Previous response with id '{previous_id}' is {previous.body['status']}: continue "
+            "it once it has finished.",
+            param="previous_response_id",
+        )
     return previous
 
 
@@ -180,12 +212,9 @@ async def retrieve_response(request: web.Request) -> web.Response:
 
 async def delete_response(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    response_id = request.match_info["response_id"]
-    task = state.background.get(response_id)
-    if task is not None and state.responses.get(response_id, _owner(request)) is not None:
-        task.cancel()  # stopped first, or it would store itself again when done
-        await asyncio.wait([task])
-    if not state.responses.delete(response_id, _owner(request)):
+    response_id, owner = request.match_info["response_id"], _owner(request)
+    await _stop(state, response_id, owner)  # first, or it would store itself again when done
+    if not state.responses.delete(response_id, owner):
         raise _not_found(response_id)
     deleted: ResponseDeleted = {"id": response_id, "object": "response", "deleted": True}
     return json_response(deleted)

@@ -24,6 +24,14 @@ if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
 
 
+@dataclass(frozen=True)
+class BackgroundResponse:
+    """The task generating a background response, and the API key it belongs to."""
+
+    task: asyncio.Task[None]
+    owner: bytes | None
+
+
 @dataclass
 class ServerState:
     """What the handlers share; lives in `app[STATE]`."""
@@ -40,7 +48,7 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
     # Background responses being generated, by id (POST /v1/responses/{id}/cancel stops them).
-    background: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    background: dict[str, BackgroundResponse] = field(default_factory=dict)
     _token_texts: dict[int, str] = field(default_factory=dict)
     _openapi: bytes | None = None
 

@@ -201,16 +201,34 @@ def _pythonic_calls(text: str) -> list[ToolCall] | None:
     for node in tree.body.elts:
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
-        try:
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            # Tuples become lists; sets, bytes and NaN are no JSON: not a call.
-            text_ = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        names = [node.func.id, *(kw.arg for kw in node.keywords)]
+        # No **splat, no repeated keyword, and names as written: Python reads identifiers
+        # NFKC-normalised ("ﬁnd" as "find").
+        if None in names or len(set(names[1:])) < len(names) - 1:
+            return None
+        if any(str(name) not in text for name in names):
+            return None
+        try:  # tuples become lists; sets and bytes are no JSON: not a call
+            arguments_text = _arguments_json(
+                {str(kw.arg): ast.literal_eval(kw.value) for kw in node.keywords}
+            )
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
-        if None in arguments:  # a **kwargs splat
+        if arguments_text is None:
             return None
-        calls.append(ToolCall(new_call_id(), node.func.id, text_))
+        calls.append(ToolCall(new_call_id(), node.func.id, arguments_text))
     return calls
+
+
+def _arguments_json(arguments: dict[str, object]) -> str | None:
+    """The arguments as JSON text, or None where they are no JSON for the client: NaN or
+    Infinity, or a lone surrogate from an escape such as "\\ud800" (a pair, which Python
+    keeps as two halves where JSON reads one character, is joined)."""
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        return text.encode("utf-16", "surrogatepass").decode("utf-16")
+    except (ValueError, TypeError):  # UnicodeError is a ValueError
+        return None
 
 
 def _call_of(value: object) -> ToolCall | None:
@@ -226,11 +244,8 @@ def _call_of(value: object) -> ToolCall | None:
         arguments = loads_or_none(arguments)
     if not isinstance(arguments, dict):
         return None
-    try:  # NaN or Infinity parse in Python, but are not JSON for the client
-        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        return None
-    return ToolCall(new_call_id(), value["name"], text)
+    text = _arguments_json(arguments)
+    return None if text is None else ToolCall(new_call_id(), value["name"], text)
 
 
 ToolParser = HermesToolParser | Llama3JsonToolParser

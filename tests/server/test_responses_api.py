@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from aioinfer.config import ServerConfig
 from aioinfer.server.app import create_app
+from aioinfer.server.responses_render import ResponseEvents
 from aioinfer.server.state import STATE
 from tests.server.conftest import (
     API_KEYS,
@@ -289,6 +290,47 @@ async def test_a_background_response_can_be_cancelled_or_deleted_while_it_runs(
     with pytest.raises(openai.NotFoundError):
         await oai.responses.retrieve(second.id)
     assert server.app[STATE].in_flight == 0 and not server.app[STATE].background
+    assert_pool_free(slow_engine)
+    await oai.close()
+
+
+async def test_a_background_response_is_found_by_its_task_and_ends_even_when_finishing_fails(
+    live_factory, slow_engine, monkeypatch
+):
+    """Cancel reaches a running response the store has dropped (and it does not come back);
+    a continuation of an unfinished one is refused; delete and cancel at once leave no stale
+    answer; an error while the response is built ends it "failed"."""
+    server = await live_factory(slow_engine)
+    state = server.app[STATE]
+    oai = server.openai()
+    create = {"model": slow_engine.model_name, "input": "Hi", "max_output_tokens": 100}
+    queued = await oai.responses.create(**create, background=True)
+    await wait_until(lambda: slow_engine.scheduler.num_running == 1)
+    with pytest.raises(openai.BadRequestError) as info:
+        await oai.responses.create(**create, previous_response_id=queued.id)
+    assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    state.responses.capacity = 1
+    await oai.responses.create(**{**create, "max_output_tokens": 1})  # evicts the running one
+    assert (await oai.responses.cancel(queued.id)).status == "cancelled"
+    again = await oai.responses.create(**create, background=True)
+    await wait_until(lambda: slow_engine.scheduler.num_running == 1)
+    deleted, cancelled = await asyncio.gather(
+        oai.responses.delete(again.id), oai.responses.cancel(again.id), return_exceptions=True
+    )
+    assert not isinstance(deleted, Exception)
+    assert isinstance(cancelled, openai.NotFoundError) or cancelled.status == "cancelled"
+    with pytest.raises(openai.NotFoundError):
+        await oai.responses.retrieve(again.id)
+
+    def broken(self, final):
+        raise RuntimeError("no output today")
+
+    monkeypatch.setattr(ResponseEvents, "complete", broken)
+    failing = await oai.responses.create(**{**create, "max_output_tokens": 2}, background=True)
+    failed = await poll(oai, failing.id)
+    assert failed.status == "failed" and "no output today" in failed.error.message
+    await wait_until(lambda: slow_engine.num_unfinished == 0)
+    assert state.in_flight == 0 and not state.background
     assert_pool_free(slow_engine)
     await oai.close()
 

@@ -98,6 +98,7 @@ LLAMA_TEXTS = [
     LLAMA_CALL + " and some words",
     "The weather is fine. " + LLAMA_CALL,
     '{"name": "f", "parameters": [1]}',
+    '{"name": "f", "parameters": {"c": "\\ud800"}}',  # a lone surrogate is no JSON to send
     "{" * 3000,
     "",
 ]
@@ -127,6 +128,9 @@ PYTHONIC_TEXTS = [
     "[get_weather(city={1, 2})]",  # a set is no JSON
     "[f(x=float('nan'))]",
     "[]",
+    '[get_weather(city="\\ud800")]',  # a lone surrogate
+    "[f(a=1, a=2)]",  # a repeated keyword
+    "[\ufb01nd(x=1)]",  # Python would read the name as "find"
     '[get_weather(city="Oslo")] and more',
     "The answer: [get_time()]",
     "[" * 3000,
@@ -145,6 +149,15 @@ def test_pythonic_whole_outputs():
         ("get_time", {}),
     ]
     assert parser.parse("[f(t=(1, 2))]")[1][0].arguments == '{"t": [1, 2]}'  # tuples: lists
+    # An escaped pair is one character, as JSON reads it (Python keeps two halves).
+    pair = '[f(c="\\ud83d\\ude00")]'
+    assert parser.parse(pair)[1][0].arguments == '{"c": "\U0001f600"}'
+    assert (
+        Llama3JsonToolParser()
+        .parse('{"name": "f", "parameters": {"c": "\\ud83d\\ude00"}}')[1][0]
+        .arguments
+        == '{"c": "\U0001f600"}'
+    )
     for text in PYTHONIC_TEXTS[2:]:  # anything but calls alone is content, as written
         assert parser.parse(text) == (text, [])
     assert len(PythonicToolParser(single_call=True).parse(PYTHONIC_TEXTS[1])[1]) == 1
