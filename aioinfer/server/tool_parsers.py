@@ -15,6 +15,12 @@ parse as a call stays in the content as written: nothing is dropped or guessed.
 `<|python_tag|>`, a special token that decoding drops). An output is calls when all of it parses
 as such; otherwise it is all content.
 
+`mistral`: Mistral models (7B v0.3, Nemo, Small 2409, Mixtral 8x22B) answer with a JSON list of
+calls after a `[TOOL_CALLS]` control token, `[TOOL_CALLS] [{"name": "get_weather", "arguments":
+{"city": "Paris"}}]`; decoding drops the token unless special tokens are kept, so the list may
+come with or without it. Mistral's chat templates take only call ids of nine letters and digits,
+so the calls get such ids.
+
 `pythonic`: Llama 3.2 and 4 (and Gemma 3 with a template that asks for it) answer with a Python
 list of calls with keyword arguments, `[get_weather(city="Paris"), get_time()]`; the arguments
 are Python literals (strings, numbers, True/False/None, lists, dicts). As with `llama3_json`,
@@ -34,6 +40,8 @@ from __future__ import annotations
 
 import ast
 import json
+import secrets
+import string
 
 from aioinfer.server.tools import ToolCall, loads_or_none, new_call_id
 
@@ -127,6 +135,32 @@ class Llama3JsonToolParser:
 
     def stream(self) -> WholeOutputStream:
         return WholeOutputStream(self)
+
+
+class MistralToolParser(Llama3JsonToolParser):
+    opener = "["
+    marker = "[TOOL_CALLS]"
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        text = text.strip().removeprefix(self.marker)
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(value, list) or not value:
+            return None
+        calls = []
+        for item in value:  # each with its arguments: [{"name": "Paris"}] is an answer
+            call = _call_of(item, mistral_id()) if isinstance(item, dict) else None
+            if call is None or "arguments" not in item:
+                return None
+            calls.append(call)
+        return calls
+
+
+def mistral_id() -> str:
+    """A call id as Mistral's templates require: nine letters and digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 class PythonicToolParser(Llama3JsonToolParser):
@@ -231,10 +265,10 @@ def _arguments_json(arguments: dict[str, object]) -> str | None:
         return None
 
 
-def _call_of(value: object) -> ToolCall | None:
+def _call_of(value: object, call_id: str | None = None) -> ToolCall | None:
     """The call a parsed JSON value is; None unless it is {"name": str, "arguments": an
     object} (arguments may also be "parameters", the object's JSON text, or absent or null
-    for none)."""
+    for none). `call_id`: the call's id (a new one by default)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters"))
@@ -245,7 +279,7 @@ def _call_of(value: object) -> ToolCall | None:
     if not isinstance(arguments, dict):
         return None
     text = _arguments_json(arguments)
-    return None if text is None else ToolCall(new_call_id(), value["name"], text)
+    return None if text is None else ToolCall(call_id or new_call_id(), value["name"], text)
 
 
 ToolParser = HermesToolParser | Llama3JsonToolParser
@@ -254,6 +288,7 @@ ToolCallStream = HermesStream | WholeOutputStream
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
 }
 

@@ -14,6 +14,7 @@ from aioinfer.server.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     PythonicToolParser,
 )
 
@@ -117,6 +118,35 @@ def test_llama3_json_whole_outputs():
         assert parser.parse(text) == (text, [])
 
 
+MISTRAL_CALL = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+MISTRAL_TEXTS = [
+    MISTRAL_CALL,
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+    '{"name": "get_time", "arguments": {}}]',  # special tokens kept
+    '[{"name": "Paris"}]',  # no arguments: an answer that happens to be JSON
+    "[1, 2, 3]",
+    "[]",
+    MISTRAL_CALL + " and some words",
+    "[See the docs](https://example.com)",
+    "[" * 3000,
+    "",
+]
+
+
+def test_mistral_whole_outputs_and_call_ids():
+    parser = MistralToolParser()
+    content, calls = parser.parse(" " + MISTRAL_CALL)
+    assert content is None and _calls(calls) == [("get_weather", {"city": "Oslo"})]
+    content, calls = parser.parse(MISTRAL_TEXTS[1])
+    assert content is None
+    assert _calls(calls) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    # Mistral's templates refuse any other call id than nine letters and digits.
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+    assert calls[0].id != calls[1].id
+    for text in MISTRAL_TEXTS[2:]:
+        assert parser.parse(text) == (text, [])
+
+
 PYTHONIC_CALL = '[get_weather(city="Oslo", days=3, units=None, when=["mon", 1.5], x={"a": True})]'
 PYTHONIC_TEXTS = [
     PYTHONIC_CALL,
@@ -165,7 +195,11 @@ def test_pythonic_whole_outputs():
 
 @pytest.mark.parametrize(
     ("parser", "texts"),
-    [(Llama3JsonToolParser, LLAMA_TEXTS), (PythonicToolParser, PYTHONIC_TEXTS)],
+    [
+        (Llama3JsonToolParser, LLAMA_TEXTS),
+        (MistralToolParser, MISTRAL_TEXTS),
+        (PythonicToolParser, PYTHONIC_TEXTS),
+    ],
 )
 @given(data=st.data(), cuts=st.lists(st.integers(0, 200), max_size=12))
 def test_whole_output_parsers_streamed_in_any_pieces_give_the_whole_output(
