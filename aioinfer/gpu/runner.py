@@ -33,7 +33,12 @@ from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import memory
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
 from aioinfer.gpu.forward_context import forward_context
-from aioinfer.gpu.sampler import Sampler, compute_prompt_logprobs
+from aioinfer.gpu.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    compute_prompt_logprobs,
+)
 from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
 from aioinfer.model.lora import LoRAManager, LoRAMapping
 
@@ -312,8 +317,8 @@ class ModelRunner:
         if not rows:
             return
         index = torch.tensor(rows, dtype=torch.long).to(self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        output = self.sampler.sample(logits, self.sampler.prepare(row_chunks))
+        batch = self.sampler.prepare(row_chunks)
+        output = self._greedy(hidden.index_select(0, index), batch)
         token_ids, logprobs = output.rows_to_host()
         row = 0
         for chunk in chunks:
@@ -325,6 +330,16 @@ class ModelRunner:
             if row in logprobs:
                 result.logprobs[chunk.request_id] = [logprobs[row + j] for j in range(len(emitted))]
             row += width
+
+    def _greedy(self, hidden: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample the rows of `hidden`; plain greedy rows without logprobs ask the model for
+        their argmax first, which the CPU's LM head finds without every logit."""
+        if not batch.needs_processing and batch.logprobs is None:
+            greedy = getattr(self.model, "greedy_token_ids", None)
+            token_ids = greedy(hidden) if greedy is not None else None
+            if token_ids is not None:
+                return SamplerOutput(token_ids=token_ids, logprobs=None)
+        return self.sampler.sample(self.model.compute_logits(hidden), batch)
 
     def _prompt_logprobs(
         self,

@@ -118,6 +118,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        # tanh can round neighbouring logits to one value, moving the first maximum.
+        if getattr(self.hf_config, "final_logit_softcapping", None):
+            return None
+        return super().greedy_token_ids(hidden_states)
+
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     @classmethod

@@ -395,6 +395,13 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("this model was loaded for embeddings, without its LM head")
         return self.lm_head(hidden_states).float()
 
+    def greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Each row's index of the largest of `compute_logits(hidden_states)` (the first on
+        ties) where the LM head finds it without computing every logit, else None. A subclass
+        whose compute_logits changes the logits must override this."""
+        greedy = getattr(self.lm_head, "greedy", None)
+        return None if greedy is None else greedy(hidden_states)
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         """Shape of each of the `config.num_layers` KV-cache tensors."""
         cfg = self.config

@@ -26,6 +26,7 @@ from aioinfer.model.kernels.cpu_native import (
     pack_weight,
     unpack_weight,
 )
+from aioinfer.model.kernels.greedy_head import GreedyHead
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
@@ -43,6 +44,8 @@ class PackedLinear(nn.Module):
         self.packed = nn.Parameter(pack_weight(linear.weight), requires_grad=False)
         self.bias = linear.bias
         self.kernels = kernels
+        # On a model's LM head: its rows' argmax without every logit (set by use_native_kernels).
+        self.greedy: GreedyHead | None = None
         # State dicts keep Hugging Face's names and layout: `weight` [N, K], not the strips.
         self._register_state_dict_hook(_unpacked_state)
 
@@ -266,6 +269,13 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
         if packed is not None:
             setattr(parent, name, PackedEmbedding(embedding, packed))
             swapped += 1
+    head = getattr(model, "lm_head", None)
+    if (
+        isinstance(head, PackedLinear)
+        and head.bias is None
+        and GreedyHead.supports(head.packed, kernels)
+    ):
+        head.greedy = GreedyHead(head.packed, kernels)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, LlamaDecoderLayer) or isinstance(child, NativeDecoderLayer):
