@@ -1135,6 +1135,9 @@ static long rescore_row(const float *x, long K, const float *y, const float *wp,
     }
     /* Flushed denormals: products below 2^-126 with either factor, and partial sums. */
     const double floor = 0x1p-126 * (l1 + sqrt((double)K) * norm_max + 2.0 * K) * 1.01;
+    /* The bound assumes no partial sum overflows: in float32 each is at most (1 + gamma) |x|
+     * |W_v|, so below 2^127 none can (and 0 * an infinite norm, NaN, fails this too). */
+    if (!(sqrt(sq) * norm_max * (1 + gamma) < 0x1p127)) return -1;
     const double scale = rel * sqrt(sq) * 1.0000001;
     vd lower = (vd){} - INFINITY, big = (vd){} + INFINITY;
     long finite = -1; /* all lanes true while every screened logit is finite */

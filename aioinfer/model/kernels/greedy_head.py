@@ -20,66 +20,77 @@ from aioinfer.model.kernels.cpu_native import STRIP, NativeKernels, unpack_weigh
 # Strips a row may leave for float32 before the full head is cheaper: each is K x 16 floats of
 # weights read again (on SmolLM2's real rows the median is 1, the mean about 5).
 MAX_STRIPS = 64
+# Rows screened per kernel call, which bounds the scratch of screened logits (ROWS x V floats).
+ROWS = 64
 # Rows of W converted at a time when building: float64 norms of a whole large vocabulary would
 # take gigabytes.
 _BUILD_ROWS = 4096
 
 
 class GreedyHead:
-    """The screen of one packed LM head: its weight as bfloat16 pairs and its rows' norms."""
+    """The screen of one packed LM head: its weight as bfloat16 pairs and its rows' norms.
+    Build with `GreedyHead.build`; called from one thread at a time (the model's)."""
 
-    def __init__(self, packed: torch.Tensor, kernels: NativeKernels) -> None:
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        pairs: torch.Tensor,
+        norms: torch.Tensor,
+        kernels: NativeKernels,
+    ) -> None:
         strips, k, _ = packed.shape
-        self.packed = packed
-        self.kernels = kernels
+        self.packed, self.pairs, self.norms, self.kernels = packed, pairs, norms, kernels
         self.in_features, self.vocab_size = k, strips * STRIP
-        weight = unpack_weight(packed)  # [V, K], a view of the strips
-        pairs, norms = [], []
-        for start in range(0, self.vocab_size, _BUILD_ROWS):
-            rows = weight[start : start + _BUILD_ROWS]
-            pairs.append(_bf16_pairs(rows))
-            # Rounded up: the kernel's bound must not be short by float32's last bit.
-            norms.append(rows.double().norm(dim=1).mul_(1 + 1e-6).float())
-        self.pairs = torch.cat(pairs)
-        self.norms = torch.cat(norms)
         self._scratch = torch.empty(0)
         self._x_pairs = torch.empty(0, dtype=torch.int32)
 
-    @staticmethod
-    def supports(packed: torch.Tensor, kernels: NativeKernels) -> bool:
-        """Whether this CPU and this head's shape and values allow the screen."""
+    @classmethod
+    def build(cls, packed: torch.Tensor, kernels: NativeKernels) -> GreedyHead | None:
+        """The screen of the LM head `packed` (pack_weight's strips), or None where this CPU
+        lacks AVX512-BF16 or the head does not fit the kernel: an odd width, an odd number of
+        strips (the screen takes two at a time), weights that bfloat16 cannot hold."""
         strips, k, _ = packed.shape
-        return (
-            kernels.has_greedy_head
-            and k % 2 == 0
-            and strips % 2 == 0  # the screen takes two strips at a time
-            and bool(unpack_weight(packed).abs().lt(1e38).all())  # finite in bfloat16
-        )
+        if not kernels.has_greedy_head or k % 2 or strips % 2:
+            return None
+        weight = unpack_weight(packed)  # [V, K], a view of the strips
+        pairs, norms = [], []
+        for start in range(0, strips * STRIP, _BUILD_ROWS):
+            rows = weight[start : start + _BUILD_ROWS]
+            if not bool(rows.abs().lt(1e38).all()):  # beyond bfloat16's largest finite value
+                return None
+            pairs.append(_bf16_pairs(rows))
+            # Rounded up: the kernel's bound must not be short by float32's last bit.
+            norms.append(rows.double().norm(dim=1).mul_(1 + 1e-6).float())
+        return cls(packed, torch.cat(pairs), torch.cat(norms), kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """Row i's argmax of x @ W^T (x [M, K] float32), as packed_linear and max(dim).indices
         would give it; None when a row needs the full head."""
         x = x.contiguous()
         m = x.shape[0]
-        if x.dtype != torch.float32 or x.shape[1] != self.in_features:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(
                 f"x must be float32 [M, {self.in_features}], got {x.dtype} {list(x.shape)}"
             )
-        if self._scratch.numel() < m * self.vocab_size:
-            self._scratch = torch.empty(m * self.vocab_size)
-            self._x_pairs = torch.empty(m * self.in_features // 2, dtype=torch.int32)
+        rows = min(m, ROWS)
+        if self._scratch.numel() < rows * self.vocab_size:
+            self._scratch = torch.empty(rows * self.vocab_size)
+            self._x_pairs = torch.empty(rows * self.in_features // 2, dtype=torch.int32)
         out = torch.empty(m, dtype=torch.int64)
-        if m == 0:
-            return out
-        failed = self.kernels.greedy_head(
-            x.data_ptr(), m, self.in_features, self.pairs.data_ptr(), self.packed.data_ptr(),
-            self.norms.data_ptr(), self.vocab_size, MAX_STRIPS, self._scratch.data_ptr(),
-            self._x_pairs.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        return None if failed else out
+        for start in range(0, m, ROWS):
+            block = x[start : start + ROWS]
+            failed = self.kernels.greedy_head(
+                block.data_ptr(), block.shape[0], self.in_features, self.pairs.data_ptr(),
+                self.packed.data_ptr(), self.norms.data_ptr(), self.vocab_size, MAX_STRIPS,
+                self._scratch.data_ptr(), self._x_pairs.data_ptr(), out[start:].data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
+            if failed:
+                return None
+        return out
 
     def screened_logits(self, rows: int) -> torch.Tensor:
-        """The bfloat16 screen's logits of the last call's first `rows` rows (for tests)."""
+        """The bfloat16 screen's logits of the last block's first `rows` rows (for tests)."""
         return self._scratch[: rows * self.vocab_size].view(rows, self.vocab_size)
 
 

@@ -270,12 +270,8 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
             setattr(parent, name, PackedEmbedding(embedding, packed))
             swapped += 1
     head = getattr(model, "lm_head", None)
-    if (
-        isinstance(head, PackedLinear)
-        and head.bias is None
-        and GreedyHead.supports(head.packed, kernels)
-    ):
-        head.greedy = GreedyHead(head.packed, kernels)
+    if isinstance(head, PackedLinear) and head.bias is None:
+        head.greedy = GreedyHead.build(head.packed, kernels)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, LlamaDecoderLayer) or isinstance(child, NativeDecoderLayer):
