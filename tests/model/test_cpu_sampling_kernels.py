@@ -97,6 +97,25 @@ def test_race_argmax_is_the_race_of_its_hash(kernels: cpu_native.NativeKernels, 
     assert all(logits[r, i] > -math.inf for r, i in enumerate(got))
 
 
+@pytest.mark.parametrize("vocab", [40, 500, 49152])
+def test_race_argmax_over_a_truncated_row(kernels: cpu_native.NativeKernels, vocab: int) -> None:
+    """A nucleus left by top_p / top_k: whole vectors removed, which the kernel skips, the kept
+    tokens anywhere (first lane, last, the padded tail), a NaN among removed tokens; a row with
+    every token removed draws index 0."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.full((5, vocab), float("-inf"))
+    for row in range(4):
+        kept = torch.randperm(vocab, generator=gen)[: 1 + row * 3]
+        logits[row, kept] = torch.randn(len(kept), generator=gen)
+    logits[1, vocab - 1] = 0.5  # in the tail when vocab is not a multiple of the lanes
+    logits[2, 16] = float("nan")
+    keys = [3, 2**40 + 1, 99, 2**64 - 7, 5]
+    got = kernels.race_argmax(logits, keys).tolist()
+    assert got[:4] == reference_race(logits[:4], keys[:4])
+    assert got[4] == 0
+    assert all(logits[r, i] > -math.inf for r, i in enumerate(got[:4]))
+
+
 def test_race_argmax_draws_from_the_softmax(kernels: cpu_native.NativeKernels) -> None:
     """Frequencies over many keys follow softmax(logits); a removed token is never drawn."""
     logits = torch.tensor([1.0, 0.4, 0.2, -0.3, float("-inf"), -1.2])

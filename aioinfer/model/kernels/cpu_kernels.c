@@ -991,6 +991,14 @@ static inline vf race_noise(vu index, unsigned lo, unsigned hi) {
     return -log_v(u);
 }
 
+static inline int any_lane(vi mask) { /* whether any lane of a comparison is true */
+    typedef long long vq __attribute__((vector_size(LANES * 4)));
+    vq q = (vq)mask;
+    long long bits = 0;
+    for (int i = 0; i < LANES / 2; i++) bits |= q[i];
+    return bits != 0;
+}
+
 static long race_row(const float *logits, long V, unsigned long long key) {
     const unsigned lo = (unsigned)key, hi = (unsigned)(key >> 32);
     const long full = V / LANES * LANES;
@@ -1007,6 +1015,9 @@ static long race_row(const float *logits, long V, unsigned long long key) {
     vi best_index = lane - lane;
     for (long i = 0; i < V; i += LANES) {
         vf l = i < full ? load(logits + i) : load(tail);
+        /* Removed tokens score -1 and never win: skip vectors of them, as top_p, top_k and
+         * min_p leave most of a row (the noise costs most of the pass). */
+        if (!any_lane(l > splat(-INFINITY))) continue;
         vf noise = race_noise((vu)(lane + (int)i), lo, hi);
         vf score = select_v(l > splat(-INFINITY), exp_v(l - max) / noise, splat(-1.0f));
         vi better = score > best; /* strict: a lane keeps its first index on ties */
