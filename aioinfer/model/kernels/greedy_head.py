@@ -63,6 +63,11 @@ class GreedyHead:
             norms.append(rows.double().norm(dim=1).mul_(1 + 1e-6).float())
         return cls(packed, torch.cat(pairs), torch.cat(norms), kernels)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory of the screen beyond the head's own weights."""
+        return sum(t.numel() * t.element_size() for t in (self.pairs, self.norms))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """Row i's argmax of x @ W^T (x [M, K] float32), as packed_linear and max(dim).indices
         would give it; None when a row needs the full head."""

@@ -15,6 +15,8 @@ same on every device.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -32,6 +34,8 @@ from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
 from aioinfer.model.layers.rotary import ApplyRotary
 from aioinfer.model.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
@@ -272,6 +276,12 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
     head = getattr(model, "lm_head", None)
     if isinstance(head, PackedLinear) and head.bias is None:
         head.greedy = GreedyHead.build(head.packed, kernels)
+        if head.greedy is not None:
+            logger.info(
+                "Greedy requests take the LM head's exact argmax through a bfloat16 screen "
+                "(%.3f GiB besides the weights)",
+                head.greedy.nbytes / 2**30,
+            )
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, LlamaDecoderLayer) or isinstance(child, NativeDecoderLayer):
