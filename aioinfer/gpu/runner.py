@@ -318,7 +318,7 @@ class ModelRunner:
             return
         index = torch.tensor(rows, dtype=torch.long).to(self.device)
         batch = self.sampler.prepare(row_chunks)
-        output = self._greedy(hidden.index_select(0, index), batch)
+        output = self._sample_rows(hidden.index_select(0, index), batch)
         token_ids, logprobs = output.rows_to_host()
         row = 0
         for chunk in chunks:
@@ -331,7 +331,7 @@ class ModelRunner:
                 result.logprobs[chunk.request_id] = [logprobs[row + j] for j in range(len(emitted))]
             row += width
 
-    def _greedy(self, hidden: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def _sample_rows(self, hidden: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample the rows of `hidden`; plain greedy rows without logprobs ask the model for
         their argmax first, which the CPU's LM head finds without every logit."""
         if not batch.needs_processing and batch.logprobs is None:
