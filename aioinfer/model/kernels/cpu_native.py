@@ -70,7 +70,9 @@ class NativeKernels:
         # The exact greedy LM head (model/kernels/greedy_head.py) needs AVX512-BF16.
         self.has_greedy_head = bool(_bind(lib.greedy_head_available, restype=I)())
         if self.has_greedy_head:
-            self.greedy_head = _bind(lib.greedy_head, P, L, L, V, P, P, L, L, P, V, V, I, restype=I)
+            self.greedy_head = _bind(
+                lib.greedy_head, P, L, L, V, P, P, ctypes.c_double, L, L, P, V, V, I, restype=I
+            )
         # Scratch of decoder_layers, grown to the largest step and reused; one per thread, as
         # the kernels are shared by every engine of the process, each with its own thread.
         self._scratch = threading.local()

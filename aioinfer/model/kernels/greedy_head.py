@@ -41,6 +41,7 @@ class GreedyHead:
         strips, k, _ = packed.shape
         self.packed, self.pairs, self.norms, self.kernels = packed, pairs, norms, kernels
         self.in_features, self.vocab_size = k, strips * STRIP
+        self.norm_max = float(norms.max())  # inf where a norm overflows: every row then fails
         self._scratch = torch.empty(0)
         self._x_pairs = torch.empty(0, dtype=torch.int32)
 
@@ -86,7 +87,8 @@ class GreedyHead:
             block = x[start : start + ROWS]
             failed = self.kernels.greedy_head(
                 block.data_ptr(), block.shape[0], self.in_features, self.pairs.data_ptr(),
-                self.packed.data_ptr(), self.norms.data_ptr(), self.vocab_size, MAX_STRIPS,
+                self.packed.data_ptr(), self.norms.data_ptr(), self.norm_max, self.vocab_size,
+                MAX_STRIPS,
                 self._scratch.data_ptr(), self._x_pairs.data_ptr(), out[start:].data_ptr(),
                 torch.get_num_threads(),
             )  # fmt: skip
