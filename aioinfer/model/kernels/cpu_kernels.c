@@ -1072,8 +1072,8 @@ void apply_token_bitmask(float *logits, long V, const long *rows, long num_rows,
  * SmolLM2 that leaves one 16-column strip in the median, five in the mean; the head of a
  * 16-row decode step takes 3.3 ms instead of 5.3 (plus 0.3 for the argmax).
  * wb [V / 16][K / 2][16] bfloat16 pairs (W_v,2i in the low half), wp packed_linear's strips,
- * norms [V] the rows' norms |W_v| rounded up, norm_max their largest; V % 32 == 0, K even; scratch M * V floats, xb
- * M * K / 2 words. Returns 0, or 1 where a row is not finite or has more than max_strips
+ * norms [V] the rows' norms |W_v| rounded up, norm_max their largest; V % 32 == 0, K even;
+ * scratch M * V floats, xb M * K / 2 words. Returns 0, or 1 where a row is not finite or has more than max_strips
  * strips left: the caller then computes the logits.
  */
 #if defined(__AVX512BF16__) && LANES == 16
@@ -1172,13 +1172,12 @@ static long rescore_row(const float *x, long K, const float *y, const float *wp,
         }
         if (!keep) continue;
         if (++strips > max_strips) return -1;
-        const float *w = wp + v * K; /* strip v / 16 */
-        vf acc = splat(0.0f); /* packed_linear's chain of FMAs for these 16 columns */
-        for (long k = 0; k < K; k++) acc += splat(x[k]) * load(w + k * STRIP);
+        float logits[STRIP]; /* packed_linear's own tile over this strip: the same FMAs */
+        run_tile((Tile){x, strip_column(wp, K, v), 0, 0, 0, logits, K, STRIP, 0}, 1, 1);
         for (long j = 0; j < STRIP; j++)
-            if (best < 0 || acc[j] > best_logit) {
+            if (best < 0 || logits[j] > best_logit) {
                 best = v + j;
-                best_logit = acc[j];
+                best_logit = logits[j];
             }
     }
     return best;
