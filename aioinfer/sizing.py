@@ -42,7 +42,7 @@ def sliding_windows(hf_config: Any, layers: str | None) -> tuple[int, ...]:
 
 def longrope_original(hf_config: Any) -> int | None:
     """A LongRoPE model's original context (Phi-3), past which transformers switches to the
-    long factors: the engine applies the short ones only."""
+    long factors."""
     for name in ("rope_parameters", "rope_scaling"):
         rope = getattr(hf_config, name, None)
         if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "longrope":
@@ -54,24 +54,14 @@ def longrope_original(hf_config: Any) -> int | None:
 
 
 def max_model_len(hf_config: Any, requested: int | None) -> int:
-    """The flag, else the config's max_position_embeddings; never more than the model's, nor
-    more than a LongRoPE model's original context."""
+    """The flag, else the config's max_position_embeddings; never more than the model's."""
     limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
-    what = f"max_position_embeddings={limit}"
-    original = longrope_original(hf_config)
-    if original is not None and original < limit:
-        limit, what = (
-            original,
-            (
-                f"LongRoPE's original_max_position_embeddings={original}, beyond which its long "
-                "factors are not applied"
-            ),
-        )
     if requested is None:
         return limit
     if requested > limit:
         raise ValueError(
-            f"max_model_len ({requested}) is larger than the model's maximum length ({what})"
+            f"max_model_len ({requested}) is larger than the model's maximum length "
+            f"(max_position_embeddings={limit})"
         )
     return requested
 

@@ -109,8 +109,12 @@ class KVCacheManager:
     def _extend_hashes(self, request: Request, num_tokens: int) -> None:
         """Hash each full block of the request's first num_tokens tokens not hashed yet."""
         hashes, bs = request.block_hashes, self.block_size
-        # A LoRA adapter changes every K/V: its requests' chains start from their own root.
-        root = f"lora:{request.lora_slot}".encode() if request.lora_slot else None
+        # A LoRA adapter, or LongRoPE's long factors, change every K/V: such requests' chains
+        # start from their own root.
+        tags = [f"lora:{request.lora_slot}"] if request.lora_slot else []
+        if request.long_rope:
+            tags.append("rope:long")
+        root = " ".join(tags).encode() if tags else None
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else root
             hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs]))

@@ -74,6 +74,9 @@ class Request:
         self.pooled: np.ndarray | None = None  # the parts its chunks handed back, folded
         # The LoRA adapter the forward passes apply (its slot in the runner; 0: none).
         self.lora_slot = lora_slot
+        # Set once the request is longer than a LongRoPE model's original context: from then
+        # on all its tokens turn with the long factors (core/scheduler.py).
+        self.long_rope = False
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0

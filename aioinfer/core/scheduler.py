@@ -10,6 +10,12 @@ With the priority policy, the waiting queue is ordered by (priority, arrival) in
 first; a preempted request goes back to its place), running requests take their shares in that
 order too, and so the victim is always the running request with the largest (priority, arrival).
 
+A LongRoPE model (Phi-3) turns a sequence within its original context with its short factors
+and one past it with its long factors, all of its tokens (transformers recomputes the cache of
+a sequence that grows past it). So a request longer than `longrope_original` tokens is marked
+`long_rope` before it is first scheduled, and one that grows past it while running is
+computed again from its first token, once, with the long factors.
+
 An embedding request (one with a pooler) is only prefilled: its chunks hand back pooled parts
 instead of sampling, and it finishes when its prompt is done.
 
@@ -103,6 +109,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         speculation: NgramSpeculation | None = None,
         policy: str = "fcfs",
+        longrope_original: int | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
@@ -113,6 +120,7 @@ class Scheduler:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
         self.kv = kv
         self.policy = policy
+        self.longrope_original = longrope_original
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}
@@ -190,6 +198,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._passes_original_context(request):
+                self.kv.free(request)  # before its hashes change: its blocks stay cached
+                request.num_computed_tokens = 0
+                self._mark_long_rope(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts(request, budget - num_new) if num_new == 1 else ()
             if drafts and self.kv.allocate(request, num_new + len(drafts)) is not None:
@@ -212,6 +224,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self._passes_original_context(request):
+                self._mark_long_rope(request)
             cached_blocks, num_hit = self.kv.find_cached_prefix(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if self.kv.allocate(request, num_new, cached_blocks) is None:
@@ -235,6 +249,9 @@ class Scheduler:
             return ()
         # A draft past max_tokens could never be emitted.
         room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        if self.longrope_original is not None and not request.long_rope:
+            # Drafts past the original context would be checked with the wrong factors.
+            room = min(room, self.longrope_original - request.num_tokens)
         return self.proposer.propose(request.request_id, request.all_token_ids, room)
 
     def _make_chunk(
@@ -263,12 +280,28 @@ class Scheduler:
             draft_token_ids=drafts,
             pooling=pooler.pooling_type if pooler is not None else None,
             lora_slot=request.lora_slot,
+            long_rope=request.long_rope,
         )
+
+    def _passes_original_context(self, request: Request) -> bool:
+        original = self.longrope_original
+        return original is not None and not request.long_rope and request.num_tokens > original
+
+    @staticmethod
+    def _mark_long_rope(request: Request) -> None:
+        request.long_rope = True
+        request.block_hashes.clear()  # its blocks now hash from another root (kv_manager)
 
     @staticmethod
     def _prompt_logprob_targets(request: Request, start: int, end: int) -> tuple[int, ...] | None:
-        # The logits at position p score prompt token p + 1.
-        if not request.wants_prompt_logprobs or start >= request.num_prompt_tokens - 1:
+        # The logits at position p score prompt token p + 1. They go out with the first token;
+        # a request recomputed after that (preempted, or past LongRoPE's original context)
+        # needs them no more.
+        if (
+            not request.wants_prompt_logprobs
+            or request.num_output_tokens > 0
+            or start >= request.num_prompt_tokens - 1
+        ):
             return None
         return request.prompt_token_ids[start + 1 : min(end + 1, request.num_prompt_tokens)]
 

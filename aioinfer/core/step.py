@@ -64,6 +64,9 @@ class ScheduledChunk:
     pooling: str | None = None
     # The LoRA adapter applied to this chunk's tokens (its slot in the runner; 0: none).
     lora_slot: int = 0
+    # Whether the tokens turn with LongRoPE's long factors: the request is longer than the
+    # model's original context (core/scheduler.py).
+    long_rope: bool = False
 
     @property
     def num_tokens(self) -> int:

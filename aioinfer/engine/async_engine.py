@@ -173,6 +173,7 @@ class AsyncEngine:
             max_num_batched_tokens=self.info.max_num_batched_tokens,
             speculation=self.scheduler_config.speculation,
             policy=self.scheduler_config.scheduling_policy,
+            longrope_original=self.info.longrope_original,
         )
         self._step_loop = StepLoop(
             self.scheduler, self.gpu, self._fan_out, self._die, before_step=self.expire_queued

@@ -53,6 +53,7 @@ class CudaGraphRunner:
         max_blocks_per_seq: int,
         max_model_len: int,
         device: torch.device,
+        long_rope: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -69,6 +70,10 @@ class CudaGraphRunner:
             (max_bs, max_blocks_per_seq), dtype=torch.int32, device=device
         )
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        # A LongRoPE model's graphs read which rows take the long factors (all False at capture).
+        self.long_rope_rows = (
+            torch.zeros(max_bs, dtype=torch.bool, device=device) if long_rope else None
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -88,6 +93,7 @@ class CudaGraphRunner:
             num_decodes=bs,
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            long_rope_rows=None if self.long_rope_rows is None else self.long_rope_rows[:bs],
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -128,6 +134,11 @@ class CudaGraphRunner:
         self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
         width = metadata.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(metadata.block_tables, non_blocking=True)
+        if self.long_rope_rows is not None:
+            if metadata.long_rope_rows is None:
+                self.long_rope_rows[:n].fill_(False)
+            else:
+                self.long_rope_rows[:n].copy_(metadata.long_rope_rows, non_blocking=True)
         # Padding rows: no KV write, empty context.
         self.slot_mapping[n:bs].fill_(-1)
         self.seq_lens[n:bs].zero_()

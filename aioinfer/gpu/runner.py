@@ -13,7 +13,7 @@ import mmap
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,6 +78,8 @@ class RunnerInfo:
     # Set when the model serves embeddings (--runner pooling) instead of generating text.
     pooler: PoolerConfig | None = None
     hidden_size: int = 0
+    # A LongRoPE model's original context: longer requests take its long factors.
+    longrope_original: int | None = None
     init_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -216,6 +218,7 @@ class ModelRunner:
                 -(-self.max_model_len // self.block_size),
                 self.max_model_len,
                 self.device,
+                long_rope=sizing.longrope_original(hf_config) is not None,
             )
             graph_seconds, graph_bytes = self.graph_runner.capture()
 
@@ -243,6 +246,7 @@ class ModelRunner:
             graphs_off_reason=graphs_off,
             pooler=self.pooler,
             hidden_size=int(hf_config.hidden_size),
+            longrope_original=sizing.longrope_original(hf_config),
         )
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
@@ -295,6 +299,9 @@ class ModelRunner:
         metadata = AttentionMetadata.build(
             query_lens, starts, [c.block_table for c in chunks], self.block_size, self.device
         )
+        if any(c.long_rope for c in chunks):
+            rows = [c.long_rope for c in chunks for _ in range(c.num_tokens)]
+            metadata = replace(metadata, long_rope_rows=torch.tensor(rows).to(self.device))
         non_blocking = self.device.type == "cuda"
         return input_ids.to(self.device, non_blocking=non_blocking), metadata.positions, metadata
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioinfer import sizing
+from aioinfer.gpu.forward_context import get_forward_context
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.attention import Attention, kv_cache_shape
 from aioinfer.model.layers.moe import SparseMoeBlock, WeightSlot
@@ -257,9 +258,19 @@ class LlamaModel(nn.Module):
         self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.rope)
 
+    def rotary_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's cos and sin; LongRoPE's tokens past the original context are marked in
+        the step's metadata."""
+        long_rows = None
+        if self.rotary_emb.has_long_factors:
+            long_rows = get_forward_context().attn_metadata.long_rope_rows
+        return self.rotary_emb(positions, dtype, long_rows)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        cos, sin = self.rotary_cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)

@@ -3,8 +3,9 @@
 tensor into the model's own projections by rows (`checkpoint_splits`), so every path that
 knows Llama's projections (the CPU kernels, fuse_gemms on a GPU) runs Phi-3 unchanged.
 
-LongRoPE runs with its short factors, within the original context (sizing.py). Phi-4-mini
-rotates only the first 0.75 of each head's dims (partial_rotary_factor).
+LongRoPE turns a request within the original context with its short factors and one past it
+with its long factors (core/scheduler.py). Phi-4-mini rotates only the first 0.75 of each
+head's dims (partial_rotary_factor).
 """
 
 from __future__ import annotations

@@ -33,11 +33,17 @@ def make_phi3(**overrides) -> torch.nn.Module:
     return hf
 
 
+# Of the prompts below (1 to 50 tokens, 12 new tokens each), those of 1-7 tokens stay within a
+# 24-token original context, those of 16 and 17 grow past it while decoding, and those of 33 and
+# 50 start past it.
+ORIGINAL = 24
+
+
 @pytest.fixture(scope="module", params=["default", "longrope"])
 def phi3(request, tmp_path_factory):
     overrides = {}
-    if request.param == "longrope":  # within its original context: the short factors
-        overrides = {"rope_scaling": LONGROPE, "original_max_position_embeddings": 64}
+    if request.param == "longrope":
+        overrides = {"rope_scaling": LONGROPE, "original_max_position_embeddings": ORIGINAL}
     hf = make_phi3(**overrides)
     path = tmp_path_factory.mktemp(f"phi3-{request.param}")
     hf.save_pretrained(path)
@@ -53,11 +59,32 @@ def test_greedy_equals_transformers(phi3, backend):
     prompts = make_prompts(0, 512, lengths=(1, 3, 7, 16, 17, 33, 50))
     options = {**OPTIONS, "attention_backend": backend, "cpu_kernels": backend}
     with LLM(str(path), max_num_batched_tokens=16, **options) as llm:
-        limit = getattr(hf.config, "original_max_position_embeddings", 256)
-        longrope = hf.config.rope_parameters.get("rope_type") == "longrope"
-        assert llm.engine.max_model_len == (limit if longrope else 256)
+        assert llm.engine.max_model_len == 256
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+
+
+@torch.no_grad()
+def test_longrope_past_the_original_context_equals_transformers_generate(phi3):
+    """transformers' own generate (with its cache, which Phi-3 drops once a sequence grows
+    past the original context) gives what the engine gives; a prompt that is the first
+    request's whole text then starts past the original context and reuses the K/V the engine
+    computed again with the long factors, while the first prompt reuses the short ones."""
+    path, hf = phi3
+    if hf.config.rope_parameters.get("rope_type") != "longrope":
+        pytest.skip("LongRoPE only")
+    prompt = make_prompts(3, 512, lengths=(17,))[0]  # 17 + 12 tokens: past 24 while decoding
+    generated = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
+    )[0, len(prompt) :].tolist()
+    assert generated == hf_greedy(hf, prompt)
+    with LLM(str(path), max_num_batched_tokens=16, **OPTIONS) as llm:
+        first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert first == generated
+        whole = prompt + first  # 29 tokens: its first 16-token block is cached, long
+        again = llm.generate([whole, prompt], GREEDY, use_tqdm=False)
+        assert [o.num_cached_tokens for o in again] == [16, 16]
+    assert [o.outputs[0].token_ids for o in again] == [hf_greedy(hf, whole), generated]
 
 
 def test_the_checkpoint_keys_are_the_fused_ones(phi3):

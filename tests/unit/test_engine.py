@@ -55,6 +55,7 @@ class FakeRunnerFactory:
             default_sampling={},
             pooler=self.pooler,
             hidden_size=FAKE_HIDDEN,
+            longrope_original=None,
         )
 
         def execute(plan):

@@ -6,11 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aioinfer.config import NgramSpeculation
 from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.request import Request, RequestStatus
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import Scheduler
-from tests.unit.fake_runner import FakeRunner, reference_output
+from tests.unit.fake_runner import FakeRunner, reference_output, repeating_next_token
 
 
 def make_engine(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, prefix=True):
@@ -133,6 +134,23 @@ def test_newest_running_request_is_preempted_first():
     assert sched.requests["new"].num_computed_tokens == 0
 
 
+def test_prompt_logprobs_are_not_computed_again_once_the_first_token_is_out():
+    """They go out with the first token: a request preempted before it recomputes them, one
+    preempted after it does not."""
+    sched, runner = make_engine(num_blocks=7, block_size=2, budget=64)  # 6 usable blocks
+    sched.add(make_request("old", [2, 3, 4], max_tokens=8, ignore_eos=True))
+    sched.add(make_request("new", [5, 6, 7], max_tokens=6, ignore_eos=True, prompt_logprobs=1))
+    outputs, _ = run_to_completion(sched, runner)  # "new" is preempted after its first token
+    assert outputs["new"] == reference_output([5, 6, 7], 6)
+    restarts = [
+        (c.start_pos, c.prompt_logprob_targets)
+        for p in runner.plans
+        for c in p.chunks
+        if c.request_id == "new" and c.start_pos == 0
+    ]
+    assert restarts == [(0, (6, 7)), (0, None)]
+
+
 def test_eos_stop_token_ids_and_min_tokens():
     sched, runner = make_engine()
     prompt = [7, 8, 9]
@@ -210,3 +228,70 @@ def test_random_workloads_finish_exactly_and_leave_no_block(
             assert rid in abort_at
     assert sched.kv.pool.num_free_blocks == num_blocks - 1
     assert not sched.requests
+
+
+class RopeModeRunner(FakeRunner):
+    """Also records the factors each slot's K/V were computed with, and checks that every
+    chunk reads K/V of its own kind only and that a chunk with the short factors stays within
+    the original context."""
+
+    def __init__(self, num_blocks, block_size, original, **kwargs):
+        super().__init__(num_blocks, block_size, **kwargs)
+        self.original = original
+        self.long_slots: list[bool | None] = [None] * (num_blocks * block_size)
+
+    def execute(self, plan):
+        for chunk in plan.chunks:
+            end = chunk.start_pos + chunk.num_tokens
+            assert chunk.long_rope or end <= self.original, chunk
+            for slot in chunk.slot_mapping(self.block_size):
+                self.long_slots[slot] = chunk.long_rope
+            for p in range(chunk.start_pos):  # the context before the chunk: cached or earlier
+                block = chunk.block_table[p // self.block_size]
+                assert self.long_slots[block * self.block_size + p % self.block_size] is (
+                    chunk.long_rope
+                ), f"{chunk.request_id} reads K/V of the other factors at {p}"
+        return super().execute(plan)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_longrope_requests_past_the_original_context_are_computed_with_the_long_factors(
+    speculate,
+):
+    """A request longer than the original context takes the long factors from its first token;
+    one that grows past it is computed again from its first token, once; prefix-cache hits
+    never cross between the two kinds of K/V."""
+    original, block_size = 12, 4
+    kv = KVCacheManager(64, block_size)
+    spec = NgramSpeculation(3, 1, 3) if speculate else None
+    sched = Scheduler(
+        kv, max_num_seqs=8, max_num_batched_tokens=8, speculation=spec, longrope_original=original
+    )
+    runner = RopeModeRunner(64, block_size, original, next_token=repeating_next_token)
+    shared = [5, 6, 7, 8, 9, 5, 6, 7]  # two full blocks
+    prompts = {
+        "short": shared[:3],  # 3 + 6 tokens: within the original context
+        "grows": [*shared, 3],  # 9 + 10 tokens: past it while decoding
+        "long": [*shared, 4, 5, 6, 7, 8, 9],  # 14 tokens: past it from the start
+        "long2": [*shared, 4, 5, 6, 7, 8, 9, 2],  # hits "long"'s cached blocks
+    }
+    max_tokens = {"short": 6, "grows": 10, "long": 4, "long2": 4}
+    for rid, prompt in prompts.items():
+        request = make_request(rid, prompt, max_tokens=max_tokens[rid], ignore_eos=True)
+        sched.add(request)
+        if rid == "long":
+            outputs, _ = run_to_completion(sched, runner)  # "long2" comes after it finished
+    later, _ = run_to_completion(sched, runner)
+    outputs.update(later)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference_output(
+            prompt, max_tokens[rid], next_token=repeating_next_token
+        )
+    restarts = {
+        rid: [c.long_rope for p in runner.plans for c in p.chunks if c.request_id == rid and
+              c.start_pos == 0]
+        for rid in prompts
+    }  # fmt: skip
+    assert restarts == {"short": [False], "grows": [False, True], "long": [True], "long2": []}
+    assert kv.stats.hits > 0  # "long2" started from "long"'s blocks
+    assert kv.pool.num_free_blocks == 63 and not sched.requests

@@ -51,6 +51,9 @@ class AttentionMetadata:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
+    # [T] bool: the tokens that turn with LongRoPE's long factors (their request is longer than
+    # the original context); None when no token of the step does.
+    long_rope_rows: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -162,7 +162,7 @@ class NativeLlamaModel(LlamaModel):
         if not isinstance(get_forward_context().attn_backend, NativeAttentionBackend):
             return super().forward(input_ids, positions)
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        cos, sin = self.rotary_cos_sin(positions, x.dtype)
         x = _run_native_layers(self.kernels, self.layer_weights, self.cache_indices, x, cos, sin)
         return self.norm(x)
 

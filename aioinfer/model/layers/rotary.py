@@ -1,11 +1,12 @@
 """Rotary position embedding (the "rotate half" layout of Hugging Face checkpoints).
 
 Supported scalings: none ("default"), "linear", "llama3", "yarn" (Qwen's long-context setting)
-and "longrope" (Phi-3's, with its short factors: sizing.py keeps the context within the original
-one, beyond which transformers switches to the long factors). YaRN's and LongRoPE's attention
-factors scale cos and sin, as in transformers. The inverse frequencies are computed
-on the CPU at construction, even under `torch.device("meta")`, and copied to the device of the
-positions on first use, so a model built on meta and loaded later needs no extra set-up step.
+and "longrope" (Phi-3's: short factors for a sequence within the original context, long factors
+for every token of one past it; the scheduler decides per request and marks the tokens, see
+`long_rows`). YaRN's and LongRoPE's attention factors scale cos and sin, as in transformers.
+The inverse frequencies are computed on the CPU at construction, even under
+`torch.device("meta")`, and copied to the device of the positions on first use, so a model
+built on meta and loaded later needs no extra set-up step.
 """
 
 from __future__ import annotations
@@ -134,8 +135,9 @@ def attention_factor(rope: RopeConfig) -> float:
     return mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
 
 
-def compute_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies on the CPU."""
+def compute_inv_freq(head_dim: int, rope: RopeConfig, long: bool = False) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies on the CPU (`long`: LongRoPE's long factors
+    instead of its short ones)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
@@ -145,37 +147,51 @@ def compute_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     if rope.rope_type == "yarn":
         return _yarn_scale(inv_freq, head_dim, rope)
     if rope.rope_type == "longrope":
-        short = torch.tensor(rope.param("short_factor"), dtype=torch.float32, device="cpu")
-        if short.shape != inv_freq.shape:
-            raise ValueError(f"longrope short_factor must hold {head_dim // 2} values")
-        return 1.0 / (short * rope.theta**exponents)  # transformers' rounding
+        name = "long_factor" if long else "short_factor"
+        factors = torch.tensor(rope.param(name), dtype=torch.float32, device="cpu")
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope {name} must hold {head_dim // 2} values")
+        return 1.0 / (factors * rope.theta**exponents)  # transformers' rounding
     return inv_freq
 
 
 class RotaryEmbedding(nn.Module):
-    """positions [T] -> (cos, sin), each [T, head_dim // 2], for `apply_rotary`."""
+    """positions [T] -> (cos, sin), each [T, head_dim // 2], for `apply_rotary`.
+
+    A LongRoPE embedding takes `long_rows` too ([T] bool, or None for none): the tokens of
+    requests past the original context, which turn with the long factors."""
 
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
-        # A plain attribute, not a buffer: `to_empty()` and state dicts leave it alone.
-        self._inv_freq_cpu = compute_inv_freq(head_dim, rope)
+        # Plain attributes, not buffers: `to_empty()` and state dicts leave them alone.
+        self._inv_freq_cpu = {False: compute_inv_freq(head_dim, rope)}
+        if rope.rope_type == "longrope":
+            self._inv_freq_cpu[True] = compute_inv_freq(head_dim, rope, long=True)
         self.attention_factor = attention_factor(rope)
-        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self._inv_freq_by_device: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
-    def _inv_freq(self, device: torch.device) -> torch.Tensor:
-        inv_freq = self._inv_freq_by_device.get(device)
+    @property
+    def has_long_factors(self) -> bool:
+        return True in self._inv_freq_cpu
+
+    def _inv_freq(self, device: torch.device, long: bool = False) -> torch.Tensor:
+        inv_freq = self._inv_freq_by_device.get((device, long))
         if inv_freq is None:
-            inv_freq = self._inv_freq_cpu.to(device)
-            self._inv_freq_by_device[device] = inv_freq
+            inv_freq = self._inv_freq_cpu[long].to(device)
+            self._inv_freq_by_device[device, long] = inv_freq
         return inv_freq
 
     def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, long_rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Both halves of the rotated dims share these frequencies: only one half is kept.
-        freqs = positions.float()[:, None] * self._inv_freq(positions.device)[None, :]
+        inv_freq = self._inv_freq(positions.device)[None, :]
+        if long_rows is not None and self.has_long_factors:
+            long_inv_freq = self._inv_freq(positions.device, long=True)[None, :]
+            inv_freq = torch.where(long_rows[:, None], long_inv_freq, inv_freq)
+        freqs = positions.float()[:, None] * inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
