@@ -299,10 +299,13 @@ class ModelRunner:
         metadata = AttentionMetadata.build(
             query_lens, starts, [c.block_table for c in chunks], self.block_size, self.device
         )
-        if any(c.long_rope for c in chunks):
-            rows = [c.long_rope for c in chunks for _ in range(c.num_tokens)]
-            metadata = replace(metadata, long_rope_rows=torch.tensor(rows).to(self.device))
         non_blocking = self.device.type == "cuda"
+        if any(c.long_rope for c in chunks):
+            rows = torch.tensor([c.long_rope for c in chunks]).repeat_interleave(
+                torch.tensor(query_lens)
+            )
+            rows = rows.to(self.device, non_blocking=non_blocking)
+            metadata = replace(metadata, long_rope_rows=rows)
         return input_ids.to(self.device, non_blocking=non_blocking), metadata.positions, metadata
 
     def _sample(

@@ -87,6 +87,28 @@ def test_longrope_past_the_original_context_equals_transformers_generate(phi3):
     assert [o.outputs[0].token_ids for o in again] == [hf_greedy(hf, whole), generated]
 
 
+def test_longrope_on_the_native_decoder_stack(tmp_path):
+    """The native kernels' whole-layer path (head_dim 32, which it takes) rotates each
+    request's tokens with the factors its length calls for."""
+    if cpu_native.load() is None:
+        pytest.skip(cpu_native.unavailable_reason())
+    factors = {"short_factor": [1.0 + 0.2 * i for i in range(16)], "long_factor": [3.0] * 16}
+    hf = make_phi3(
+        rope_scaling={**LONGROPE, **factors},
+        original_max_position_embeddings=ORIGINAL,
+        hidden_size=128,
+        intermediate_size=256,
+    )
+    hf.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    prompts = make_prompts(5, 512, lengths=(7, 17, 24, 25, 40))
+    options = {**OPTIONS, "attention_backend": "native", "cpu_kernels": "native"}
+    with LLM(str(tmp_path), max_num_batched_tokens=16, **options) as llm:
+        assert type(llm.engine.gpu.runner.model.model).__name__ == "NativeLlamaModel"
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+
+
 def test_the_checkpoint_keys_are_the_fused_ones(phi3):
     path, hf = phi3
     from safetensors import safe_open
