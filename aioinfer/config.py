@@ -346,6 +346,12 @@ class ServerConfig:
         "Seconds a write to a client that stopped reading may block before its request is "
         "aborted and the connection closed.",
     )
+    watchdog_timeout: float = _opt(
+        300.0,
+        "Seconds one engine step may run; past it the engine counts as stuck: requests in "
+        "flight fail with a 500, /health answers 503 and the server exits 1, for its "
+        "supervisor to restart it (0: off).",
+    )
     log_requests: bool = _opt(
         False, "Log one line per generation request: id, status, token counts, latency."
     )
@@ -401,7 +407,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("shutdown_timeout", "log_stats_interval", "sse_keep_alive_interval"):
+        for name in (
+            "shutdown_timeout",
+            "log_stats_interval",
+            "sse_keep_alive_interval",
+            "watchdog_timeout",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_positive(self, "stream_write_timeout")

@@ -29,7 +29,7 @@ from aioinfer.engine.lora_adapters import LoRAAdapters
 from aioinfer.engine.model_limits import ModelLimits
 from aioinfer.engine.runner_factory import default_runner_factory
 from aioinfer.engine.stats import EngineStats
-from aioinfer.engine.step_loop import StepLoop
+from aioinfer.engine.step_loop import StepLoop, StepTimeoutError
 from aioinfer.engine.stream import (
     EngineDeadError,
     EngineOverloadedError,
@@ -94,8 +94,11 @@ class AsyncEngine:
         offline: bool = False,
         runner_factory: Callable[..., Any] | None = None,
         tokenizer: Any = None,
+        step_timeout: float | None = None,
     ) -> None:
+        """`step_timeout`: seconds a step may run before the engine counts as stuck (dead)."""
         self.model_config = model_config
+        self.step_timeout = step_timeout
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.offline = offline
@@ -176,7 +179,12 @@ class AsyncEngine:
             longrope_original=self.info.longrope_original,
         )
         self._step_loop = StepLoop(
-            self.scheduler, self.gpu, self._fan_out, self._die, before_step=self.expire_queued
+            self.scheduler,
+            self.gpu,
+            self._fan_out,
+            self._die,
+            before_step=self.expire_queued,
+            step_timeout=self.step_timeout,
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop.run())
         self.ready = True
@@ -194,7 +202,9 @@ class AsyncEngine:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
-        await asyncio.to_thread(self.gpu.stop)
+        # A stuck GPU thread would only hold up the exit: it is a daemon, left behind.
+        stuck = isinstance(self.dead_error, StepTimeoutError)
+        await asyncio.to_thread(self.gpu.stop, 0.0 if stuck else 10.0)
         self.ready = False
 
     @property

@@ -18,6 +18,11 @@ from aioinfer.gpu.thread import GpuThread
 logger = logging.getLogger(__name__)
 
 
+class StepTimeoutError(RuntimeError):
+    """A step ran past the watchdog's limit: the GPU thread is stuck (a hung kernel or
+    device), and no request can make progress."""
+
+
 class StepLoop:
     def __init__(
         self,
@@ -26,6 +31,7 @@ class StepLoop:
         on_updates: Callable[[list[RequestUpdate]], None],
         on_fatal: Callable[[BaseException], None],
         before_step: Callable[[], object] | None = None,
+        step_timeout: float | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.gpu = gpu
@@ -33,6 +39,9 @@ class StepLoop:
         self.on_fatal = on_fatal
         # Runs before each plan is built (e.g. dropping requests that waited too long).
         self.before_step = before_step
+        # The watchdog: a step that runs longer kills the engine (None: no limit). The stuck
+        # thread cannot be stopped; the process exits around it.
+        self.step_timeout = step_timeout
         self.wakeup = asyncio.Event()
         self.num_steps = 0
         self.busy_seconds = 0.0
@@ -67,7 +76,14 @@ class StepLoop:
             await asyncio.sleep(0)
             return
         start = time.perf_counter()
-        result = await asyncio.wrap_future(self.gpu.execute(plan))
+        running = asyncio.wrap_future(self.gpu.execute(plan))
+        done, _ = await asyncio.wait((running,), timeout=self.step_timeout)
+        if not done:
+            raise StepTimeoutError(
+                f"an engine step ran for more than {self.step_timeout:g} s (watchdog timeout): "
+                f"the GPU thread is stuck"
+            )
+        result = running.result()
         elapsed = time.perf_counter() - start
         self.num_steps += 1
         self.busy_seconds += elapsed

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Test hook: the forward pass raises after this many steps (engine-fault tests).
+# Test hook: the forward pass raises after this many steps (engine-fault tests); "N:hang"
+# makes it block forever instead (watchdog tests).
 FAULT_ENV = "AIOINFER_FAULT_AFTER_STEPS"
 
 
@@ -41,8 +42,10 @@ class GpuThread:
         )
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.runner: Any = None  # set by the first call, on this thread
-        fault = os.environ.get(FAULT_ENV)
-        self._steps_left_before_fault = int(fault) if fault else None
+        fault = os.environ.get(FAULT_ENV, "")
+        steps, _, kind = fault.partition(":")
+        self._steps_left_before_fault = int(steps) if steps else None
+        self._fault_hangs = kind == "hang"
         self._thread.start()
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
@@ -64,6 +67,8 @@ class GpuThread:
     def _execute(self, plan: StepPlan) -> StepResult:
         if self._steps_left_before_fault is not None:
             if self._steps_left_before_fault <= 0:
+                if self._fault_hangs:
+                    threading.Event().wait()
                 raise InjectedFault(f"fault injected by {FAULT_ENV}")
             self._steps_left_before_fault -= 1
         return self.runner.execute(plan)

@@ -135,7 +135,12 @@ async def _serve(
     background: list[asyncio.Task[None]] = []
 
     async def build_engine() -> AsyncEngine:
-        engine = await AsyncEngine.create(model_config, cache_config, scheduler_config)
+        engine = await AsyncEngine.create(
+            model_config,
+            cache_config,
+            scheduler_config,
+            step_timeout=server_config.watchdog_timeout or None,
+        )
         for index, (name, path) in enumerate(server_config.lora_adapters.items(), start=1):
             await engine.add_lora(LoRARequest(name, index, path))
             logger.info("Loaded LoRA adapter %r from %s", name, path)

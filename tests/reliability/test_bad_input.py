@@ -143,6 +143,7 @@ def test_json_depth():
         (ServerConfig, {"stream_write_timeout": 0}, "stream_write_timeout must be > 0"),
         (ServerConfig, {"sse_keep_alive_interval": -1}, "sse_keep_alive_interval must be >= 0"),
         (ServerConfig, {"shutdown_timeout": -1}, "shutdown_timeout must be >= 0"),
+        (ServerConfig, {"watchdog_timeout": -1}, "watchdog_timeout must be >= 0"),
         (SchedulerConfig, {"queue_timeout": 0}, "queue_timeout must be > 0"),
         (SchedulerConfig, {"max_queued_requests": 0}, "max_queued_requests must be > 0"),
     ],

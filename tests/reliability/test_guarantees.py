@@ -10,6 +10,7 @@ import logging
 import socket
 import struct
 import sys
+import threading
 import time
 import urllib.parse
 from collections import Counter
@@ -423,6 +424,30 @@ async def test_engine_death_mid_stream_is_an_error_event_then_done(serve):
     assert status == 200 and orjson.loads(events[0])["choices"]
     error = orjson.loads(events[-2])["error"]
     assert error["code"] == 500 and "device lost" in error["message"]
+
+
+async def test_a_stuck_step_kills_the_engine_after_the_watchdog_timeout(serve):
+    """A step that never returns (a hung kernel or device): past the watchdog's limit the
+    stream gets an error event and [DONE], /health turns 503 and the process is told, while
+    steps just under the limit go on as usual."""
+    release = threading.Event()
+    engine = await build_engine(step_delay=0.2, hang_at_step=12, release=release, step_timeout=0.6)
+    fatal: list[BaseException] = []
+    server = await serve(engine, on_fatal=fatal.append)
+    try:
+        body = {"prompt": [5], "max_tokens": 50, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            url = f"{server.url}/v1/completions"
+            status, _, raw = await asyncio.wait_for(post(session, url, body), 10)
+            async with session.get(f"{server.url}/health") as response:
+                assert response.status == 503
+    finally:
+        release.set()
+    events = data_events(raw)
+    assert status == 200 and len(events) == 12 + 2  # 12 tokens, the error, [DONE]
+    error = orjson.loads(events[-2])["error"]
+    assert error["code"] == 500 and "watchdog timeout" in error["message"]
+    assert [type(e).__name__ for e in fatal] == ["StepTimeoutError"]
 
 
 # --------------------------------------------------------------------------- security

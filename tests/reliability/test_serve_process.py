@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from aioinfer.gpu.thread import FAULT_ENV
 from tests.serve_process import ServeProcess, free_port
@@ -55,9 +56,19 @@ def stream_result(raw: bytes) -> tuple[list[dict[str, Any]], str | None]:
     return chunks, next((r for r in reversed(reasons) if r), None)
 
 
-async def test_an_engine_fault_fails_requests_and_exits_non_zero(tiny_model_dir: Path):
+@pytest.mark.parametrize(
+    ("fault", "flags", "message"),
+    [
+        ("30", (), "fault injected"),
+        # A step that never returns: the watchdog declares the engine dead.
+        ("30:hang", ("--watchdog-timeout", "2"), "watchdog timeout"),
+    ],
+)
+async def test_an_engine_fault_fails_requests_and_exits_non_zero(
+    tiny_model_dir: Path, fault: str, flags: tuple[str, ...], message: str
+):
     port = free_port()
-    proc = ServeProcess(serve_args(tiny_model_dir, port), env={FAULT_ENV: "30"})
+    proc = ServeProcess(serve_args(tiny_model_dir, port, *flags), env={FAULT_ENV: fault})
     try:
         await asyncio.to_thread(proc.wait_ready)
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -78,7 +89,7 @@ async def test_an_engine_fault_fails_requests_and_exits_non_zero(tiny_model_dir:
     # The stream had started: the error comes in band, then [DONE].
     chunks, _ = stream_result(stream_raw)
     assert stream_status == 200 and chunks[0]["choices"]
-    assert chunks[-1]["error"]["code"] == 500 and "fault injected" in chunks[-1]["error"]["message"]
+    assert chunks[-1]["error"]["code"] == 500 and message in chunks[-1]["error"]["message"]
     error = orjson.loads(json_raw)["error"]
     assert json_status == 500 and error["type"] == "InternalServerError"
     assert code == 1 and exit_seconds < EXIT_AFTER_FAULT, (code, exit_seconds, proc.output)

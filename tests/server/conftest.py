@@ -4,6 +4,7 @@ client or through a live TCP site that the official `openai` client talks to."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -47,18 +48,27 @@ class ServerRunnerFactory(FakeRunnerFactory):
         fail_at_step: int | None = None,
         next_token: Callable[[list[int]], int] = next_token,
         pooler: Any = None,
+        hang_at_step: int | None = None,
+        release: threading.Event | None = None,
     ) -> None:
+        """`hang_at_step`: that step blocks until `release` is set (a stuck GPU thread)."""
         super().__init__(
             fail_at_step=fail_at_step, num_blocks=num_blocks, next_token=next_token, pooler=pooler
         )
         self.step_delay = step_delay
+        self.hang_at_step = hang_at_step
+        self.release = release
 
     def __call__(self, *args: Any) -> Any:
         runner = super().__call__(*args)
         execute = runner.execute
         delay = self.step_delay
+        steps = iter(range(1 << 62))
 
         def execute_with_logprobs(plan: StepPlan) -> StepResult:
+            if next(steps) == self.hang_at_step:
+                assert self.release is not None
+                self.release.wait()
             if delay:
                 time.sleep(delay)
             result = execute(plan)
@@ -87,6 +97,9 @@ async def build_engine(
     num_blocks: int = NUM_BLOCKS,
     next_token: Callable[[list[int]], int] = next_token,
     pooler: Any = None,
+    hang_at_step: int | None = None,
+    release: threading.Event | None = None,
+    step_timeout: float | None = None,
     **sched: Any,
 ) -> AsyncEngine:
     """`pooler`: a PoolerConfig, for an engine that serves embeddings."""
@@ -100,8 +113,11 @@ async def build_engine(
             fail_at_step=fail_at_step,
             next_token=next_token,
             pooler=pooler,
+            hang_at_step=hang_at_step,
+            release=release,
         ),
         tokenizer=make_tokenizer(),
+        step_timeout=step_timeout,
     )
 
 
