@@ -27,7 +27,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, sampled_rows_per_request
-from aioinfer.sizing import GiB, default_token_budget, kv_bytes_per_block, max_model_len
+from aioinfer.sizing import (
+    GiB,
+    default_token_budget,
+    kv_bytes_per_block,
+    kv_cache_too_small,
+    max_model_len,
+)
 
 if TYPE_CHECKING:
     from aioinfer.model.llama import DecoderConfig
@@ -91,14 +97,7 @@ class MemoryPlan:
                 f"No memory is left for the KV cache: {self.available_kv_gib:.2f} GiB. Increase "
                 "--gpu-memory-utilization or lower --max-num-batched-tokens."
             )
-        if self.num_blocks < 2 or self.kv_capacity_tokens < self.max_model_len:
-            return (
-                f"The model's max model len ({self.max_model_len}) is larger than the KV cache "
-                f"can hold ({self.kv_capacity_tokens} tokens in {self.num_blocks} blocks). "
-                "Increase --gpu-memory-utilization or --kv-cache-memory, or decrease "
-                "--max-model-len."
-            )
-        return None
+        return kv_cache_too_small(self.max_model_len, self.num_blocks, self.block_size)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -71,3 +71,17 @@ def kv_bytes_per_block(
 ) -> int:
     """K and V of block_size tokens in every layer."""
     return 2 * block_size * num_kv_heads * head_dim * num_layers * dtype_bytes
+
+
+def kv_cache_too_small(max_model_len: int, num_blocks: int, block_size: int) -> str | None:
+    """Why a KV cache of num_blocks cannot serve one request of max_model_len tokens (block 0
+    is the null block), naming the longest that fits; None when it can."""
+    capacity = max(num_blocks - 1, 0) * block_size
+    if num_blocks >= 2 and capacity >= max_model_len:
+        return None
+    fits = f"at most {capacity} fits" if capacity > 0 else "no length fits"
+    return (
+        f"The model's max model len ({max_model_len}) is larger than the KV cache can hold "
+        f"({capacity} tokens in {num_blocks} blocks). Increase --gpu-memory-utilization or "
+        f"--kv-cache-memory, or decrease --max-model-len ({fits})."
+    )

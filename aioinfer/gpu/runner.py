@@ -199,13 +199,9 @@ class ModelRunner:
         else:
             available_kv = int(cache_config.kv_cache_memory * GiB)
             num_blocks = available_kv // bytes_per_block
-        capacity = (num_blocks - 1) * self.block_size
-        if num_blocks < 2 or capacity < self.max_model_len:
-            raise ValueError(
-                f"The model's max model len ({self.max_model_len}) is larger than the KV cache "
-                f"can hold ({max(capacity, 0)} tokens in {num_blocks} blocks). Increase "
-                f"--gpu-memory-utilization or --kv-cache-memory, or decrease --max-model-len."
-            )
+        too_small = sizing.kv_cache_too_small(self.max_model_len, num_blocks, self.block_size)
+        if too_small is not None:
+            raise ValueError(too_small)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         graph_seconds = graph_bytes = None
         graphs_off = _graphs_off_reason(model_config, self.device, self.attn_backend, self.pooler)

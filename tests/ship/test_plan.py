@@ -33,6 +33,7 @@ from aioinfer.plan import (
     make_plan,
     plan_main,
 )
+from aioinfer.sizing import kv_cache_too_small
 from tests.model.tiny_models import ARCH_CONFIG, ARCHS, BASE_CONFIG, VARIANTS
 from tests.serve_process import ServeProcess, free_port
 from tests.ship.conftest import LiveServer, cli_flags
@@ -128,6 +129,13 @@ def test_plan_of_a_classifier_counts_its_score_head(tmp_path):
     assert plan.weights_gib == runner.info.weights_gib
 
 
+def test_the_kv_cache_refusal_names_the_longest_context_that_fits():
+    assert kv_cache_too_small(112, 8, 16) is None  # 7 blocks of 16 after the null block
+    assert "(113) is larger" in kv_cache_too_small(113, 8, 16)
+    assert "(at most 112 fits)" in kv_cache_too_small(113, 8, 16)
+    assert "(no length fits)" in kv_cache_too_small(16, 1, 16)
+
+
 def test_plan_and_runner_refuse_the_same_settings(tmp_path, capsys):
     folder = config_dir(tmp_path, variant_config("llama"))
     # 8 KiB blocks (2 layers x 2 KV heads x 16 dims x 16 tokens x K and V x 4 bytes): 2 of them.
@@ -135,8 +143,9 @@ def test_plan_and_runner_refuse_the_same_settings(tmp_path, capsys):
     configs = build_plan_configs({"model": str(folder), **flags})
     plan = make_plan(*configs)
     assert plan.problem is not None and "max model len (256)" in plan.problem
+    assert "decrease --max-model-len (at most 16 fits)" in plan.problem  # one 16-token block
     runner_model_config = ModelConfig(model=str(folder), device="cpu", load_format="dummy")
-    with pytest.raises(ValueError, match=re.escape("max model len (256)")):
+    with pytest.raises(ValueError, match=re.escape(plan.problem)):
         ModelRunner(ModelRunner.resolve(runner_model_config), runner_model_config, *configs[1:])
     assert plan_main(str(folder), **flags) == 1
     assert "serve would not start" in capsys.readouterr().out
