@@ -59,7 +59,7 @@ def _opt(default, help: str, **extra):
 def _check_positive(cfg: object, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
-        if value is not None and value <= 0:
+        if value is not None and not value > 0:  # NaN too
             raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
@@ -348,9 +348,10 @@ class ServerConfig:
     )
     watchdog_timeout: float = _opt(
         300.0,
-        "Seconds one engine step may run; past it the engine counts as stuck: requests in "
-        "flight fail with a 500, /health answers 503 and the server exits 1, for its "
-        "supervisor to restart it (0: off).",
+        "Seconds the GPU thread may spend on one step (or other work, such as loading a "
+        "LoRA adapter); past it the engine counts as stuck: requests in flight fail with a "
+        "500, /health answers 503 and the server exits 1, for its supervisor to restart it "
+        "(0: off).",
     )
     log_requests: bool = _opt(
         False, "Log one line per generation request: id, status, token counts, latency."
@@ -413,7 +414,7 @@ class ServerConfig:
             "sse_keep_alive_interval",
             "watchdog_timeout",
         ):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_positive(self, "stream_write_timeout")
         object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))

@@ -79,9 +79,11 @@ def kv_cache_too_small(max_model_len: int, num_blocks: int, block_size: int) -> 
     capacity = max(num_blocks - 1, 0) * block_size
     if num_blocks >= 2 and capacity >= max_model_len:
         return None
-    fits = f"at most {capacity} fits" if capacity > 0 else "no length fits"
+    blocks = f"{num_blocks} block" + ("" if num_blocks == 1 else "s")
+    advice = "Increase --gpu-memory-utilization or --kv-cache-memory"
+    if capacity > 0:
+        advice += f", or decrease --max-model-len to at most {capacity}"
     return (
         f"The model's max model len ({max_model_len}) is larger than the KV cache can hold "
-        f"({capacity} tokens in {num_blocks} blocks). Increase --gpu-memory-utilization or "
-        f"--kv-cache-memory, or decrease --max-model-len ({fits})."
+        f"({capacity} tokens in {blocks}). {advice}."
     )

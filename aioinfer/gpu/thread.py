@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -42,6 +43,7 @@ class GpuThread:
         )
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.runner: Any = None  # set by the first call, on this thread
+        self._busy_since: float | None = None  # when the work it runs now started
         fault = os.environ.get(FAULT_ENV, "")
         steps, _, kind = fault.partition(":")
         self._steps_left_before_fault = int(steps) if steps else None
@@ -73,6 +75,11 @@ class GpuThread:
             self._steps_left_before_fault -= 1
         return self.runner.execute(plan)
 
+    def busy_seconds(self) -> float:
+        """How long the work the thread runs now has been running; 0 while it waits."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def stop(self, timeout: float | None = 10.0) -> None:
         self._queue.put(None)
         if threading.current_thread() is not self._thread:
@@ -85,15 +92,17 @@ class GpuThread:
                 self._run(*item)
         self._release_runner()
 
-    @staticmethod
-    def _run(fn: Callable[[], Any], future: Future) -> None:
+    def _run(self, fn: Callable[[], Any], future: Future) -> None:
         if not future.set_running_or_notify_cancel():
             return
+        self._busy_since = time.monotonic()
         try:
             future.set_result(fn())
         except BaseException as exc:  # handed to the loop, which fails the requests
             logger.debug("GPU thread work failed", exc_info=True)
             future.set_exception(exc)
+        finally:
+            self._busy_since = None
 
     def _release_runner(self) -> None:
         """Drop the runner so its weights, KV cache and CUDA graphs are freed, and hand the

@@ -132,8 +132,9 @@ def test_plan_of_a_classifier_counts_its_score_head(tmp_path):
 def test_the_kv_cache_refusal_names_the_longest_context_that_fits():
     assert kv_cache_too_small(112, 8, 16) is None  # 7 blocks of 16 after the null block
     assert "(113) is larger" in kv_cache_too_small(113, 8, 16)
-    assert "(at most 112 fits)" in kv_cache_too_small(113, 8, 16)
-    assert "(no length fits)" in kv_cache_too_small(16, 1, 16)
+    assert "decrease --max-model-len to at most 112." in kv_cache_too_small(113, 8, 16)
+    no_room = kv_cache_too_small(16, 1, 16)
+    assert "(0 tokens in 1 block). Increase" in no_room and "decrease" not in no_room
 
 
 def test_plan_and_runner_refuse_the_same_settings(tmp_path, capsys):
@@ -143,7 +144,7 @@ def test_plan_and_runner_refuse_the_same_settings(tmp_path, capsys):
     configs = build_plan_configs({"model": str(folder), **flags})
     plan = make_plan(*configs)
     assert plan.problem is not None and "max model len (256)" in plan.problem
-    assert "decrease --max-model-len (at most 16 fits)" in plan.problem  # one 16-token block
+    assert "decrease --max-model-len to at most 16." in plan.problem  # one 16-token block
     runner_model_config = ModelConfig(model=str(folder), device="cpu", load_format="dummy")
     with pytest.raises(ValueError, match=re.escape(plan.problem)):
         ModelRunner(ModelRunner.resolve(runner_model_config), runner_model_config, *configs[1:])
