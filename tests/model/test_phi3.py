@@ -3,12 +3,17 @@ engine against transformers in float32."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import Phi3Config, Phi3ForCausalLM
 
 from aioinfer import LLM
+from aioinfer.gpu.cuda_graphs import CudaGraphRunner
+from aioinfer.gpu.forward_context import forward_context
 from aioinfer.model.kernels import cpu_native
+from aioinfer.model.layers.attention import AttentionMetadata
 from aioinfer.model.layers.rotary import attention_factor, compute_inv_freq, rope_config_from_hf
 from aioinfer.model.loader import checkpoint_keys
 from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
@@ -107,6 +112,46 @@ def test_longrope_on_the_native_decoder_stack(tmp_path):
         assert type(llm.engine.gpu.runner.model.model).__name__ == "NativeLlamaModel"
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+
+
+class RotaryGraph:
+    """Stands in for a captured CUDA graph on the CPU: replay() computes the rotary cos and
+    sin that the graph's forward pass would, from the runner's static buffers. (The whole
+    forward pass would need a graph-safe attention backend, which the CPU has not.)"""
+
+    def __init__(self, graphs: CudaGraphRunner, bs: int) -> None:
+        self.graphs, self.bs = graphs, bs
+
+    def replay(self) -> None:
+        graphs, bs = self.graphs, self.bs
+        with forward_context(graphs._metadata(bs), graphs.kv_caches):
+            cos, _ = graphs.model.model.rotary_cos_sin(graphs.positions[:bs], torch.float32)
+        graphs.outputs[bs].copy_(cos)
+
+
+@torch.inference_mode()
+def test_longrope_rows_reach_the_cuda_graphs_static_buffers(phi3):
+    """replay() copies the step's long rows into the graphs' buffer and clears it for a step
+    with none: the graph's rotary equals the eager one's either way."""
+    path, hf = phi3
+    if hf.config.rope_parameters.get("rope_type") != "longrope":
+        pytest.skip("LongRoPE only")
+    with LLM(str(path), **OPTIONS) as llm:
+        runner = llm.engine.gpu.runner
+        graphs = CudaGraphRunner(
+            runner.model, runner.kv_caches, None, 4, 8, 128, runner.device, long_rope=True
+        )
+        head_dim = hf.config.hidden_size // hf.config.num_attention_heads
+        graphs.outputs[2] = torch.empty(2, head_dim // 2)
+        graphs.graphs[2] = RotaryGraph(graphs, 2)  # type: ignore[assignment]
+        rotary = runner.model.model.rotary_cos_sin
+        for long_rows in (torch.tensor([False, True]), torch.tensor([True, True]), None):
+            metadata = AttentionMetadata.build([1, 1], [20, 40], [[1, 2], [3, 4, 5]], 16)
+            metadata = replace(metadata, long_rope_rows=long_rows)
+            with forward_context(metadata, runner.kv_caches):
+                eager, _ = rotary(metadata.positions, torch.float32)
+            replayed = graphs.replay(torch.tensor([7, 9]), metadata.positions, metadata)
+            torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
 
 
 def test_the_checkpoint_keys_are_the_fused_ones(phi3):
