@@ -190,7 +190,9 @@ def bench_serve(
     result_file: str = typer.Option(None, help="Write the results as JSON here."),
     api_key: str = typer.Option(None, envvar="OPENAI_API_KEY", help="Bearer token to send."),
     ignore_eos: str = typer.Option(
-        "param", help="param: send ignore_eos and min_tokens; none: send neither."
+        "param",
+        help="param: send ignore_eos (vLLM, aioinfer); min-tokens: also min_tokens "
+        "(llama-cpp-python); none: neither.",
     ),
     timeout: float = typer.Option(600.0, help="Seconds one request may take."),
     tokenizer: str = typer.Option(

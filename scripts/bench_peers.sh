@@ -247,15 +247,17 @@ PYEOF
 
 # ----------------------------------------------------------------------------- one engine
 
+# bench_engine LABEL PORT [IGNORE_EOS]: IGNORE_EOS is how the server is told to ignore EOS
+# (param: ignore_eos; min-tokens: also min_tokens, the one llama-cpp-python reads).
 bench_engine() {
-  local label=$1 port=$2 c r
+  local label=$1 port=$2 ignore_eos=${3:-param} c r
   for c in $CONCURRENCIES; do
     for r in $(seq 0 $((RUNS - 1))); do
       log "$label: concurrency $c, run $((r + 1))/$RUNS"
       run "$PY" -m aioinfer bench serve \
         --base-url "http://127.0.0.1:$port" --endpoint completions --dataset random \
         --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-        --concurrency "$c" --seed $((SEED + r)) --ignore-eos param \
+        --concurrency "$c" --seed $((SEED + r)) --ignore-eos "$ignore_eos" \
         --result-file "$RESULTS/$label-c$c-r$r.json" || return 1
     done
   done
@@ -289,7 +291,7 @@ run_engine() {
         --n_ctx 4096 --n_threads "$NCPU" --interrupt_requests False || return 1
       # It loads the model before it listens, so any answer means ready.
       wait_ready "http://127.0.0.1:$LLAMACPP_PORT/v1/models" "$logfile" || return 1
-      bench_engine llamacpp-q4_1 "$LLAMACPP_PORT" || return 1
+      bench_engine llamacpp-q4_1 "$LLAMACPP_PORT" min-tokens || return 1
       ;;
     *) fail "unknown engine $engine (choose from: aioinfer vllm llamacpp)" || return 1 ;;
   esac

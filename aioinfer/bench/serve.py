@@ -1,9 +1,11 @@
 """`aioinfer bench serve`: a load generator for any OpenAI-compatible server (aioinfer, vLLM,
 llama.cpp), with the metric definitions of vLLM's `vllm bench serve`.
 
-Every request streams (`stream_options.include_usage`), decodes greedily and, with
-`--ignore-eos param`, sends `ignore_eos` and `min_tokens` so that every engine produces the
-requested number of tokens. Per request:
+Every request streams (`stream_options.include_usage`), decodes greedily unless told otherwise
+(vLLM's tool leaves the temperature to the server) and, with `--ignore-eos param`, sends
+`ignore_eos` as vLLM's tool does; `--ignore-eos min-tokens` also sends `min_tokens` for servers
+that read only that (llama-cpp-python), which vLLM's would charge a logits processor every step.
+Per request:
 
 - TTFT: from sending the request to the first chunk with non-empty text.
 - E2E: from sending the request to the last chunk that carries choices.
@@ -28,7 +30,7 @@ import random
 import re
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ import orjson
 from aioinfer.bench.datasets import DATASETS, Sample, load_tokenizer, make_dataset
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-IGNORE_EOS_MODES = ("param", "none")
+IGNORE_EOS_MODES = ("param", "min-tokens", "none")
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "itl", "e2e")
 _ERROR_SAMPLES = 5
@@ -69,7 +71,7 @@ class ServeBenchConfig:
     tokenizer: str | None = None
     allow_remote: bool = False
     warmup: int = 1
-    # Sampling, as `vllm bench serve` sends it: greedy unless set; top_p / top_k only when set.
+    # Sampling: greedy unless set; top_p / top_k only when set.
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
@@ -150,10 +152,10 @@ def build_payload(config: ServeBenchConfig, model: str, sample: Sample) -> dict[
         payload["messages"] = sample.messages
     else:
         payload["prompt"] = sample.prompt
-    if config.ignore_eos == "param":
-        # vLLM and aioinfer read ignore_eos; llama-cpp-python only honours min_tokens.
-        payload["ignore_eos"] = True
-        payload["min_tokens"] = sample.output_len
+    if config.ignore_eos != "none":
+        payload["ignore_eos"] = True  # vLLM and aioinfer
+    if config.ignore_eos == "min-tokens":
+        payload["min_tokens"] = sample.output_len  # llama-cpp-python honours only this
     return payload
 
 
@@ -252,7 +254,9 @@ def _choice_text(choice: dict[str, Any], chat: bool) -> str:
     if not chat:
         return choice.get("text") or ""
     delta = choice.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    # Reasoning is text too: `reasoning` (vLLM, aioinfer) or `reasoning_content` (llama.cpp).
+    reasoning = delta.get("reasoning") or delta.get("reasoning_content") or ""
+    return (delta.get("content") or "") + reasoning
 
 
 def _on_text(state: _StreamState, text: str, now: float) -> None:
@@ -296,7 +300,13 @@ async def run_benchmark(config: ServeBenchConfig, progress: bool = False) -> dic
         await _warm_up(config, tokenizer, send)
         records, duration = await _dispatch(config, samples, send, progress)
     result = summarize(records, samples, duration, tokenizer)
-    return {"model": model, "config": _config_dict(config), **result}
+    vllm_config = {
+        "model_id": model,
+        "num_prompts": config.num_prompts,
+        "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
+        "max_concurrency": config.concurrency,
+    }
+    return {"model": model, "config": _config_dict(config), **result, **vllm_config}
 
 
 async def resolve_model(
@@ -444,7 +454,27 @@ def summarize(
         "tpot_ms": stats_ms(tpots),
         "itl_ms": stats_ms(itls),
         "e2e_ms": stats_ms(e2es),
+        # The same under `vllm bench serve`'s flat names, for tools that read its files.
+        "duration": duration,
+        **vllm_metric_keys({"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2es}),
     }
+
+
+def vllm_metric_keys(values: Mapping[str, Sequence[float]]) -> dict[str, float | None]:
+    """mean_/median_/std_/p90_/p99_{name}_ms of each list of seconds, as vLLM names them (its
+    std is numpy's, the population's)."""
+    out: dict[str, float | None] = {}
+    for name, seconds in values.items():
+        stats = stats_ms(seconds)
+        std = statistics.pstdev(seconds) * 1000.0 if seconds else None
+        out |= {
+            f"mean_{name}_ms": stats["mean"],
+            f"median_{name}_ms": stats["p50"],
+            f"std_{name}_ms": std,
+            f"p90_{name}_ms": stats["p90"],
+            f"p99_{name}_ms": stats["p99"],
+        }
+    return out
 
 
 def _config_dict(config: ServeBenchConfig) -> dict[str, Any]:

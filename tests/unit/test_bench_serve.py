@@ -45,8 +45,11 @@ class FakeServer:
         itl: float = 0.0,
         fail: Callable[[int], bool] = lambda n: False,
         usage: bool = True,
+        delta_key: str = "content",
     ) -> None:
+        """`delta_key`: where a chat chunk's text goes (`reasoning`: a model still thinking)."""
         self.ttft, self.itl, self.fail, self.usage = ttft, itl, fail, usage
+        self.delta_key = delta_key
         self.bodies: list[dict[str, Any]] = []
         self.received_at: list[float] = []
         self.loop = asyncio.new_event_loop()
@@ -103,10 +106,9 @@ class FakeServer:
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    @staticmethod
-    def _choice(chat: bool, text: str, finish: str | None) -> dict[str, Any]:
+    def _choice(self, chat: bool, text: str, finish: str | None) -> dict[str, Any]:
         if chat:
-            return {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+            return {"index": 0, "delta": {self.delta_key: text}, "finish_reason": finish}
         return {"index": 0, "text": text, "finish_reason": finish}
 
     @staticmethod
@@ -191,7 +193,10 @@ def test_metrics_follow_the_server_delays(fake_server, tmp_path):
     assert result["request_throughput"] == pytest.approx(4 / duration)
     assert result["output_throughput"] == pytest.approx(4 * 5 / duration)
     assert result["total_token_throughput"] == pytest.approx(4 * (5 + 12) / duration)
-    assert json.loads(result_file.read_text())["completed"] == 4
+    written = json.loads(result_file.read_text())
+    assert written["completed"] == 4 and written["model_id"] == MODEL
+    assert (written["num_prompts"], written["max_concurrency"]) == (4, 2)
+    assert written["request_rate"] == "inf" and written["duration"] == duration
 
 
 def test_payload_asks_for_streamed_usage_and_exact_lengths(fake_server):
@@ -205,11 +210,15 @@ def test_payload_asks_for_streamed_usage_and_exact_lengths(fake_server):
     for body in server.bodies:
         assert body["model"] == "named"
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-        assert body["max_tokens"] == body["min_tokens"] == 5
+        assert body["max_tokens"] == 5 and "min_tokens" not in body  # as vLLM's tool
         assert body["ignore_eos"] is True and body["temperature"] == 0
         assert len(body["prompt"].split()) == 12
 
     assert all("top_p" not in b and "top_k" not in b for b in server.bodies)
+
+    server.bodies.clear()
+    asyncio.run(serve.run_benchmark(config_for(server, ignore_eos="min-tokens", warmup=0)))
+    assert all(b["ignore_eos"] is True and b["min_tokens"] == 5 for b in server.bodies)
 
     server.bodies.clear()
     asyncio.run(serve.run_benchmark(config_for(server, ignore_eos="none", warmup=0)))
@@ -221,6 +230,16 @@ def test_payload_asks_for_streamed_usage_and_exact_lengths(fake_server):
     assert [(b["temperature"], b["top_p"], b["top_k"]) for b in server.bodies] == [
         (0.8, 0.95, 40)
     ] * 4
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_reasoning_text_counts_as_text(fake_server, key):
+    """A model that only thinks still answers: `reasoning` (vLLM, aioinfer) and
+    `reasoning_content` (llama.cpp) time the first token alike."""
+    server = fake_server(ttft=0.05, delta_key=key)
+    result = asyncio.run(serve.run_benchmark(config_for(server, endpoint="chat")))
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert 0.05 * 1000 <= result["ttft_ms"]["mean"] < (0.05 + SLACK) * 1000
 
 
 def test_chat_endpoint_without_usage_counts_chunks(fake_server):
@@ -261,6 +280,14 @@ def test_summary_arithmetic_matches_numpy():
     assert result["request_throughput"] == pytest.approx(2.0)
     assert result["output_throughput"] == pytest.approx(20.0)
     assert result["total_token_throughput"] == pytest.approx((40 + 16) / 2.0)
+    # The same under vLLM's flat names, its std numpy's.
+    assert result["duration"] == 2.0
+    assert result["mean_ttft_ms"] == result["ttft_ms"]["mean"]
+    assert result["median_ttft_ms"] == pytest.approx(np.median(ttfts) * 1000)
+    assert result["std_ttft_ms"] == pytest.approx(np.std(ttfts) * 1000)
+    assert result["p99_itl_ms"] == result["itl_ms"]["p99"]
+    assert result["p90_e2el_ms"] == result["e2e_ms"]["p90"]
+    assert result["mean_tpot_ms"] == result["tpot_ms"]["mean"]
 
 
 def test_single_token_outputs_have_no_tpot():
