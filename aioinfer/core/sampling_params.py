@@ -140,6 +140,16 @@ class SamplingParams:
     def clone(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
 
+    def for_sequence(self, index: int) -> SamplingParams:
+        """Sequence `index`'s params (of n): a seeded request's sequences draw from seeds seed,
+        seed + 1, ..., wrapped into the 64-bit range a seed may take."""
+        if self.n == 1 or self.seed is None:
+            return self
+        seed = self.seed + index
+        if seed >= 2**64:
+            seed -= 2**64
+        return self.clone(seed=seed)
+
     def _check_types(self) -> None:
         ints = ("n", "top_k", "min_tokens")
         optional_ints = (

@@ -71,17 +71,6 @@ class _Group:
     one_finished: bool = False  # (and so was scheduled)
 
 
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sequence `index`'s params: a seeded request's sequences draw from seeds seed, seed + 1,
-    ..., wrapped into the 64-bit range a seed may take."""
-    if params.n == 1 or params.seed is None:
-        return params
-    seed = params.seed + index
-    if seed >= 2**64:
-        seed -= 2**64
-    return params.clone(seed=seed)
-
-
 class AsyncEngine:
     """Build with `await AsyncEngine.create(...)` on the loop that will serve it."""
 
@@ -327,7 +316,7 @@ class AsyncEngine:
             Request(
                 child_id,
                 prompt_token_ids,
-                _child_params(params, index),
+                params.for_sequence(index),
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 detokenizer=self._make_detokenizer(prompt_token_ids, params),

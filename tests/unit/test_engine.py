@@ -14,7 +14,7 @@ import pytest
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.sampling_params import SamplingParams
-from aioinfer.engine.async_engine import AsyncEngine, _child_params
+from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.engine.llm import LLM
 from aioinfer.engine.stream import EngineDeadError
 from tests.tokenizer_fixtures import make_tokenizer
@@ -280,6 +280,6 @@ async def test_the_largest_seed_with_n_2_wraps_instead_of_failing_half_admitted(
         _, tokens, last = await collect(engine, [5, 6], params)
         assert sorted(tokens) == [0, 1] and last.finished
         _assert_idle(engine)
-        assert [_child_params(params, i).seed for i in (0, 1)] == [2**64 - 1, 0]
+        assert [params.for_sequence(i).seed for i in (0, 1)] == [2**64 - 1, 0]
     finally:
         await engine.shutdown()
