@@ -145,6 +145,7 @@ class ModelRunner:
 
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = sizing.max_model_len(hf_config, model_config.max_model_len)
+        longrope_original = sizing.longrope_original(hf_config)
         budget = scheduler_config.max_num_batched_tokens or memory.default_token_budget(
             self.device, offline
         )
@@ -214,7 +215,7 @@ class ModelRunner:
                 -(-self.max_model_len // self.block_size),
                 self.max_model_len,
                 self.device,
-                long_rope=sizing.longrope_original(hf_config) is not None,
+                long_rope=longrope_original is not None,
             )
             graph_seconds, graph_bytes = self.graph_runner.capture()
 
@@ -242,7 +243,7 @@ class ModelRunner:
             graphs_off_reason=graphs_off,
             pooler=self.pooler,
             hidden_size=int(hf_config.hidden_size),
-            longrope_original=sizing.longrope_original(hf_config),
+            longrope_original=longrope_original,
         )
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
