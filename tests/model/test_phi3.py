@@ -4,6 +4,7 @@ engine against transformers in float32."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,16 +45,25 @@ def make_phi3(**overrides) -> torch.nn.Module:
 ORIGINAL = 24
 
 
-@pytest.fixture(scope="module", params=["default", "longrope"])
-def phi3(request, tmp_path_factory):
+def saved_phi3(tmp_path_factory, rope: str) -> tuple[Path, torch.nn.Module]:
     overrides = {}
-    if request.param == "longrope":
+    if rope == "longrope":
         overrides = {"rope_scaling": LONGROPE, "original_max_position_embeddings": ORIGINAL}
     hf = make_phi3(**overrides)
-    path = tmp_path_factory.mktemp(f"phi3-{request.param}")
+    path = tmp_path_factory.mktemp(f"phi3-{rope}")
     hf.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     return path, hf
+
+
+@pytest.fixture(scope="module", params=["default", "longrope"])
+def phi3(request, tmp_path_factory):
+    return saved_phi3(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def phi3_longrope(tmp_path_factory):
+    return saved_phi3(tmp_path_factory, "longrope")
 
 
 @pytest.mark.parametrize("backend", ["torch", "native"])
@@ -70,14 +80,12 @@ def test_greedy_equals_transformers(phi3, backend):
 
 
 @torch.no_grad()
-def test_longrope_past_the_original_context_equals_transformers_generate(phi3):
+def test_longrope_past_the_original_context_equals_transformers_generate(phi3_longrope):
     """transformers' own generate (with its cache, which Phi-3 drops once a sequence grows
     past the original context) gives what the engine gives; a prompt that is the first
     request's whole text then starts past the original context and reuses the K/V the engine
     computed again with the long factors, while the first prompt reuses the short ones."""
-    path, hf = phi3
-    if hf.config.rope_parameters.get("rope_type") != "longrope":
-        pytest.skip("LongRoPE only")
+    path, hf = phi3_longrope
     prompt = make_prompts(3, 512, lengths=(17,))[0]  # 17 + 12 tokens: past 24 while decoding
     generated = hf.generate(
         torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12
@@ -130,12 +138,10 @@ class RotaryGraph:
 
 
 @torch.inference_mode()
-def test_longrope_rows_reach_the_cuda_graphs_static_buffers(phi3):
+def test_longrope_rows_reach_the_cuda_graphs_static_buffers(phi3_longrope):
     """replay() copies the step's long rows into the graphs' buffer and clears it for a step
     with none: the graph's rotary equals the eager one's either way."""
-    path, hf = phi3
-    if hf.config.rope_parameters.get("rope_type") != "longrope":
-        pytest.skip("LongRoPE only")
+    path, hf = phi3_longrope
     with LLM(str(path), **OPTIONS) as llm:
         runner = llm.engine.gpu.runner
         graphs = CudaGraphRunner(
