@@ -435,6 +435,8 @@ def summarize(
         if n > 1 and r.e2e is not None and r.ttft is not None
     ]
     itls = [gap for r, _ in ok for gap in r.itl]
+    series = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2e": e2es}
+    stats = {name: stats_ms(values) for name, values in series.items()}
     errors = [r.error for r in records if not r.ok and r.error]
     return {
         "completed": len(ok),
@@ -450,29 +452,27 @@ def summarize(
         "mean_output_tokens": statistics.fmean(outs) if outs else None,
         "short_outputs": sum(n < s.output_len for n, (_, s) in zip(outs, ok, strict=True)),
         "output_tokens_from": sorted({source for _, source in counted}),
-        "ttft_ms": stats_ms(ttfts),
-        "tpot_ms": stats_ms(tpots),
-        "itl_ms": stats_ms(itls),
-        "e2e_ms": stats_ms(e2es),
+        **{f"{name}_ms": values for name, values in stats.items()},
         # The same under `vllm bench serve`'s flat names, for tools that read its files.
         "duration": duration,
-        **vllm_metric_keys({"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2es}),
+        **vllm_metric_keys(series, stats),
     }
 
 
-def vllm_metric_keys(values: Mapping[str, Sequence[float]]) -> dict[str, float | None]:
-    """mean_/median_/std_/p90_/p99_{name}_ms of each list of seconds, as vLLM names them (its
-    std is numpy's, the population's)."""
+def vllm_metric_keys(
+    series: Mapping[str, Sequence[float]], stats: Mapping[str, Mapping[str, float | None]]
+) -> dict[str, float | None]:
+    """mean_/median_/std_/p90_/p99_{name}_ms of each list of seconds (`stats`: its stats_ms),
+    as vLLM names them (e2e is its e2el; its std is numpy's, the population's)."""
     out: dict[str, float | None] = {}
-    for name, seconds in values.items():
-        stats = stats_ms(seconds)
-        std = statistics.pstdev(seconds) * 1000.0 if seconds else None
+    for metric, seconds in series.items():
+        name, known = ("e2el" if metric == "e2e" else metric), stats[metric]
         out |= {
-            f"mean_{name}_ms": stats["mean"],
-            f"median_{name}_ms": stats["p50"],
-            f"std_{name}_ms": std,
-            f"p90_{name}_ms": stats["p90"],
-            f"p99_{name}_ms": stats["p99"],
+            f"mean_{name}_ms": known["mean"],
+            f"median_{name}_ms": known["p50"],
+            f"std_{name}_ms": statistics.pstdev(seconds) * 1000.0 if seconds else None,
+            f"p90_{name}_ms": known["p90"],
+            f"p99_{name}_ms": known["p99"],
         }
     return out
 

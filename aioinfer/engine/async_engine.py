@@ -87,9 +87,9 @@ class AsyncEngine:
     ) -> None:
         """`step_timeout`: seconds a step may run before the engine counts as stuck (dead)."""
         self.model_config = model_config
-        self.step_timeout = step_timeout
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
+        self.step_timeout = step_timeout
         self.offline = offline
         self._runner_factory = runner_factory
         self.gpu = GpuThread()
