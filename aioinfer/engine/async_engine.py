@@ -117,7 +117,13 @@ class AsyncEngine:
     @classmethod
     async def create(cls, *args: Any, **kwargs: Any) -> AsyncEngine:
         engine = cls(*args, **kwargs)
-        await engine.start()
+        try:
+            await engine.start()
+        except BaseException:
+            # Failed or cancelled (a signal during the model load): the GPU thread ends once
+            # the work it runs now returns; nothing will submit more.
+            engine.gpu.stop(timeout=0)
+            raise
         return engine
 
     async def start(self) -> None:

