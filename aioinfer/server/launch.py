@@ -42,6 +42,8 @@ RUNNER_SHUTDOWN_TIMEOUT = 2.0
 # Seconds an idle keep-alive connection stays open (aiohttp's default is an hour: idle clients
 # would hold file descriptors that long). nginx's default.
 KEEPALIVE_TIMEOUT = 75.0
+# How long the exit waits for a GPU thread that was told to stop before leaving without it.
+SETTLE_SECONDS = 1.0
 
 
 def _claim_unix_socket(path: str) -> None:
@@ -129,7 +131,10 @@ def _exit_now_if_gpu_thread_alive(code: int) -> None:
 
     from aioinfer.gpu.thread import THREAD_NAME
 
-    if any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate()):
+    threads = [t for t in threading.enumerate() if t.name == THREAD_NAME]
+    for thread in threads:
+        thread.join(SETTLE_SECONDS)  # one that was told to stop may just be releasing the model
+    if any(t.is_alive() for t in threads):
         logger.info("Exiting without waiting for the GPU thread's work to end")
         logging.shutdown()
         sys.stdout.flush()
@@ -188,7 +193,12 @@ async def _serve(
     )
     await runner.setup()
     site = make_site(runner, server_config)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # the address is taken, or not this machine's
+        logger.error("Cannot listen on %s: %s", server_address(server_config), exc.strerror or exc)
+        await runner.cleanup()
+        return 1
     loop = asyncio.get_running_loop()
     draining: asyncio.Future[int] | None = None
     forced = asyncio.Event()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -129,3 +130,16 @@ async def test_unix_socket(tiny_model_dir, tmp_path):
     finally:
         assert stop_server(proc) == 0
     assert not os.path.exists(sock)  # removed on exit
+
+
+def test_a_port_in_use_is_refused_in_one_line(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = ServeProcess([str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port)])
+        code, _ = proc.wait_exit(120)
+    assert code == 1, proc.output
+    assert f"Cannot listen on http://127.0.0.1:{port}: " in proc.output
+    assert "address already in use" in proc.output
+    assert "Traceback" not in proc.output
