@@ -2,29 +2,59 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "__version__"]
+
+# The offline API's names, as vLLM exports them at its top level, and where each lives.
+_EXPORTS = {
+    "LLM": "aioinfer.engine.llm",
+    "TextPrompt": "aioinfer.engine.llm",
+    "TokensPrompt": "aioinfer.engine.llm",
+    "SamplingParams": "aioinfer.core.sampling_params",
+    "StructuredOutputsParams": "aioinfer.core.sampling_params",
+    "LoRARequest": "aioinfer.core.lora",
+    "PoolingParams": "aioinfer.core.pooling",
+    "RequestOutput": "aioinfer.core.outputs",
+    "CompletionOutput": "aioinfer.core.outputs",
+    "EmbeddingRequestOutput": "aioinfer.core.outputs",
+    "ClassificationRequestOutput": "aioinfer.core.outputs",
+    "ScoringRequestOutput": "aioinfer.core.outputs",
+}
+__all__ = [
+    "LLM",
+    "ClassificationRequestOutput",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "LoRARequest",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "ScoringRequestOutput",
+    "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from aioinfer.core.lora import LoRARequest
+    from aioinfer.core.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from aioinfer.core.pooling import PoolingParams
     from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
-    from aioinfer.engine.llm import LLM
+    from aioinfer.engine.llm import LLM, TextPrompt, TokensPrompt
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `aioinfer --help` does not pay for torch and transformers.
-    if name == "LLM":
-        from aioinfer.engine.llm import LLM
-
-        return LLM
-    if name == "LoRARequest":
-        from aioinfer.core.lora import LoRARequest
-
-        return LoRARequest
-    if name in ("SamplingParams", "StructuredOutputsParams"):
-        from aioinfer.core import sampling_params
-
-        return getattr(sampling_params, name)
-    raise AttributeError(name)
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(module), name)

@@ -81,7 +81,9 @@ class ModelConfig:
     )
     max_model_len: int | None = _opt(None, "Longest prompt plus output (default: the model's).")
     device: str = _opt("auto", "auto (cuda if available), cuda or cpu.")
-    seed: int = _opt(0, "Seed for random weights and for unseeded sampling.")
+    seed: int | None = _opt(
+        0, "Seed for random weights and for unseeded sampling (None: a fresh one each start)."
+    )
     chat_template: str | None = _opt(None, "Jinja chat template or a path to one.")
     generation_config: str = _opt(
         "auto", "auto: take sampling defaults from generation_config.json; vllm: ignore it."

@@ -95,10 +95,14 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Keep only the last k prompt tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = None
+    # vLLM's field for custom sampling code: carried along, read by nothing here.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
         self._check_ranges()
+        # As vLLM's: scripts append to these lists.
+        self.stop = self.stop_strings
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.top_k == -1:

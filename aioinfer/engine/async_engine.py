@@ -119,10 +119,8 @@ class AsyncEngine:
         engine = cls(*args, **kwargs)
         try:
             await engine.start()
-        except BaseException:
-            # Failed or cancelled (a signal during the model load): the GPU thread ends once
-            # the work it runs now returns; nothing will submit more.
-            engine.gpu.stop(timeout=0)
+        except BaseException:  # failed, or cancelled by a signal during the model load
+            engine.gpu.stop(timeout=0)  # the thread ends once the work it runs now returns
             raise
         return engine
 
@@ -142,8 +140,9 @@ class AsyncEngine:
         if self.tokenizer is None:
             from aioinfer.engine.tokenizer import load_tokenizer
 
+            cfg = self.model_config
             self.tokenizer = await asyncio.to_thread(
-                load_tokenizer, resolved, self.model_config.chat_template
+                load_tokenizer, resolved, cfg.chat_template, cfg.tokenizer
             )
         runner = await asyncio.wrap_future(runner_future)
         self.info = runner.info

@@ -8,13 +8,14 @@ a single token's latency.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, cast
 
-from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.lora import LoRARequest
 from aioinfer.core.outputs import (
     ClassificationOutput,
@@ -29,46 +30,26 @@ from aioinfer.core.pooling import PoolingParams, cosine, score_pairs
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
+from aioinfer.engine.llm_options import llm_configs
 from aioinfer.engine.stream import RequestStream, gather_or_cancel
 
-Prompt = str | list[int] | dict[str, Any]
+
+class TextPrompt(TypedDict):
+    """A prompt as text (vLLM's TextPrompt)."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """A prompt as token ids (vLLM's TokensPrompt)."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt | dict[str, Any]
 Message = dict[str, Any]
 _T = TypeVar("_T")
 _P = TypeVar("_P")
-
-
-# vLLM's LLM options that change nothing for one model on one device: accepted, so that vLLM
-# scripts run unchanged. (No model code is ever run from a repository, whatever
-# trust_remote_code says; preempted requests are recomputed, so there is no swap space.)
-_IGNORED_VLLM_OPTIONS = ("trust_remote_code", "disable_log_stats", "swap_space")
-# vLLM's options that only have one value here.
-_FIXED_VLLM_OPTIONS: dict[str, Any] = {
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "quantization": None,
-    "tokenizer_mode": "auto",
-}
-
-
-def _drop_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
-    kept = {k: v for k, v in options.items() if k not in _IGNORED_VLLM_OPTIONS}
-    for name, only in _FIXED_VLLM_OPTIONS.items():
-        value = kept.pop(name, only)
-        if value != only:
-            raise ValueError(f"{name} must be {only!r} (one model on one device), got {value!r}")
-    return kept
-
-
-def split_options(**options: Any) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
-    """Sort keyword options into the config dataclasses by field name."""
-    configs = []
-    remaining = dict(options)
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
-        names = {f.name for f in dataclasses.fields(cls)}
-        configs.append(cls(**{k: remaining.pop(k) for k in list(remaining) if k in names}))
-    if remaining:
-        raise TypeError(f"unknown LLM options: {sorted(remaining)}")
-    return configs[0], configs[1], configs[2]  # type: ignore[return-value]
 
 
 class LLM:
@@ -83,11 +64,10 @@ class LLM:
     def __init__(self, model: str = "", **options: Any) -> None:
         runner_factory = options.pop("runner_factory", None)
         tokenizer = options.pop("tokenizer_object", None)
-        options = _drop_vllm_options(options)
-        model_config, cache_config, scheduler_config = split_options(model=model, **options)
+        model_config, cache_config, scheduler_config = llm_configs(model=model, **options)
         self._loop = asyncio.new_event_loop()
         self._token_texts: dict[int, str] = {}
-        self.engine = self._loop.run_until_complete(
+        self.engine = self._run_task(
             AsyncEngine.create(
                 model_config,
                 cache_config,
@@ -136,12 +116,23 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[Any] | None = None,
         lora_request: LoRARequest | None = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with the chat template.
-        A message's content is a string or a list of text parts. `tools` (OpenAI function
-        tools) are the template's to show, as in vLLM; the calls stay in the output text."""
+        A message's content is a string or a list of text parts (whatever
+        `chat_template_content_format` says: text parts are joined for every template).
+        `tools` (OpenAI function tools) are the template's to show, as in vLLM; the calls stay
+        in the output text."""
         from aioinfer.engine.tokenizer import chat_prompt_text, encode_rendered_chat
 
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                "chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                f"{chat_template_content_format!r}"
+            )
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: the models served here take text only")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded: list[tuple[str | None, list[int]]] = []
         for conversation in conversations:
@@ -286,7 +277,7 @@ class LLM:
 
     def shutdown(self) -> None:
         if not self._loop.is_closed():
-            self._loop.run_until_complete(self.engine.shutdown())
+            self._run_loop_until(self._loop.create_task(self.engine.shutdown()))
             self._loop.close()
 
     def __del__(self) -> None:
@@ -308,12 +299,14 @@ class LLM:
     def _normalise_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        if prompts and all(isinstance(t, int) for t in prompts):
-            return [cast(list[int], list(prompts))]  # one prompt of token ids
-        return list(cast(Sequence[Prompt], prompts))
+        batch = list(prompts)  # once: a generator would lose what the check below reads
+        if batch and all(isinstance(t, int) for t in batch):
+            return [cast(list[int], batch)]  # one prompt of token ids
+        return cast(list[Prompt], batch)
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            prompt = cast(dict[str, Any], prompt)
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if not isinstance(prompt.get("prompt"), str):
@@ -349,14 +342,40 @@ class LLM:
             raise RuntimeError("this LLM was shut down")
         task = self._loop.create_task(coro)
         try:
-            return self._loop.run_until_complete(task)
+            return self._run_loop_until(task)
         except BaseException:
             # A Ctrl-C raised in the loop's own wait leaves the batch's task pending: cancel it,
             # so that its requests are aborted and free their KV blocks before we return.
             if not task.done():
                 task.cancel()
                 with contextlib.suppress(BaseException):
-                    self._loop.run_until_complete(task)
+                    self._run_loop_until(task)
+            raise
+
+    def _run_loop_until(self, task: asyncio.Task[_T]) -> _T:
+        """Run this LLM's loop until `task` is done. Called from within a running event loop
+        (a notebook, an async program), whose thread cannot run a second loop, it runs the
+        loop on a worker thread meanwhile, as vLLM's LLM blocks its caller in a notebook."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._loop.run_until_complete(task)
+        done: concurrent.futures.Future[_T] = concurrent.futures.Future()
+
+        def drive() -> None:
+            try:
+                done.set_result(self._loop.run_until_complete(task))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        worker = threading.Thread(target=drive, name="aioinfer-llm-loop", daemon=True)
+        worker.start()
+        try:
+            return done.result()
+        except BaseException:
+            if not done.done():  # interrupted while waiting: stop the batch on its own loop
+                self._loop.call_soon_threadsafe(task.cancel)
+                worker.join()
             raise
 
     async def _generate_all(

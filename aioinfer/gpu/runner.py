@@ -11,6 +11,7 @@ import logging
 import math
 import mmap
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -118,7 +119,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         hf_config = resolved.hf_config
         self.hf_config = hf_config
-        torch.manual_seed(model_config.seed)
+        # Without a seed (vLLM's seed=None) the run is not reproducible: dummy weights and
+        # unseeded sampling draw from fresh entropy.
+        seed = model_config.seed if model_config.seed is not None else secrets.randbits(63)
+        torch.manual_seed(seed)
         self.pooler = model_pooler(resolved, model_config.runner, model_config.pooler_overrides)
         if model_config.enable_lora and self.pooler is not None:  # before the weights load
             raise ValueError(
@@ -128,7 +132,7 @@ class ModelRunner:
         start = time.perf_counter()
         mem_before = memory.device_memory_used(self.device)
         self.model = load_model(
-            resolved, self.dtype, self.device, model_config.seed, pooling=self.pooler is not None
+            resolved, self.dtype, self.device, seed, pooling=self.pooler is not None
         )
         self.lora: LoRAManager | None = None
         if model_config.enable_lora:
@@ -161,7 +165,7 @@ class ModelRunner:
         self.sampler = Sampler(
             self.vocab_size,
             self.device,
-            seed=model_config.seed,
+            seed=seed,
             max_logprobs=model_config.max_logprobs,
             cpu_kernels=_native_kernels(cpu_kernels),
         )

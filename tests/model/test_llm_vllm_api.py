@@ -4,10 +4,21 @@ into the context's end, and clear errors for what it would refuse too."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
-from aioinfer import LLM, SamplingParams
+import pytest
+import torch
+
+from aioinfer import (
+    LLM,
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    TextPrompt,
+    TokensPrompt,
+)
 from aioinfer.core.step import Logprob
+from tests.tokenizer_fixtures import make_tokenizer
 
 
 def test_logprobs_are_dicts_of_token_id_to_logprob(tiny):
@@ -98,30 +109,82 @@ def test_bad_prompts_are_refused_by_name_and_leave_nothing_behind(tiny, prompt):
     assert llm.engine.num_unfinished == 0 and llm.engine.scheduler.kv.usage == 0.0
 
 
-def test_vllm_options(tiny, tmp_path):
+def test_vllm_options_and_a_running_event_loop(tiny, tmp_path):
+    """vLLM's options at values that change nothing here are accepted; others are refused
+    with the reason. The LLM is built, used and shut down from inside a running event loop
+    (a notebook's, an async program's), where a second loop cannot run on the same thread."""
     llm, _ = tiny
     path = llm.engine.model_config.model
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
         LLM(path, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="quantization"):
+    with pytest.raises(ValueError, match=r"quantization must be None \(weights load unquantized"):
         LLM(path, quantization="awq")
-    other = LLM(
-        path,
-        dtype="float",  # vLLM's name for float32
-        trust_remote_code=True,
-        tensor_parallel_size=1,
-        disable_log_stats=True,
-        kv_cache_memory=0.01,
-        max_model_len=64,
-    )
-    try:
-        assert other.engine.model_config.dtype == "float32"
-        out = other.generate([[5, 6]], SamplingParams(max_tokens=3), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 3
-    finally:
-        other.shutdown()
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(path, kv_cache_dtype="fp8")
+    tokenizer_dir = tmp_path / "tokenizer"
+    make_tokenizer().save_pretrained(tokenizer_dir)
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (tokenizer_dir / "chat_template.jinja").write_text(template)
+    prompt = [5, 6, 7]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def in_a_running_loop() -> tuple[LLM, list[int], str]:
+        other = LLM(
+            path,
+            dtype=torch.float32,
+            seed=None,
+            tokenizer=str(tokenizer_dir),
+            trust_remote_code=True,
+            tensor_parallel_size=1,
+            disable_log_stats=True,
+            enable_chunked_prefill=True,
+            kv_cache_dtype="auto",
+            download_dir=None,
+            hf_overrides={},
+            kv_cache_memory=0.01,
+            max_model_len=64,
+        )
+        try:
+            out = other.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            chat = other.chat([{"role": "user", "content": "hi"}], greedy, use_tqdm=False)
+        finally:
+            other.shutdown()
+        return other, out, chat[0].prompt
+
+    other, tokens, chat_prompt = asyncio.run(in_a_running_loop())
+    assert other.engine.model_config.dtype == "float32" and other.engine.model_config.seed is None
+    assert tokens == expected
+    assert chat_prompt == "<<hi>>"  # the tokenizer option's chat template
     with pytest.raises(RuntimeError, match="shut down"):
         other.generate([[5, 6]], use_tqdm=False)
+
+
+def test_prompts_from_a_generator_and_vllm_names(tiny):
+    llm, _ = tiny
+    prompts = [[5, 6], [7, 8, 9], {"prompt_token_ids": [10, 11]}]
+    outs = llm.generate((p for p in prompts), SamplingParams(max_tokens=2), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [[5, 6], [7, 8, 9], [10, 11]]
+    assert isinstance(outs[0], RequestOutput) and isinstance(outs[0].outputs[0], CompletionOutput)
+    typed = [TokensPrompt(prompt_token_ids=[5, 6]), TextPrompt(prompt="hello")]
+    outs = llm.generate(typed, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert outs[1].prompt == "hello" and outs[1].prompt_token_ids == llm.get_tokenizer().encode(
+        "hello"
+    )
+    params = SamplingParams(stop="x", extra_args={"mine": 1})
+    assert params.stop == ["x"] and SamplingParams().stop == []
+    params.stop.append("y")  # as vLLM scripts do
+    assert params.stop_strings == ["x", "y"]
+    message = [{"role": "user", "content": "hi"}]
+    plain = llm.chat(message, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt
+    as_string = llm.chat(
+        message, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_content_format="string"
+    )[0].prompt
+    assert as_string == plain
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(message, chat_template_content_format="images")
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        llm.chat(message, mm_processor_kwargs={"num_crops": 4})
 
 
 def test_detokenize_false_gives_the_same_tokens_and_no_text(tiny):
