@@ -82,7 +82,7 @@ class ModelConfig:
     max_model_len: int | None = _opt(None, "Longest prompt plus output (default: the model's).")
     device: str = _opt("auto", "auto (cuda if available), cuda or cpu.")
     seed: int | None = _opt(
-        0, "Seed for random weights and for unseeded sampling (None: a fresh one each start)."
+        0, "Seed for random weights and unseeded sampling (offline, seed=None: a fresh one)."
     )
     chat_template: str | None = _opt(None, "Jinja chat template or a path to one.")
     generation_config: str = _opt(
