@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from aioinfer.server.classify_protocol import ClassifyRequest
 from aioinfer.server.embeddings_protocol import EmbeddingRequest
@@ -112,10 +113,15 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     # Read in pieces: a chunked body has no length to check up front, and must not be buffered
     # whole (up to aiohttp's own cap) before it is refused.
     body = bytearray()
-    async for piece in request.content.iter_chunked(1 << 16):
-        body += piece
-        if len(body) > limit:
-            raise PayloadTooLargeError(f"Request body too large: over the limit of {limit} bytes")
+    try:
+        async for piece in request.content.iter_chunked(1 << 16):
+            body += piece
+            if len(body) > limit:
+                raise PayloadTooLargeError(
+                    f"Request body too large: over the limit of {limit} bytes"
+                )
+    except RequestPayloadError as exc:  # e.g. a Content-Encoding the bytes do not decode as
+        raise BadRequestError(f"The body could not be read: {exc}") from None
     request[BODY_SIZE] = len(body)
     try:
         data = orjson.loads(body)

@@ -440,6 +440,10 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
             raise RequestValidationError(f"{param} is not supported (no function calling)", param)
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestValidationError("top_logprobs needs logprobs to be true", "top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise RequestValidationError(
+                f"top_logprobs must be >= 0, got {self.top_logprobs}", "top_logprobs"
+            )
         self.check_template_options()
 
     @property

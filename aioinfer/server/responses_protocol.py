@@ -363,6 +363,8 @@ class ResponsesRequest(OpenAIRequest):
             ChatTool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))
             for t in self.tools or []
         ]
+        if choice == "auto" and not tools:  # the Responses API's default, with or without tools
+            choice = None
         chat = ChatCompletionRequest.model_validate(
             {
                 "model": self.model,  # a LoRA adapter's name picks it

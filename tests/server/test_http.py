@@ -302,6 +302,16 @@ async def test_chat_stream_logprobs(client):
         (b'{"prompt": "a"}', {"Content-Type": "text/plain"}, "Unsupported Media Type"),
         (b'{"prompt": "a"}', {}, "Unsupported Media Type"),
         (b'{"prompt": "a"}', {"Content-Type": "application/json; charset=latin-1"}, "UTF-8"),
+        (  # not gzip at all
+            b'{"prompt": "a"}',
+            {"Content-Type": "application/json", "Content-Encoding": "gzip"},
+            "could not be read",
+        ),
+        (
+            b'{"prompt": "a"}',
+            {"Content-Type": "application/json", "Content-Encoding": "deflate"},
+            "could not be read",
+        ),
     ],
 )
 async def test_malformed_bodies_are_400(client, data, headers, fragment):
@@ -331,6 +341,12 @@ async def test_malformed_bodies_are_400(client, data, headers, fragment):
             "required",
         ),
         ("/v1/chat/completions", {"messages": MESSAGES, "n": 0}, "n", ">= 1"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1},
+            "top_logprobs",
+            ">= 0",
+        ),
     ],
 )
 async def test_invalid_requests_name_the_field(client, engine, path, body, param, fragment):

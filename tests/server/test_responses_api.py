@@ -377,6 +377,14 @@ async def test_requests_that_cannot_be_served_are_400s_naming_the_field(
     assert_pool_free(engine)
 
 
+@pytest.mark.parametrize("tools", [None, []])
+async def test_tool_choice_auto_without_tools_is_the_default(client, tools):
+    body = {"input": "Hi", "max_output_tokens": 2, "tool_choice": "auto", "tools": tools}
+    response, raw = await post(client, "/v1/responses", body)
+    assert response.status == 200, raw
+    assert orjson.loads(raw)["tool_choice"] == "auto"
+
+
 async def test_the_responses_routes_need_a_key_when_keys_are_set(aiohttp_client, engine):
     client = await aiohttp_client(create_app(engine, ServerConfig(api_key=API_KEYS)))
     for method, path in (("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
