@@ -380,6 +380,11 @@ class ServerConfig:
         + ".",
     )
 
+    trust_request_chat_template: bool = _opt(
+        False,
+        "Render a request's own chat_template; without this flag such requests are refused "
+        "(a template is code the server runs).",
+    )
     default_chat_template_kwargs: str | Mapping[str, Any] | None = _opt(
         None,
         "Chat template variables for every request, as a JSON object, e.g. "

@@ -221,13 +221,15 @@ def chat_prompt_text(
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> str:
     """The prompt text of `messages` through the chat template.
 
     `chat_template` (Jinja text or a path) overrides the tokenizer's own for this call. With
     `continue_final_message` the last message is left open, for the model to go on with it.
     `chat_template_kwargs` become variables of the template (e.g. enable_thinking). `tools`
-    (OpenAI function tools) are the template's to show; one without tool support ignores them.
+    (OpenAI function tools) and `documents` (for retrieval) are the template's to show; one
+    without support for them ignores them.
     """
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
@@ -242,6 +244,7 @@ def chat_prompt_text(
         continue_final_message=continue_final_message,
         chat_template=template,
         tools=list(tools) if tools else None,  # type: ignore[arg-type]
+        documents=documents,
         **(chat_template_kwargs or {}),
     )
     return str(text)

@@ -203,9 +203,7 @@ async def start_chat(
     constraints = await prepare_constraints(engine, params, req.structured_param)
     messages = req.template_messages()
     options = req.template_options()
-    ids = await render_chat_off_loop(
-        engine.tokenizer, messages, options, state.config.chat_template_defaults
-    )
+    ids = await render_chat_off_loop(engine.tokenizer, messages, options, state.config)
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
     prompts = truncate_prompts(engine, [Prompt(ids)], params)
     ctx = _response_context("chatcmpl", request, engine, prompts, req, params.n, response_id)

@@ -61,10 +61,10 @@ async def count_message_tokens(request: web.Request) -> web.Response:
     generated."""
     engine, req = await parse_request(request, MessageTokensCountRequest)
     chat = await off_loop_if_long(request[BODY_SIZE], req.to_chat)
-    defaults = request.app[STATE].config.chat_template_defaults
+    config = request.app[STATE].config
     with messages_params():
         ids = await render_chat_off_loop(
-            engine.tokenizer, chat.template_messages(), chat.template_options(), defaults
+            engine.tokenizer, chat.template_messages(), chat.template_options(), config
         )
     count: MessageTokensCount = {"input_tokens": len(ids)}
     return json_response(count)

@@ -4,9 +4,10 @@ chat template), refusing what cannot be rendered with a 400."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from aioinfer.config import ServerConfig
 from aioinfer.server.errors import BadRequestError
 from aioinfer.server.render import Prompt
 
@@ -64,15 +65,22 @@ def render_chat(
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],
     options: dict[str, Any],
-    defaults: Mapping[str, Any],
+    config: ServerConfig,
 ) -> list[int]:
     """Prompt token ids of chat messages through the model's chat template; `options` are
-    `apply_chat_template`'s (a request's `template_options()`), `defaults` the server's
-    chat_template_kwargs, under the request's own."""
+    `apply_chat_template`'s (a request's `template_options()`), under which the server's
+    chat_template_kwargs lie. A request's own chat template needs the server's trust."""
     import jinja2
 
     from aioinfer.engine.tokenizer import apply_chat_template
 
+    if options.get("chat_template") is not None and not config.trust_request_chat_template:
+        raise BadRequestError(
+            "chat_template in a request is refused: the server was not started with "
+            "--trust-request-chat-template",
+            param="chat_template",
+        )
+    defaults = config.chat_template_defaults
     if defaults:
         options = {
             **options,
@@ -81,16 +89,17 @@ def render_chat(
     try:
         return apply_chat_template(tokenizer, list(messages), **options)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
-        raise BadRequestError(f"The chat template failed: {exc}", param="messages") from None
+        param = "chat_template" if options.get("chat_template") is not None else "messages"
+        raise BadRequestError(f"The chat template failed: {exc}", param=param) from None
 
 
 async def render_chat_off_loop(
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],
     options: dict[str, Any],
-    defaults: Mapping[str, Any],
+    config: ServerConfig,
 ) -> list[int]:
     """`render_chat`, on a worker thread when the messages are long."""
     return await off_loop_if_long(
-        message_chars(messages), render_chat, tokenizer, messages, options, defaults
+        message_chars(messages), render_chat, tokenizer, messages, options, config
     )

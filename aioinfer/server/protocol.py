@@ -142,6 +142,7 @@ class _GenerationRequest(OpenAIRequest):
     return_token_ids: bool | None = Field(
         None, description="Also return the prompt's and the output's token ids (vLLM's)."
     )
+    use_beam_search: bool | None = Field(None, description="Not supported: refused when true.")
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -169,6 +170,11 @@ class _GenerationRequest(OpenAIRequest):
             raise RequestValidationError(
                 "response_format and structured_outputs cannot both constrain the output",
                 "structured_outputs",
+            )
+        if self.use_beam_search:
+            raise RequestValidationError(
+                "use_beam_search is not supported: beam search is not implemented",
+                "use_beam_search",
             )
         self._structured_outputs()  # refuses a malformed spec at parse time
         for kind in ("json", "regex", "choice", "grammar"):
@@ -375,6 +381,14 @@ class _ChatTemplateOptions(OpenAIRequest):
     tools: list[ChatTool] | None = Field(
         None, description="Functions the model may call (shown by the template)."
     )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template for this request, instead of the model's (needs "
+        "--trust-request-chat-template).",
+    )
+    documents: list[dict[str, str]] | None = Field(
+        None, description="Documents for a retrieval template, each a dict of strings."
+    )
 
     def check_template_options(self) -> None:
         if self.add_generation_prompt is not False and self.continue_final_message:
@@ -383,6 +397,9 @@ class _ChatTemplateOptions(OpenAIRequest):
                 "add_generation_prompt to false to continue the last message",
                 "continue_final_message",
             )
+        if self.chat_template is not None and "{" not in self.chat_template:
+            # Never a path: a client must not have the server read its files.
+            raise RequestValidationError("chat_template must be Jinja text", "chat_template")
         try:
             check_template_kwargs(self.chat_template_kwargs)
         except ValueError as exc:
@@ -395,6 +412,8 @@ class _ChatTemplateOptions(OpenAIRequest):
             "continue_final_message": bool(self.continue_final_message),
             "chat_template_kwargs": self.chat_template_kwargs,
             "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or []] or None,
+            "chat_template": self.chat_template,
+            "documents": self.documents,
         }
 
 

@@ -154,10 +154,8 @@ async def tokenize(request: web.Request) -> web.Response:
     engine, req = await parse_request(request, TokenizeRequest)
     if req.messages is not None:
         messages = [m.to_template() for m in req.messages]
-        defaults = request.app[STATE].config.chat_template_defaults
-        ids = await render_chat_off_loop(
-            engine.tokenizer, messages, req.template_options(), defaults
-        )
+        config = request.app[STATE].config
+        ids = await render_chat_off_loop(engine.tokenizer, messages, req.template_options(), config)
     else:
         special = req.add_special_tokens is not False
         text = req.prompt or ""

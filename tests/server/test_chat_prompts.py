@@ -122,3 +122,48 @@ async def test_the_server_s_default_template_kwargs_yield_to_the_request_s(
 def test_default_template_kwargs_are_checked_at_start(text, fragment):
     with pytest.raises(ValueError, match=fragment):
         ServerConfig(default_chat_template_kwargs=text)
+
+
+async def test_a_request_s_chat_template_needs_the_server_s_trust(client, aiohttp_client, engine):
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    documents = [{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}]
+    with_docs = template + "{% for d in documents %}<{{ d.title }}:{{ d.text }}>{% endfor %}"
+    messages = [{"role": "user", "content": "Hi"}]
+    tok = make_tokenizer()
+    for path in ("/v1/chat/completions", "/tokenize"):
+        _, raw = await post(client, path, {"messages": messages, "chat_template": template})
+        error = error_of(raw, 400)
+        assert error["param"] == "chat_template"
+        assert "--trust-request-chat-template" in error["message"]
+    trusting = await aiohttp_client(
+        create_app(engine, ServerConfig(trust_request_chat_template=True))
+    )
+    cases = [
+        ({"chat_template": template}, "[Hi]"),
+        ({"chat_template": with_docs, "documents": documents}, "[Hi]<A:alpha><B:beta>"),
+    ]
+    for fields, text in cases:
+        ids = tok.encode(text, add_special_tokens=False)
+        _, raw = await post(trusting, "/tokenize", {"messages": messages, **fields})
+        assert orjson.loads(raw)["tokens"] == ids
+        body = {"messages": messages, "max_tokens": 1, **fields}
+        _, raw = await post(trusting, "/v1/chat/completions", body)
+        assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(ids)
+    # A template that fails, and a path instead of a template: 400s naming chat_template.
+    for bad, fragment in (("{{ raise_exception('boom') }}", "boom"), ("/etc/passwd", "Jinja")):
+        body = {"messages": messages, "chat_template": bad, "max_tokens": 1}
+        _, raw = await post(trusting, "/v1/chat/completions", body)
+        error = error_of(raw, 400)
+        assert error["param"] == "chat_template" and fragment in error["message"]
+    # Without a chat_template, the model's own renders the request as before.
+    _, raw = await post(trusting, "/tokenize", {"messages": messages})
+    assert orjson.loads(raw)["tokens"] == chat_prompt_ids(messages)
+
+
+async def test_beam_search_is_refused_by_name(client):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "n": 2}),
+        ("/v1/chat/completions", {"messages": CONTINUED[:1], "use_beam_search": True}),
+    ):
+        _, raw = await post(client, path, body)
+        assert error_of(raw, 400)["param"] == "use_beam_search"
