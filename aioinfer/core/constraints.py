@@ -130,8 +130,10 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """Raises InvalidGrammarError naming the field when the spec does not compile."""
-        if spec.json is not None and not isinstance(spec.json, str):
-            _check_patterns(spec.json)
+        if spec.json is not None:
+            schema = _parsed(spec.json)
+            _check_patterns(schema)
+            _check_enforceable(schema)
         try:
             return self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -157,6 +159,59 @@ class GrammarCompiler:
 
     def state(self, compiled: xgrammar.CompiledGrammar) -> GrammarState:
         return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+# JSON Schema keywords the grammar compiler accepts but does not enforce (it drops them with a
+# warning in its log): a schema using one would be broken by the output it allows. Refused, as
+# OpenAI's structured outputs refuse them; vLLM falls back to another backend instead.
+_UNENFORCED_KEYWORDS = (
+    "multipleOf", "not", "if", "then", "else", "contains", "minContains", "maxContains",
+    "dependentRequired", "dependentSchemas",
+)  # fmt: skip
+# Where a schema holds subschemas: one, a list of them, or a mapping of names to them.
+_ONE_SUBSCHEMA = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties",
+                  "unevaluatedItems")  # fmt: skip
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _parsed(schema: Any) -> Any:
+    """A schema given as JSON text, parsed (the compiler reports text that does not parse)."""
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return json.loads(schema)
+    except ValueError:
+        return None
+
+
+def _check_enforceable(schema: Any) -> None:
+    """Refuse a schema that uses a keyword the grammar would not enforce (names and values
+    under `properties`, `enum`, `const` and the like are data, not keywords)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        used = [k for k in _UNENFORCED_KEYWORDS if k in node]
+        if node.get("uniqueItems") is True:
+            used.append("uniqueItems")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            used.append("allOf (with more than one schema)")
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            used.append(f"$ref to another document ({ref!r})")
+        if used:
+            raise InvalidGrammarError(
+                "json", f"the schema uses {used[0]}, which structured outputs cannot enforce"
+            )
+        stack.extend(node[k] for k in _ONE_SUBSCHEMA if k in node)
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
 
 
 def _check_patterns(schema: Any) -> None:

@@ -161,6 +161,47 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
             "response_format",
             "nests more than 200",
         ),
+        # Keywords the grammar would drop: refused rather than broken by the output.
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "integer", "multipleOf": 7, "maximum": 100},
+                    },
+                }
+            },
+            "response_format",
+            "uses multipleOf, which structured outputs cannot enforce",
+        ),
+        (
+            {"structured_outputs": {"json": '{"type": "integer", "multipleOf": 7}'}},
+            "structured_outputs",
+            "multipleOf",
+        ),
+        (
+            {
+                "structured_outputs": {
+                    "json": {
+                        "type": "object",
+                        "properties": {"a": {"type": "array", "items": {"not": {"const": 1}}}},
+                    }
+                }
+            },
+            "structured_outputs",
+            "uses not",
+        ),
+        (
+            {"structured_outputs": {"json": {"allOf": [{"type": "object"}, {"required": ["a"]}]}}},
+            "structured_outputs",
+            "allOf",
+        ),
+        (
+            {"structured_outputs": {"json": {"$ref": "https://example.com/s.json"}}},
+            "structured_outputs",
+            "another document",
+        ),
         ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", "no output"),
         (
             {"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": [3]},
@@ -240,3 +281,27 @@ async def test_constraints_are_built_once_and_off_the_event_loop(
     )
     assert len(threads) == 2 and threading.main_thread().name not in threads
     assert fills and threading.main_thread().name not in fills
+
+
+async def test_keyword_names_as_data_are_not_keywords(real_oai, real_engine):
+    """A property named like an unenforced keyword, and such words in enum values, compile."""
+    client, _ = real_oai
+    schema = {
+        "type": "object",
+        "properties": {
+            "not": {"type": "integer", "minimum": 0, "maximum": 9},
+            "if": {"enum": ["multipleOf", "allOf"]},
+        },
+        "required": ["not", "if"],
+        "additionalProperties": False,
+    }
+    out = await client.completions.create(
+        model=real_engine.model_name,
+        prompt="A JSON object:",
+        max_tokens=60,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": schema}},
+    )
+    assert out.choices[0].finish_reason == "stop"
+    value = orjson.loads(out.choices[0].text)
+    assert isinstance(value["not"], int) and value["if"] in ("multipleOf", "allOf")
