@@ -29,9 +29,10 @@ all content.
 
 Streamed, a Hermes call goes out whole once its block closes (one delta with the name and all
 the arguments, which OpenAI's format allows); content goes out as it comes, except a tail that
-could be the start of `<tool_call>`, held until the next text tells. A Llama output that
-starts with `{` (a pythonic one with `[`) is held to its end, then goes out as calls or as
-content.
+could be the start of `<tool_call>` or is whitespace, held until the next text tells.
+Whitespace right before a call, and after the last one, is not content (streamed or not).
+A Llama output that starts with `{` (a pythonic one with `[`) is held to its end, then goes
+out as calls or as content.
 
 PURE: no torch, no asyncio.
 """
@@ -54,10 +55,11 @@ class HermesToolParser:
         self.single_call = single_call  # parallel_tool_calls false: the first call only
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole output's content (None when only calls) and calls."""
+        """A whole output's content (None when only calls) and calls: what the stream of the
+        same output gives, so that both modes agree."""
         stream = self.stream()
         content, calls = stream.feed(text, final=True)
-        return (content.strip() or None) if calls else content, calls
+        return (content or None) if calls else content, calls
 
     def stream(self) -> HermesStream:
         return HermesStream(self)
@@ -70,6 +72,7 @@ class HermesStream:
         self.parser = parser
         self._pending = ""  # text not yet given out
         self._in_call = False
+        self._gap = ""  # the whitespace before the open block
         self.num_calls = 0
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
@@ -83,24 +86,34 @@ class HermesStream:
             if not self._in_call:
                 index = self._pending.find(start)
                 if index < 0:
-                    keep = 0 if final else partial_suffix(self._pending, start)
-                    content.append(self._pending[: len(self._pending) - keep])
-                    self._pending = self._pending[len(self._pending) - keep :]
+                    if final:  # whitespace after the last call is no content
+                        text = self._pending.rstrip() if self.num_calls else self._pending
+                        content.append(text)
+                        self._pending = ""
+                        break
+                    # Held back: what may begin `<tool_call>`, and whitespace that would be
+                    # dropped if a call follows it.
+                    keep = partial_suffix(self._pending, start)
+                    sent = self._pending[: len(self._pending) - keep].rstrip()
+                    content.append(sent)
+                    self._pending = self._pending[len(sent) :]
                     break
-                content.append(self._pending[:index])
+                before = self._pending[:index]
+                content.append(before.rstrip())
+                self._gap = before[len(before.rstrip()) :]  # dropped if the block is a call
                 self._pending = self._pending[index + len(start) :]
                 self._in_call = True
             index = self._pending.find(end)
             if index < 0:
                 if final:  # an unterminated block: the text as written
-                    content.append(start + self._pending)
+                    content.append(self._gap + start + self._pending)
                     self._pending = ""
                 break
             body, self._pending = self._pending[:index], self._pending[index + len(end) :]
             self._in_call = False
             call = _call_of(loads_or_none(body))
             if call is None:
-                content.append(start + body + end)
+                content.append(self._gap + start + body + end)
             elif self.parser.single_call and self.num_calls:
                 continue  # a call past the first: dropped
             else:

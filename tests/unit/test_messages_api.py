@@ -291,7 +291,7 @@ def test_auto_calls_are_read_from_the_text_and_come_after_it():
     stream = run(events, [*pieces, " Done."], "stop")
     body = events.message()
     assert [b["type"] for b in body["content"]] == ["text", "tool_use"]
-    assert body["content"][0]["text"] == "Sure.  Done."  # type: ignore[typeddict-item]
+    assert body["content"][0]["text"] == "Sure. Done."  # type: ignore[typeddict-item]
     assert body["content"][1]["input"] == {"a": 1}  # type: ignore[typeddict-item]
     assert body["stop_reason"] == "tool_use"
     starts = [e["index"] for e in stream if e["type"] == "content_block_start"]

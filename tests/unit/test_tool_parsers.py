@@ -37,6 +37,9 @@ def test_whole_outputs():
     assert content is None and len(calls) == 1
     # What does not parse as a call stays as written.
     assert parser.parse("a " + BROKEN) == ("a " + BROKEN, [])
+    # Whitespace before a call and after the last one is not content; text after one is.
+    assert parser.parse("Sure. " + CALL + "\n" + SECOND + "\n")[0] == "Sure."
+    assert parser.parse(CALL + "\n Done.")[0] == "\n Done."
     assert parser.parse("a <tool_call>{") == ("a <tool_call>{", [])
     content, calls = parser.parse(BROKEN + CALL)
     assert content == BROKEN and _calls(calls) == [("get_weather", {"city": "Oslo"})]
@@ -66,6 +69,10 @@ TEXTS = [
     "plain text with < and <tool and </tool_call> but no call",
     "x" + BROKEN + CALL + " tail <tool_ca",
     CALL + "<tool_call>{unterminated",
+    "Let me check. " + CALL + "\n" + SECOND + "\n",
+    "  lead \n" + CALL + " Done.\n",
+    "a \n" + BROKEN + "\n" + CALL + "\n <tool_call>{x",
+    "ends in blanks  \n\n",
 ]
 
 
@@ -83,7 +90,7 @@ def test_streaming_in_any_pieces_gives_the_whole_output(text, cuts):
         assert not out.endswith("<tool_cal")
     whole_content, whole_calls = HermesToolParser().parse(text)
     assert _calls(calls) == _calls(whole_calls)
-    assert content.strip() == (whole_content or "").strip()
+    assert content == (whole_content or "")  # the same text, to the whitespace
     assert stream.num_calls == len(whole_calls)
 
 
