@@ -22,12 +22,11 @@ from aioinfer.server.messages_protocol import MessagesRequest, MessageTokensCoun
 from aioinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
 )
 from aioinfer.server.responses_protocol import ResponsesRequest
 from aioinfer.server.scores_protocol import RerankRequest, ScoreRequest
 from aioinfer.server.state import STATE
+from aioinfer.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine

@@ -22,8 +22,6 @@ from aioinfer.server.messages_render import (
 from aioinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
 )
 from aioinfer.server.responses import (
     ChatCompletionChunk,
@@ -45,6 +43,7 @@ from aioinfer.server.scores_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
+from aioinfer.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 _JSON = "application/json"
 _ERROR_CODES = {

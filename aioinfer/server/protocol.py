@@ -46,10 +46,17 @@ class RequestValidationError(ValueError):
 
 
 class OpenAIRequest(StrictModel):
+    # vLLM's fields for what is not implemented here, and why: refused when set (not null or
+    # false), instead of being dropped with the unknown fields.
+    UNSUPPORTED: ClassVar[Mapping[str, str]] = {}
+
     @classmethod
     def parse(cls: type[_M], data: Mapping[str, Any]) -> _M:
         """Validate a decoded JSON object; raises RequestValidationError with a readable
         message that names the field."""
+        for name, why in cls.UNSUPPORTED.items():
+            if data.get(name) not in (None, False):
+                raise RequestValidationError(f"{name} is not supported: {why}", name)
         try:
             request = cls.model_validate(data)
         except ValidationError as exc:
@@ -76,6 +83,11 @@ class StreamOptions(OpenAIRequest):
 
 class _GenerationRequest(OpenAIRequest):
     """Fields shared by completions and chat completions."""
+
+    UNSUPPORTED: ClassVar[Mapping[str, str]] = {
+        "use_beam_search": "beam search is not implemented",
+        "return_tokens_as_token_ids": "logprobs name each token by its text",
+    }
 
     # SamplingParams fields that map one to one; unset ones take the model's defaults.
     SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -142,7 +154,6 @@ class _GenerationRequest(OpenAIRequest):
     return_token_ids: bool | None = Field(
         None, description="Also return the prompt's and the output's token ids (vLLM's)."
     )
-    use_beam_search: bool | None = Field(None, description="Not supported: refused when true.")
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -170,11 +181,6 @@ class _GenerationRequest(OpenAIRequest):
             raise RequestValidationError(
                 "response_format and structured_outputs cannot both constrain the output",
                 "structured_outputs",
-            )
-        if self.use_beam_search:
-            raise RequestValidationError(
-                "use_beam_search is not supported: beam search is not implemented",
-                "use_beam_search",
             )
         self._structured_outputs()  # refuses a malformed spec at parse time
         for kind in ("json", "regex", "choice", "grammar"):
@@ -364,7 +370,7 @@ class ChatMessage(OpenAIRequest):
         return message
 
 
-class _ChatTemplateOptions(OpenAIRequest):
+class ChatTemplateOptions(OpenAIRequest):
     """How chat messages are rendered through the model's template (as vLLM's fields)."""
 
     add_generation_prompt: bool | None = Field(
@@ -417,8 +423,13 @@ class _ChatTemplateOptions(OpenAIRequest):
         }
 
 
-class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
+class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     """POST /v1/chat/completions."""
+
+    UNSUPPORTED: ClassVar[Mapping[str, str]] = {
+        **_GenerationRequest.UNSUPPORTED,
+        "echo": "a chat reply does not repeat the last message",
+    }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(
@@ -512,32 +523,6 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateOptions):
         if self.logprobs:
             values["logprobs"] = self.top_logprobs or 0
         return self._build(values)
-
-
-class TokenizeRequest(_ChatTemplateOptions):
-    """POST /tokenize: either a prompt or chat messages."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = Field(True, description="For prompt: add BOS etc.")
-    return_token_strs: bool | None = Field(
-        False, description="Also return each token's string in the vocabulary (token_strs)."
-    )
-
-    def check_supported(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestValidationError(
-                "give exactly one of prompt and messages", "prompt" if self.prompt else "messages"
-            )
-        self.check_template_options()
-
-
-class DetokenizeRequest(OpenAIRequest):
-    """POST /detokenize."""
-
-    model: str | None = None
-    tokens: list[int]
 
 
 def _capped(limit: int | None, defaults: Mapping[str, Any]) -> int | None:

@@ -19,7 +19,6 @@ from aioinfer.server.embeddings import create_classification, create_embedding
 from aioinfer.server.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from aioinfer.server.messages_api import count_message_tokens, create_message
 from aioinfer.server.prompts import off_loop_if_long, render_chat_off_loop
-from aioinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.render import model_card
 from aioinfer.server.responses import ModelCard, TokenizeResponse
 from aioinfer.server.responses_api import (
@@ -30,6 +29,7 @@ from aioinfer.server.responses_api import (
 )
 from aioinfer.server.scores import create_rerank, create_score
 from aioinfer.server.state import STATE, ServerState
+from aioinfer.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine

@@ -160,10 +160,22 @@ async def test_a_request_s_chat_template_needs_the_server_s_trust(client, aiohtt
     assert orjson.loads(raw)["tokens"] == chat_prompt_ids(messages)
 
 
-async def test_beam_search_is_refused_by_name(client):
-    for path, body in (
-        ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "n": 2}),
-        ("/v1/chat/completions", {"messages": CONTINUED[:1], "use_beam_search": True}),
-    ):
+async def test_vllm_fields_for_what_is_not_implemented_are_refused_by_name(client):
+    chat = {"messages": CONTINUED[:1], "max_tokens": 1}
+    refused = [
+        ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "n": 2}, "use_beam_search"),
+        ("/v1/chat/completions", {**chat, "use_beam_search": True}, "use_beam_search"),
+        ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "Hi", "return_tokens_as_token_ids": True, "logprobs": 1},
+         "return_tokens_as_token_ids"),
+    ]  # fmt: skip
+    for path, body, param in refused:
         _, raw = await post(client, path, body)
-        assert error_of(raw, 400)["param"] == "use_beam_search"
+        error = error_of(raw, 400)
+        assert error["param"] == param and "not supported" in error["message"]
+    for path, body in (
+        ("/v1/chat/completions", {**chat, "echo": False, "use_beam_search": None}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "echo": True}),  # supported there
+    ):
+        response, raw = await post(client, path, body)
+        assert response.status == 200, raw

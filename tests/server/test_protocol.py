@@ -10,8 +10,8 @@ from aioinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestValidationError,
-    TokenizeRequest,
 )
+from aioinfer.server.tokenize_protocol import TokenizeRequest
 
 
 def completion(**fields):

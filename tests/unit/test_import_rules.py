@@ -36,6 +36,7 @@ FORBIDDEN = {
     "server/embeddings_protocol.py": {"torch", "asyncio", "aiohttp", "triton"},
     "server/classify_protocol.py": {"torch", "asyncio", "aiohttp", "triton"},
     "server/scores_protocol.py": {"torch", "asyncio", "aiohttp", "triton"},
+    "server/tokenize_protocol.py": {"torch", "asyncio", "aiohttp", "triton"},
     "engine/": {"torch", "triton", "aioinfer.model", "aioinfer.server"},
     "gpu/": {"asyncio", "aiohttp", "aioinfer.engine", "aioinfer.server"},
     "model/": {"asyncio", "aiohttp", "aioinfer.engine", "aioinfer.server"},
