@@ -162,11 +162,12 @@ class GrammarCompiler:
 
 
 # JSON Schema keywords the grammar compiler accepts but does not enforce (it drops them with a
-# warning in its log): a schema using one would be broken by the output it allows. Refused, as
-# OpenAI's structured outputs refuse them; vLLM falls back to another backend instead.
+# warning in its log): a schema using one would be broken by the output it allows, so it is
+# refused (vLLM falls back to another backend instead). `uniqueItems` is let through unenforced:
+# pydantic writes it for every set field, whose parsing drops duplicates anyway.
 _UNENFORCED_KEYWORDS = (
-    "multipleOf", "not", "if", "then", "else", "contains", "minContains", "maxContains",
-    "dependentRequired", "dependentSchemas",
+    "not", "if", "then", "else", "contains", "minContains", "maxContains",
+    "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef",
 )  # fmt: skip
 # Where a schema holds subschemas: one, a list of them, or a mapping of names to them.
 _ONE_SUBSCHEMA = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties",
@@ -194,13 +195,17 @@ def _check_enforceable(schema: Any) -> None:
         if not isinstance(node, dict):
             continue
         used = [k for k in _UNENFORCED_KEYWORDS if k in node]
-        if node.get("uniqueItems") is True:
-            used.append("uniqueItems")
+        if "multipleOf" in node and _multiple_of_dropped(node):
+            used.append("multipleOf (enforced on integers only, with no bounds or both)")
+        if any(k in node for k in ("pattern", "format")) and any(
+            k in node for k in ("minLength", "maxLength")
+        ):
+            used.append("minLength or maxLength together with a pattern or format")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             used.append("allOf (with more than one schema)")
         ref = node.get("$ref")
-        if isinstance(ref, str) and not ref.startswith("#"):
-            used.append(f"$ref to another document ({ref!r})")
+        if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+            used.append(f"$ref to anything but a path in this document ({ref!r})")
         if used:
             raise InvalidGrammarError(
                 "json", f"the schema uses {used[0]}, which structured outputs cannot enforce"
@@ -212,6 +217,17 @@ def _check_enforceable(schema: Any) -> None:
         for key in _SUBSCHEMA_MAPS:
             if isinstance(node.get(key), dict):
                 stack.extend(node[key].values())
+
+
+def _multiple_of_dropped(node: dict[str, Any]) -> bool:
+    """Whether the grammar drops this node's multipleOf: it keeps it only for an integer step
+    on an integer with no bounds or bounds on both sides."""
+    step = node["multipleOf"]
+    if node.get("type") != "integer" or not isinstance(step, int) or isinstance(step, bool):
+        return True
+    lower = "minimum" in node or "exclusiveMinimum" in node
+    upper = "maximum" in node or "exclusiveMaximum" in node
+    return lower != upper
 
 
 def _check_patterns(schema: Any) -> None:

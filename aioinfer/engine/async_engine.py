@@ -119,8 +119,11 @@ class AsyncEngine:
         engine = cls(*args, **kwargs)
         try:
             await engine.start()
-        except BaseException:  # failed, or cancelled by a signal during the model load
-            engine.gpu.stop(timeout=0)  # the thread ends once the work it runs now returns
+        except Exception:  # the thread's work must end before the error can end the process
+            await asyncio.to_thread(engine.gpu.stop, None)
+            raise
+        except BaseException:  # cancelled by a signal: the exit does not wait for the thread
+            engine.gpu.stop(timeout=0)
             raise
         return engine
 
@@ -137,9 +140,9 @@ class AsyncEngine:
                 resolved, self.model_config, self.cache_config, self.scheduler_config, self.offline
             )
         )
-        if self.tokenizer is None:
-            from aioinfer.engine.tokenizer import load_tokenizer
+        from aioinfer.engine.tokenizer import load_tokenizer, tokenizer_eos
 
+        if self.tokenizer is None:
             cfg = self.model_config
             self.tokenizer = await asyncio.to_thread(
                 load_tokenizer, resolved, cfg.chat_template, cfg.tokenizer
@@ -147,7 +150,7 @@ class AsyncEngine:
         runner = await asyncio.wrap_future(runner_future)
         self.info = runner.info
         self.info.init_seconds = time.perf_counter() - t0
-        self.eos_token_ids = frozenset(self.info.eos_token_ids) | _tokenizer_eos(self.tokenizer)
+        self.eos_token_ids = frozenset(self.info.eos_token_ids) | tokenizer_eos(self.tokenizer)
         self.default_sampling = dict(self.info.default_sampling)
         self.pooler = getattr(self.info, "pooler", None)
         self.limits = ModelLimits(
@@ -592,8 +595,3 @@ def _never_started(request: Request | None) -> bool:
         and request.num_preemptions == 0
         and request.num_output_tokens == 0
     )
-
-
-def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return frozenset([eos]) if isinstance(eos, int) else frozenset()

@@ -71,10 +71,14 @@ def load_tokenizer(
     """
     if tokenizer:
         path = Path(tokenizer).expanduser()
-        tok = _folder_tokenizer(path) if path.is_dir() else AutoTokenizer.from_pretrained(tokenizer)
+        if path.is_dir():
+            tok = _folder_tokenizer(path)
+        elif path.is_file() and path.suffix == ".gguf":  # vLLM scripts name the model's here
+            tok = _gguf_tokenizer(path)
+        else:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
     elif resolved.gguf_file is not None:
-        path = Path(resolved.gguf_file)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = _gguf_tokenizer(Path(resolved.gguf_file))
     elif any((Path(resolved.folder) / name).is_file() for name in TOKENIZER_FILES):
         tok = _folder_tokenizer(Path(resolved.folder))
     else:
@@ -152,6 +156,16 @@ def _special_token_arguments(kwargs: dict[str, Any]) -> None:
 
 def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     return plain_tokenizer(folder) or AutoTokenizer.from_pretrained(str(folder))
+
+
+def tokenizer_eos(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's EOS id, where it names one."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset([eos]) if isinstance(eos, int) else frozenset()
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def read_chat_template(value: str | None) -> str | None:

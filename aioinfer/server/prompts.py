@@ -88,7 +88,16 @@ def render_chat(
         }
     try:
         return apply_chat_template(tokenizer, list(messages), **options)
-    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+    # What a template can raise from Jinja's sandbox: its own errors, raise_exception, 1/0,
+    # range(10**9), a macro calling itself.
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        ArithmeticError,
+        RecursionError,
+        jinja2.TemplateError,
+    ) as exc:
         param = "chat_template" if options.get("chat_template") is not None else "messages"
         raise BadRequestError(f"The chat template failed: {exc}", param=param) from None
 

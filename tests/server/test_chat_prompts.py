@@ -150,7 +150,14 @@ async def test_a_request_s_chat_template_needs_the_server_s_trust(client, aiohtt
         _, raw = await post(trusting, "/v1/chat/completions", body)
         assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(ids)
     # A template that fails, and a path instead of a template: 400s naming chat_template.
-    for bad, fragment in (("{{ raise_exception('boom') }}", "boom"), ("/etc/passwd", "Jinja")):
+    recursive = "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}"
+    for bad, fragment in (
+        ("{{ raise_exception('boom') }}", "boom"),
+        ("/etc/passwd", "Jinja"),
+        ("{{ 1 / 0 }}", "division by zero"),
+        ("{% for i in range(10**9) %}{% endfor %}", "Range too big"),
+        (recursive, "recursion"),
+    ):
         body = {"messages": messages, "chat_template": bad, "max_tokens": 1}
         _, raw = await post(trusting, "/v1/chat/completions", body)
         error = error_of(raw, 400)

@@ -173,12 +173,22 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
                 }
             },
             "response_format",
-            "uses multipleOf, which structured outputs cannot enforce",
+            "uses multipleOf (enforced on integers only",
         ),
         (
-            {"structured_outputs": {"json": '{"type": "integer", "multipleOf": 7}'}},
+            {"structured_outputs": {"json": '{"type": "number", "multipleOf": 0.5}'}},
             "structured_outputs",
             "multipleOf",
+        ),
+        (
+            {"structured_outputs": {"json": {"$defs": {"X": {"$anchor": "x"}}, "$ref": "#x"}}},
+            "structured_outputs",
+            "$ref to anything but a path",
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "string", "pattern": "^a*$", "minLength": 9}}},
+            "structured_outputs",
+            "minLength or maxLength together with a pattern",
         ),
         (
             {
@@ -200,7 +210,7 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
         (
             {"structured_outputs": {"json": {"$ref": "https://example.com/s.json"}}},
             "structured_outputs",
-            "another document",
+            "$ref to anything but a path in this document",
         ),
         ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", "no output"),
         (
@@ -284,24 +294,33 @@ async def test_constraints_are_built_once_and_off_the_event_loop(
 
 
 async def test_keyword_names_as_data_are_not_keywords(real_oai, real_engine):
-    """A property named like an unenforced keyword, and such words in enum values, compile."""
+    """A property named like an unenforced keyword, and such words in enum values, compile;
+    so do what the grammar does enforce (an integer's multipleOf between two bounds, a $ref
+    into $defs) and a set field's uniqueItems, which pydantic writes (not enforced)."""
     client, _ = real_oai
     schema = {
         "type": "object",
         "properties": {
-            "not": {"type": "integer", "minimum": 0, "maximum": 9},
-            "if": {"enum": ["multipleOf", "allOf"]},
+            "not": {"type": "integer", "minimum": 0, "maximum": 9, "multipleOf": 3},
+            "if": {"$ref": "#/$defs/Word"},
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["a", "b"]},
+                "uniqueItems": True,
+                "maxItems": 2,
+            },
         },
         "required": ["not", "if"],
         "additionalProperties": False,
+        "$defs": {"Word": {"enum": ["multipleOf", "allOf"]}},
     }
     out = await client.completions.create(
         model=real_engine.model_name,
         prompt="A JSON object:",
-        max_tokens=60,
+        max_tokens=110,
         temperature=0,
         extra_body={"structured_outputs": {"json": schema}},
     )
     assert out.choices[0].finish_reason == "stop"
     value = orjson.loads(out.choices[0].text)
-    assert isinstance(value["not"], int) and value["if"] in ("multipleOf", "allOf")
+    assert value["not"] in (0, 3, 6, 9) and value["if"] in ("multipleOf", "allOf")

@@ -134,7 +134,7 @@ def test_auto_calls_are_read_from_the_text():
     pieces = ["  Sure.", ' <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool', "_call>"]
     stream = run(events, pieces, "stop")
     message, call = stream[-1]["response"]["output"]
-    assert message["content"][0]["text"] == "Sure. " and message["status"] == "completed"
+    assert message["content"][0]["text"] == "Sure." and message["status"] == "completed"
     assert (call["name"], call["arguments"], call["status"]) == ("f", '{"a": 1}', "completed")
     # A call alone opens no message.
     alone = run(ResponseEvents(context(), {}, tool_parser=HermesToolParser()), pieces[1:], "stop")
