@@ -46,6 +46,14 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_usable_blocks * self.block_size
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's, e.g. between benchmark runs); only while no
+        request holds a block. Returns whether it did."""
+        if self.block_tables:
+            return False
+        self.pool.reset_prefix_cache()
+        return True
+
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 

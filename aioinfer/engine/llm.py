@@ -84,6 +84,11 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.engine.default_sampling)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt prefixes, so that the next batch computes every prompt
+        again (vLLM's; between calls no request holds a block, so it always does)."""
+        return self.engine.scheduler.kv.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -42,8 +42,6 @@ RUNNER_SHUTDOWN_TIMEOUT = 2.0
 # Seconds an idle keep-alive connection stays open (aiohttp's default is an hour: idle clients
 # would hold file descriptors that long). nginx's default.
 KEEPALIVE_TIMEOUT = 75.0
-# How long the exit waits for a GPU thread that was told to stop before leaving without it.
-SETTLE_SECONDS = 1.0
 
 
 def _claim_unix_socket(path: str) -> None:
@@ -131,10 +129,7 @@ def _exit_now_if_gpu_thread_alive(code: int) -> None:
 
     from aioinfer.gpu.thread import THREAD_NAME
 
-    threads = [t for t in threading.enumerate() if t.name == THREAD_NAME]
-    for thread in threads:
-        thread.join(SETTLE_SECONDS)  # one that was told to stop may just be releasing the model
-    if any(t.is_alive() for t in threads):
+    if any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate()):
         logger.info("Exiting without waiting for the GPU thread's work to end")
         logging.shutdown()
         sys.stdout.flush()

@@ -197,3 +197,16 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(tiny):
     assert ids_only.outputs[0].text == "" and ids_only.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_reset_prefix_cache_makes_the_next_batch_compute_its_prompts_again(tiny):
+    llm, _ = tiny
+    prompt = list(range(40, 90))  # 50 tokens: whole blocks of them can be cached
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    fresh = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert fresh.outputs[0].token_ids == again.outputs[0].token_ids == first.outputs[0].token_ids

@@ -62,6 +62,19 @@ def test_free_returns_tail_first_and_cached_blocks_survive_for_later_hits():
     kv.check_integrity()
 
 
+def test_reset_prefix_cache_only_when_no_request_holds_a_block():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    admit(kv, a)
+    assert kv.reset_prefix_cache() is False  # a holds its blocks
+    assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 9]))[1] == 4
+    kv.free(a)
+    assert kv.reset_prefix_cache() is True
+    assert kv.find_cached_prefix(make_request("c", [1, 2, 3, 4, 9])) == ([], 0)
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+    kv.check_integrity()
+
+
 def test_allocate_fails_without_side_effects_when_the_pool_is_full():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     a = make_request("a", list(range(12)))
