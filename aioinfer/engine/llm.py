@@ -87,7 +87,9 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prompt prefixes, so that the next batch computes every prompt
         again (vLLM's; between calls no request holds a block, so it always does)."""
-        return self.engine.scheduler.kv.reset_prefix_cache()
+        scheduler = self.engine.scheduler
+        assert scheduler is not None  # set once the engine started, before __init__ returned
+        return scheduler.kv.reset_prefix_cache()
 
     def generate(
         self,
