@@ -25,6 +25,7 @@ itself.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -156,6 +157,34 @@ def _special_token_arguments(kwargs: dict[str, Any]) -> None:
 
 def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     return plain_tokenizer(folder) or AutoTokenizer.from_pretrained(str(folder))
+
+
+def _byte_of_char() -> dict[str, int]:
+    """The byte each character of a byte-level BPE's vocabulary stands for (GPT-2's alphabet:
+    printable Latin-1 bytes are themselves, the other 68 bytes the characters from U+0100 up)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(0x100 + n): b for n, b in enumerate(others)})
+    return table
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's tokens of one byte
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int, text: str) -> bytes:
+    """The bytes of one token whose decoded text is `text`. A token that holds part of a
+    multi-byte character decodes to U+FFFD; its own bytes come from its vocabulary entry
+    (a byte-fallback `<0xF0>`, or a byte-level BPE's characters), as OpenAI's logprobs give
+    them so that a client can join a character's pieces."""
+    if "\ufffd" in text:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and (match := _BYTE_FALLBACK.fullmatch(piece)):
+            return bytes([int(match.group(1), 16)])
+        if isinstance(piece, str) and piece and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+    return text.encode("utf-8", errors="replace")
 
 
 def tokenizer_eos(tokenizer: Any) -> frozenset[int]:

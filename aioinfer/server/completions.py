@@ -257,6 +257,7 @@ def _response_context(
         prompts,
         n,
         request.app[STATE].token_text(engine.tokenizer),
+        token_bytes=request.app[STATE].token_bytes(engine.tokenizer),
         engine_id=f"{response_id}-{unique[:8]}" if client_id else response_id,
         return_token_ids=bool(req.return_token_ids),
         prompt_logprobs=req.prompt_logprobs,

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aioinfer.core.outputs import CompletionOutput
-from aioinfer.server.render import ResponseContext, chat_logprobs
+from aioinfer.server.logprobs_render import chat_logprobs
+from aioinfer.server.render import ResponseContext
 from aioinfer.server.responses import ChatLogprob
 from aioinfer.server.tool_parsers import ToolCallStream, ToolParser
 from aioinfer.server.tools import ToolCall, ToolMode
@@ -136,7 +137,9 @@ class OutputParts:
         if mode is None:
             chosen: list[ChatLogprob] = []
             if logprobs and self.want_logprobs and seq.logprobs:
-                chosen = chat_logprobs(seq.logprobs, self.ctx.token_text)["content"]
+                chosen = chat_logprobs(seq.logprobs, self.ctx.token_text, self.ctx.token_bytes)[
+                    "content"
+                ]
             self._text_opened = True
             return [TextDelta(text, chosen)]
         if mode.named is not None:  # the text is the call's arguments, streamed as they come

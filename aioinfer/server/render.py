@@ -13,28 +13,31 @@ from typing import Any
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
 from aioinfer.core.step import TokenLogprobs
+from aioinfer.server.logprobs_render import (
+    TokenBytes,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    offset_of,
+    prompt_logprobs_json,
+    top_trimmed,
+)
 from aioinfer.server.reasoning import ReasoningSplit, ReasoningStream, ReasoningTokens
 from aioinfer.server.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprob,
-    ChatLogprobs,
     ChatResponseMessage,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     ModelCard,
-    PromptLogprobs,
     ToolCallJson,
-    TopLogprob,
     UsageInfo,
 )
 from aioinfer.server.tool_parsers import ToolCallStream, ToolParser
 from aioinfer.server.tools import ToolMode, new_call_id
-
-TokenText = Callable[[int], str]
 
 
 def usage(
@@ -73,60 +76,6 @@ def model_card(name: str, max_model_len: int, created: int) -> ModelCard:
     }
 
 
-def completion_logprobs(
-    entries: Sequence[TokenLogprobs | None],
-    token_ids: Sequence[int],
-    token_text: TokenText,
-    offset: int,
-) -> CompletionLogprobs:
-    """The legacy completions logprobs block; `offset` is where the first token's text starts.
-    An entry of None (the first prompt token) has no logprob."""
-    out: CompletionLogprobs = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
-    }
-    for token_id, entry in zip(token_ids, entries, strict=True):
-        text = token_text(token_id)
-        out["tokens"].append(text)
-        out["text_offset"].append(offset)
-        offset += len(text)
-        if entry is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        top = {token_text(t): lp for t, lp in entry.top}
-        top.setdefault(text, entry.logprob)
-        out["token_logprobs"].append(entry.logprob)
-        out["top_logprobs"].append(top)
-    return out
-
-
-def chat_logprobs(entries: Sequence[TokenLogprobs], token_text: TokenText) -> ChatLogprobs:
-    content: list[ChatLogprob] = []
-    for entry in entries:
-        text = token_text(entry.token_id)
-        top: list[TopLogprob] = []
-        for token_id, logprob in entry.top:
-            top_text = token_text(token_id)
-            top.append({"token": top_text, "logprob": logprob, "bytes": _utf8(top_text)})
-        content.append(
-            {"token": text, "logprob": entry.logprob, "bytes": _utf8(text), "top_logprobs": top}
-        )
-    return {"content": content}
-
-
-def _utf8(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
-def _offset_of(logprobs: CompletionLogprobs, start: int) -> int:
-    if not logprobs["tokens"]:
-        return start
-    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-
-
 @dataclass
 class ResponseContext:
     """What every response of one request shares."""
@@ -136,6 +85,7 @@ class ResponseContext:
     prompts: list[Prompt]
     n: int
     token_text: TokenText
+    token_bytes: TokenBytes | None = None  # see chat_logprobs
     engine_id: str = ""  # the engine's request id (base); the response id where empty
     created: int = field(default_factory=lambda: int(time.time()))
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids as well
@@ -178,7 +128,7 @@ def completion_response(
             if want_logprobs:
                 prompt_entries = final.prompt_logprobs if echo_texts is not None else None
                 logprobs = _echoed_prompt_logprobs(ctx, p, prompt_entries)
-                _extend_logprobs(logprobs, seq, ctx.token_text, _offset_of(logprobs, 0))
+                _extend_logprobs(logprobs, seq, ctx.token_text, offset_of(logprobs, 0))
             choice: CompletionChoice = {
                 "index": ctx.choice_index(p, seq.index),
                 "text": echo + seq.text,
@@ -212,8 +162,8 @@ def _echoed_prompt_logprobs(
         return completion_logprobs([], [], ctx.token_text, 0)
     ids = ctx.prompts[prompt_index].token_ids
     width = ctx.echo_logprobs
-    trimmed = [None if e is None else _trimmed(e, width) for e in entries]
-    return completion_logprobs(trimmed, ids, ctx.token_text, 0)
+    cut = [None if e is None else top_trimmed(e, width) for e in entries]
+    return completion_logprobs(cut, ids, ctx.token_text, 0)
 
 
 def _extend_logprobs(
@@ -240,7 +190,11 @@ def chat_response(
     reasoning_tokens = None if ctx.reasoning is None else 0
     for seq in final.outputs:
         completion_tokens += len(seq.token_ids)
-        logprobs = chat_logprobs(seq.logprobs or [], ctx.token_text) if want_logprobs else None
+        logprobs = (
+            chat_logprobs(seq.logprobs or [], ctx.token_text, ctx.token_bytes)
+            if want_logprobs
+            else None
+        )
         reasoning = None
         if ctx.reasoning is not None:  # what follows reads only the answer
             reasoning, answer = ctx.reasoning.parse(seq.text)
@@ -293,35 +247,6 @@ def chat_response(
             final, ctx.token_text, ctx.prompt_logprobs
         )
     return response
-
-
-def prompt_logprobs_json(
-    output: RequestOutput, token_text: TokenText, num_top: int
-) -> PromptLogprobs:
-    """vLLM's shape: per prompt token, None for the first (nothing predicts it), then
-    {token id: {logprob, rank, decoded_token}} for the token and its `num_top` best
-    alternatives. -inf is -9999.0, as vLLM writes it (JSON has no infinity)."""
-    out: PromptLogprobs = []
-    for entry in output.prompt_logprobs or []:
-        if entry is None:
-            out.append(None)
-            continue
-        trimmed = _trimmed(entry, num_top)
-        out.append(
-            {
-                str(token): {
-                    "logprob": max(trimmed[token].logprob, -9999.0),
-                    "rank": trimmed[token].rank,
-                    "decoded_token": token_text(token),
-                }
-                for token in trimmed
-            }
-        )
-    return out
-
-
-def _trimmed(entry: TokenLogprobs, num_top: int) -> TokenLogprobs:
-    return entry if len(entry.top) <= num_top else replace(entry, top=entry.top[:num_top])
 
 
 def _tool_calls(tool_mode: ToolMode | None, seq: CompletionOutput) -> list[ToolCallJson] | None:
@@ -437,9 +362,9 @@ class CompletionChunks(_ChunkStream):
             return echo + seq.text, None
         prompt_entries = self._prompt_logprobs.get(prompt_index) if echo else None
         logprobs = _echoed_prompt_logprobs(self.ctx, prompt_index, prompt_entries)
-        start = _offset_of(logprobs, self._offsets.get(index, 0))
+        start = offset_of(logprobs, self._offsets.get(index, 0))
         _extend_logprobs(logprobs, seq, self.ctx.token_text, start)
-        self._offsets[index] = _offset_of(logprobs, start)
+        self._offsets[index] = offset_of(logprobs, start)
         return echo + seq.text, logprobs
 
     def _chunk(
@@ -503,7 +428,9 @@ class ChatChunks(_ChunkStream):
             self.completion_tokens += len(seq.token_ids)
             logprobs = None
             if self.want_logprobs and seq.token_ids:
-                logprobs = chat_logprobs(seq.logprobs or [], self.ctx.token_text)
+                logprobs = chat_logprobs(
+                    seq.logprobs or [], self.ctx.token_text, self.ctx.token_bytes
+                )
             reasoning, seq = self._split_reasoning(seq)
             delta, finish_reason = self._content(seq)
             if reasoning:

@@ -95,6 +95,13 @@ class ServerState:
 
         return text
 
+    def token_bytes(self, tokenizer: Any) -> Callable[[int], list[int]]:
+        """The bytes of one token id (see `engine.tokenizer.token_bytes`)."""
+        from aioinfer.engine.tokenizer import token_bytes
+
+        text = self.token_text(tokenizer)
+        return lambda token_id: list(token_bytes(tokenizer, token_id, text(token_id)))
+
     def openapi(self) -> bytes:
         if self._openapi is None:
             self._openapi = orjson.dumps(openapi_document(__version__))

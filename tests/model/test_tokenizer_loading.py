@@ -19,12 +19,13 @@ from aioinfer.engine.tokenizer import (
     fallback_tokenizer,
     load_tokenizer,
     plain_tokenizer,
+    token_bytes,
 )
 from aioinfer.model.loader import (
     resolve_model,
 )
 from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import CHAT_TEMPLATE, MESSAGES, make_tokenizer
+from tests.tokenizer_fixtures import CHAT_TEMPLATE, MESSAGES, make_tokenizer, smollm2_gguf_path
 
 
 @pytest.fixture(autouse=True)
@@ -213,3 +214,30 @@ def test_fallback_tokenizer_needs_room_for_bytes() -> None:
     cfg = AutoConfig.for_model("llama", vocab_size=200, eos_token_id=2)
     with pytest.raises(ValueError, match="vocab_size=200"):
         fallback_tokenizer(cfg)
+
+
+@pytest.mark.parametrize("text", ["\U0001d11e clef", "naïve café 😀🎉", "中文字符", "\x00\xff"])
+def test_token_bytes_join_back_into_the_text(text: str) -> None:
+    """Each token's own bytes, joined in order, give the text's UTF-8, also where a token is
+    one piece of a character (its decoded text only U+FFFD)."""
+    tokenizers = [make_tokenizer()]
+    gguf = smollm2_gguf_path()
+    if gguf is not None:
+        tokenizers.append(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+    for tok in tokenizers:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert any("\ufffd" in tok.decode([i]) for i in ids)  # pieces of characters are there
+        pieces = [token_bytes(tok, i, tok.decode([i])) for i in ids]
+        assert b"".join(pieces) == text.encode()
+
+
+def test_token_bytes_of_a_byte_fallback_token() -> None:
+    """SentencePiece vocabularies (Llama 2, Mistral, Gemma) write a lone byte as <0xF0>."""
+
+    class ByteFallback:
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return {1: "<0xF0>", 2: "▁hello"}[token_id]
+
+    tok = ByteFallback()
+    assert token_bytes(tok, 1, "\ufffd") == b"\xf0"  # type: ignore[arg-type]
+    assert token_bytes(tok, 2, " hello") == b" hello"  # type: ignore[arg-type]

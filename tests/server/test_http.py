@@ -285,6 +285,43 @@ async def test_chat_stream_logprobs(client):
     assert entries[0]["bytes"] == list(entries[0]["token"].encode())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_logprob_bytes_are_a_character_s_pieces(real_oai, real_engine, stream):
+    """Tokens that hold pieces of one character decode to U+FFFD each; their `bytes` are their
+    own, so that a client can join them (OpenAI's field), streamed or not."""
+    client, _ = real_oai
+    tok = make_tokenizer()
+    ids = tok.encode("\U0001d11e", add_special_tokens=False)  # four tokens of one byte each
+    assert len(ids) == 4 and all(tok.decode([i]) == "\ufffd" for i in ids)
+    byte_of = dict(zip(ids, "\U0001d11e".encode(), strict=True))
+    extra = {"allowed_token_ids": ids, "return_token_ids": True}
+    kwargs = dict(
+        model=real_engine.model_name,
+        messages=MESSAGES,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=extra,
+    )
+    if stream:
+        entries, token_ids = [], []
+        async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+            if chunk.choices and chunk.choices[0].logprobs:
+                entries += chunk.choices[0].logprobs.content
+            if chunk.choices:
+                token_ids += getattr(chunk.choices[0], "token_ids", None) or []
+    else:
+        reply = await client.chat.completions.create(**kwargs)
+        entries = reply.choices[0].logprobs.content
+        token_ids = reply.choices[0].token_ids
+    assert len(entries) == len(token_ids) == 6
+    for entry, token_id in zip(entries, token_ids, strict=True):
+        assert entry.token == "\ufffd" and entry.bytes == [byte_of[token_id]]
+    # Whole tokens keep their text's bytes.
+    assert all(t.bytes == list(t.token.encode()) for e in entries for t in e.top_logprobs
+               if "\ufffd" not in t.token)  # fmt: skip
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -26,6 +26,7 @@ FORBIDDEN = {
     "server/protocol.py": {"torch", "asyncio", "triton"},
     "server/responses.py": {"torch", "asyncio", "triton"},
     "server/render.py": {"torch", "asyncio", "triton"},
+    "server/logprobs_render.py": {"torch", "asyncio", "aiohttp", "triton"},
     "server/openapi.py": {"torch", "asyncio", "triton"},
     "server/responses_protocol.py": {"torch", "asyncio", "aiohttp", "triton"},
     "server/responses_render.py": {"torch", "asyncio", "aiohttp", "triton"},
