@@ -220,7 +220,7 @@ class MessagesRequest(OpenAIRequest):
     messages: list[InputMessage] = Field(min_length=1)
     system: StringOrTextBlocks | None = Field(None, description="A system message put first.")
     stop_sequences: list[str] | None = Field(None, description="Strings that end the output.")
-    temperature: float | None = None
+    temperature: float | None = Field(None, le=1.0, description="0 to 1, as Anthropic's.")
     top_p: float | None = None
     top_k: int | None = None
     stream: bool | None = False

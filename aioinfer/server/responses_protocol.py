@@ -223,7 +223,7 @@ class ResponsesRequest(OpenAIRequest):
     max_output_tokens: int | None = Field(
         None, ge=1, description="Output limit (default: the rest of the context)."
     )
-    temperature: float | None = None
+    temperature: float | None = Field(None, le=2.0, description="0 to 2, as OpenAI's.")
     top_p: float | None = None
     top_k: int | None = Field(None, description="0 or -1: no top-k truncation (vLLM's).")
     min_p: float | None = Field(None, description="vLLM's.")

@@ -285,6 +285,7 @@ async def test_with_deepseek_r1_reasoning_the_output_is_a_thinking_block(live_fa
         ({"max_tokens": None}, "invalid_request_error", ["max_tokens"]),
         ({"max_tokens": 500}, "invalid_request_error", ["max_tokens", "context"]),
         ({"temperature": -1.0}, "invalid_request_error", ["temperature"]),
+        ({"temperature": 1.5}, "invalid_request_error", ["temperature", "less than or equal to 1"]),
         ({"thinking": {"type": "sometimes"}}, "invalid_request_error", ["thinking.type"]),
         ({"container": "c1"}, "invalid_request_error", ["container", "not supported"]),
         ({"messages": [{"role": "user", "content": "word " * 200}]}, "invalid_request_error",

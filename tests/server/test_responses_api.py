@@ -363,6 +363,7 @@ async def test_a_background_response_is_found_by_its_task_and_ends_even_when_fin
         ({"truncation": "auto"}, "truncation", "disabled"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than"),
         ({"temperature": -1.0}, "temperature", "temperature"),
+        ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
         ({"input": "word " * 200}, "input", "context"),
         ({"model": "other"}, "model", "does not exist"),
     ],
