@@ -42,10 +42,6 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.pool.num_usable_blocks * self.block_size
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (as vLLM's, e.g. between benchmark runs); only while no
         request holds a block. Returns whether it did."""

@@ -96,10 +96,6 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
 
-    @property
-    def is_decode_only(self) -> bool:
-        return all(c.start_pos > 0 and len(c.token_ids) == 1 and c.sample for c in self.chunks)
-
 
 @dataclass(frozen=True, slots=True)
 class Logprob:

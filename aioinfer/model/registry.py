@@ -53,10 +53,6 @@ _MODEL_TYPES: dict[str, str] = {
 }
 
 
-def supported_architectures() -> tuple[str, ...]:
-    return tuple(_ARCHITECTURES)
-
-
 def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
     """The class for `hf_config.architectures[0]` (or its model_type when that list is empty)."""
     archs = getattr(hf_config, "architectures", None) or []

@@ -148,10 +148,6 @@ class DisconnectWatcher:
         self.interval = interval
         self._watched: dict[asyncio.Future[Any], web.Request] = {}
 
-    @property
-    def num_watched(self) -> int:
-        return len(self._watched)
-
     async def run(self) -> None:
         """The watching loop; the app runs it for its whole life."""
         while True:
