@@ -35,8 +35,9 @@ from aioinfer.server.responses import (
     TokenizeResponse,
     VersionResponse,
 )
-from aioinfer.server.responses_protocol import ResponsesRequest
+from aioinfer.server.responses_protocol import OUTPUT_LOGPROBS, ResponsesRequest
 from aioinfer.server.responses_render import ResponseDeleted, ResponseObject, ResponseStreamEvent
+from aioinfer.server.responses_store import InputItemList
 from aioinfer.server.scores_protocol import (
     RerankRequest,
     RerankResponse,
@@ -58,6 +59,19 @@ _ANTHROPIC_KEYS: dict[str, Any] = {"security": [{"bearer": []}, {"x-api-key": []
 # Only where a body is read, or the engine generates.
 _BODY_ERROR_CODES = {"413": "Body over the size limit"}
 _GENERATION_ERROR_CODES = {"500": "The engine failed while generating"}
+
+
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+_INPUT_ITEMS_QUERY = [
+    _query("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
+    _query("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}),
+    _query("after", {"type": "string"}),
+    _query("before", {"type": "string"}),
+    _query("include", {"type": "array", "items": {"type": "string", "enum": [OUTPUT_LOGPROBS]}}),
+]
 
 
 def openapi_document(version: str) -> dict[str, Any]:
@@ -166,6 +180,13 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/v1/responses/{response_id}/cancel": {
             "post": op(
                 "Stop a background response", ok(ResponseObject), parameters=[response_param]
+            ),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": op(
+                "The items a stored response was generated from, a page at a time",
+                ok(InputItemList),
+                parameters=[response_param, *_INPUT_ITEMS_QUERY],
             ),
         },
         "/v1/messages": {

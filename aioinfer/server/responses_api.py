@@ -1,5 +1,6 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{response_id} and POST
-/v1/responses/{response_id}/cancel: OpenAI's Responses API over the chat machinery.
+"""POST /v1/responses, GET and DELETE /v1/responses/{response_id}, POST
+/v1/responses/{response_id}/cancel and GET /v1/responses/{response_id}/input_items: OpenAI's
+Responses API over the chat machinery.
 
 The request becomes a chat request (`ResponsesRequest.to_chat`) that starts like any other
 (`start_chat`: admission, constraints, the chat template); the answer is a response object, or
@@ -26,9 +27,11 @@ from aioinfer.server.completions import Framing, answer, generation_handler, sta
 from aioinfer.server.errors import BadRequestError, NotFoundError
 from aioinfer.server.generation import Generation, generation_error
 from aioinfer.server.prompts import off_loop_if_long
+from aioinfer.server.protocol import ChatCompletionRequest
 from aioinfer.server.request_log import RequestRecord
 from aioinfer.server.responses_protocol import (
     INPUT_ITEMS,
+    OUTPUT_LOGPROBS,
     InputItem,
     ResponsesRequest,
     responses_params,
@@ -39,7 +42,13 @@ from aioinfer.server.responses_render import (
     ResponseObject,
     new_id,
 )
-from aioinfer.server.responses_store import ResponseStore, StoredResponse, owner_of
+from aioinfer.server.responses_store import (
+    ResponseStore,
+    StoredResponse,
+    input_item_page,
+    listed_item,
+    owner_of,
+)
 from aioinfer.server.sse import encode_named_event
 from aioinfer.server.state import STATE, BackgroundResponse, ServerState
 
@@ -54,19 +63,24 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     previous = _previous(state.responses, req.previous_response_id, owner)
     history = list(previous.conversation) if previous is not None else []
     previous_size = previous.size if previous is not None else 0
-    chat = await off_loop_if_long(request[BODY_SIZE] + previous_size, req.to_chat, history)
+    chat, listed_input = await off_loop_if_long(
+        request[BODY_SIZE] + previous_size, _prepare, req, history
+    )
     with responses_params():
         started = await start_chat(request, engine, chat, record, response_id=new_id("resp"))
     conversation = (*history, *req.input)
-    # What storing it keeps alive: this request, the conversation before it, and the output.
-    kept_bytes = request[BODY_SIZE] + previous_size
+    listed_history = (*previous.input_items, *previous.body["output"]) if previous else ()
+    input_items = (*listed_history, *listed_input)
+    # What storing it keeps alive: this request (as models and as listed items), the
+    # conversation before it, and the output.
+    kept_bytes = 2 * request[BODY_SIZE] + previous_size
 
     def store(response: ResponseObject) -> None:
         if req.store is False:
             return
         output: list[InputItem] = INPUT_ITEMS.validate_python(response["output"])
         size = kept_bytes + len(orjson.dumps(response))
-        stored = StoredResponse(response, (*conversation, *output), owner, size)
+        stored = StoredResponse(response, (*conversation, *output), owner, size, input_items)
         if not state.responses.put(stored):
             logger.warning("response %s not stored: %d bytes", response["id"], size)
 
@@ -87,6 +101,14 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     framing = Framing(encode_named_event, done=False, error=events.error)
     chunks = events if req.stream else None
     return await answer(request, state, started.generation, record, chunks, body, framing)
+
+
+def _prepare(
+    req: ResponsesRequest, history: list[InputItem]
+) -> tuple[ChatCompletionRequest, tuple[Mapping[str, Any], ...]]:
+    """The chat request, and the request's input as listed items (for a stored response)."""
+    listed = () if req.store is False else tuple(listed_item(item) for item in req.input)
+    return req.to_chat(history), listed
 
 
 def _in_background(
@@ -208,6 +230,41 @@ async def retrieve_response(request: web.Request) -> web.Response:
     if stored is None:
         raise _not_found(response_id)
     return json_response(stored.body)
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id}/input_items: the items the response was generated
+    from (the conversation before its output, earlier turns included), a page at a time."""
+    response_id = request.match_info["response_id"]
+    stored = request.app[STATE].responses.get(response_id, _owner(request))
+    if stored is None:
+        raise _not_found(response_id)
+    query = request.query
+    for value in (*query.getall("include", []), *query.getall("include[]", [])):
+        if value != OUTPUT_LOGPROBS:
+            raise BadRequestError(
+                f"include {value!r} is not supported; only {OUTPUT_LOGPROBS!r} is",
+                param="include",
+            )
+    limit = query.get("limit", "20")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
+        raise BadRequestError(
+            f"limit must be an integer from 1 to 100, got {limit!r}", param="limit"
+        )
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequestError(f'order must be "asc" or "desc", got {order!r}', param="order")
+    try:
+        page = input_item_page(
+            stored.input_items, int(limit), order == "asc", query.get("after"), query.get("before")
+        )
+    except KeyError as exc:
+        cursor = exc.args[0]
+        raise BadRequestError(
+            f"{cursor} {query[cursor]!r} is not the id of an input item of this response",
+            param=cursor,
+        ) from None
+    return json_response(page)
 
 
 async def delete_response(request: web.Request) -> web.Response:

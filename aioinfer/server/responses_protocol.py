@@ -75,6 +75,7 @@ def _joined(content: str | list[TextContent]) -> str:
 
 class InputMessage(StrictModel):
     type: Literal["message"] = "message"
+    id: str | None = Field(None, description="Its id, kept for GET .../input_items.")
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextContent] = Field(description="A string or a list of text parts.")
 
@@ -85,6 +86,7 @@ class FunctionCallItem(StrictModel):
     """An earlier function call of the model (an output item sent back)."""
 
     type: Literal["function_call"]
+    id: str | None = Field(None, description="Its id, kept for GET .../input_items.")
     call_id: str
     name: str
     arguments: str = Field(description="The arguments as JSON text.")
@@ -94,6 +96,7 @@ class FunctionCallOutputItem(StrictModel):
     """What an earlier function call returned."""
 
     type: Literal["function_call_output"]
+    id: str | None = Field(None, description="Its id, kept for GET .../input_items.")
     call_id: str
     output: str | list[TextContent]
 
@@ -110,6 +113,7 @@ class ReasoningItem(StrictModel):
     assistant turn after it, for templates that show it."""
 
     type: Literal["reasoning"]
+    id: str | None = Field(None, description="Its id, kept for GET .../input_items.")
     content: list[ReasoningText] | None = None
     summary: list[ReasoningText] = Field(default_factory=list)
 

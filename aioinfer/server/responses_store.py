@@ -1,5 +1,6 @@
 """The stored responses of the Responses API (`store`, OpenAI's default), in memory, for
-GET /v1/responses/{id} and for `previous_response_id`; a restart forgets them all.
+GET /v1/responses/{id}, GET /v1/responses/{id}/input_items and `previous_response_id`; a
+restart forgets them all.
 
 Bounded twice: by count (the last `MAX_STORED_RESPONSES`) and by bytes (`MAX_STORED_BYTES`),
 the oldest going first. A response's size counts its request body, its output and the size of
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
-from aioinfer.server.responses_protocol import InputItem
-from aioinfer.server.responses_render import ResponseObject
+from typing_extensions import TypedDict
+
+from aioinfer.server.responses_protocol import InputItem, InputMessage, ReasoningItem
+from aioinfer.server.responses_render import ResponseObject, new_id
 
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_BYTES = 256 * 1024 * 1024
@@ -35,6 +40,9 @@ class StoredResponse:
     conversation: tuple[InputItem, ...]
     owner: bytes | None = None
     size: int = 0  # bytes, an estimate from above
+    # What GET .../input_items lists: the conversation before this response's output, as
+    # JSON items with ids (each keeps the id it was first listed with).
+    input_items: tuple[Mapping[str, Any], ...] = ()
 
 
 class ResponseStore:
@@ -75,3 +83,72 @@ class ResponseStore:
             return False
         self.total_bytes -= stored.size
         return True
+
+
+# ---------------------------------------------------------------------- input items
+
+_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+class InputItemList(TypedDict):
+    object: Literal["list"]
+    data: list[Mapping[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+def listed_item(item: InputItem) -> dict[str, Any]:
+    """An input item as GET .../input_items shows it, OpenAI's way: with an id (the one it
+    came with, or a new one) and a message's text as content parts."""
+    fields = item.model_dump(exclude_none=True)
+    item_id = fields.pop("id", None) or new_id(_ID_PREFIXES[item.type])
+    if isinstance(item, InputMessage):
+        parts = fields["content"]
+        if isinstance(parts, str):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            parts = [{"type": kind, "text": parts}]
+        fields["content"] = [
+            {**part, "annotations": []} if part["type"] == "output_text" else part for part in parts
+        ]
+    if not isinstance(item, ReasoningItem):
+        fields["status"] = "completed"
+    return {"id": item_id, **fields}
+
+
+def input_item_page(
+    items: Sequence[Mapping[str, Any]],
+    limit: int = 20,
+    ascending: bool = False,
+    after: str | None = None,
+    before: str | None = None,
+) -> InputItemList:
+    """One page of a response's input items, newest first unless `ascending`; `after` and
+    `before` are item ids of the same order (cursors). Raises KeyError naming the cursor
+    whose id is not among the items."""
+    ordered = list(items) if ascending else list(reversed(items))
+    ids = [item["id"] for item in ordered]
+    start, end = 0, len(ordered)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is None:
+            continue
+        if cursor not in ids:
+            raise KeyError(name)
+        if name == "after":
+            start = ids.index(cursor) + 1
+        else:
+            end = ids.index(cursor)
+    window = ordered[start:end]
+    data = window[:limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(window) > limit,
+    }

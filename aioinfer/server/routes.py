@@ -25,6 +25,7 @@ from aioinfer.server.responses_api import (
     cancel_response,
     create_response,
     delete_response,
+    list_input_items,
     retrieve_response,
 )
 from aioinfer.server.scores import create_rerank, create_score
@@ -56,6 +57,7 @@ def setup_routes(app: web.Application) -> None:
     router.add_get("/v1/responses/{response_id}", retrieve_response)
     router.add_delete("/v1/responses/{response_id}", delete_response)
     router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
+    router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     router.add_post("/v1/messages", create_message)
     router.add_post("/v1/messages/count_tokens", count_message_tokens)
     if os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"):

@@ -8,6 +8,7 @@ import asyncio
 import json
 from typing import Any, Literal
 
+import aiohttp
 import openai
 import orjson
 import pytest
@@ -193,6 +194,51 @@ async def test_previous_response_id_continues_and_stored_responses_can_be_read_a
     )
     with pytest.raises(openai.NotFoundError):
         await oai.responses.retrieve(unstored.id)
+
+
+async def test_input_items_list_the_conversation_before_the_output_page_by_page(oai, live, engine):
+    first = await oai.responses.create(
+        model=engine.model_name, instructions="Sys.", input="One", max_output_tokens=2
+    )
+    turn = [
+        {"type": "message", "role": "user", "content": "Two", "id": "msg_mine"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Half"}]},
+    ]
+    second = await oai.responses.create(
+        model=engine.model_name, input=turn, previous_response_id=first.id, max_output_tokens=2
+    )
+    newest_first = (await oai.responses.input_items.list(second.id)).data
+    roles = [(item.type, getattr(item, "role", None)) for item in newest_first]
+    assert roles == [("message", "assistant"), ("message", "user")] * 2  # no instructions
+    texts = [item.content[0].text for item in newest_first]  # type: ignore[union-attr]
+    assert texts == ["Half", "Two", first.output_text, "One"]
+    assert newest_first[1].id == "msg_mine" and newest_first[2].id == first.output[0].id
+    assert newest_first[0].content[0].type == "output_text"  # type: ignore[union-attr]
+    # The client follows the cursor one item at a time; ids stay the same between calls.
+    oldest_first = [
+        item async for item in oai.responses.input_items.list(second.id, limit=1, order="asc")
+    ]
+    assert [item.id for item in oldest_first] == [item.id for item in reversed(newest_first)]
+    url = f"{live.url}/v1/responses/{second.id}/input_items"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, params={"limit": "2", "after": "msg_mine"}) as response:
+            page = await response.json()
+        assert [item["id"] for item in page["data"]] == [item.id for item in newest_first[2:]]
+        assert page["has_more"] is False and page["last_id"] == newest_first[3].id
+        for params, param in (
+            ({"limit": "0"}, "limit"),
+            ({"limit": "x"}, "limit"),
+            ({"order": "up"}, "order"),
+            ({"after": "msg_none"}, "after"),
+            ({"include": "file_search_call.results"}, "include"),
+        ):
+            async with session.get(url, params=params) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["param"] == param
+    first_items = await oai.responses.input_items.list(first.id)
+    assert [item.id for item in first_items.data] == [newest_first[3].id]
+    with pytest.raises(openai.NotFoundError):
+        await oai.responses.input_items.list("resp_none")
 
 
 async def test_a_stored_function_call_is_continued_with_its_output(oai, engine, monkeypatch):

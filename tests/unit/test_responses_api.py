@@ -17,7 +17,12 @@ from aioinfer.server.responses_protocol import (
     responses_params,
 )
 from aioinfer.server.responses_render import ResponseEvents
-from aioinfer.server.responses_store import ResponseStore, StoredResponse
+from aioinfer.server.responses_store import (
+    ResponseStore,
+    StoredResponse,
+    input_item_page,
+    listed_item,
+)
 from aioinfer.server.tool_parsers import HermesToolParser
 from aioinfer.server.tools import ToolMode
 
@@ -271,3 +276,54 @@ def test_reasoning_items_sent_back_go_with_the_next_assistant_turn():
         ("tool", None),
         ("assistant", "Weather, so a call."),
     ]
+
+
+def test_each_kind_of_input_item_is_listed_with_an_id_and_its_parts():
+    items = INPUT_ITEMS.validate_python(
+        [
+            {"role": "user", "content": "Hi"},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "f",
+                "arguments": "{}",
+                "id": "fc_1",
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "3"},
+        ]
+    )
+    user, reasoning, call, output = (listed_item(item) for item in items)
+    assert user["id"].startswith("msg_") and user["status"] == "completed"
+    assert user["content"] == [{"type": "input_text", "text": "Hi"}]
+    assert reasoning["id"].startswith("rs_") and "status" not in reasoning
+    assert call == {
+        "id": "fc_1",
+        "type": "function_call",
+        "call_id": "c1",
+        "name": "f",
+        "arguments": "{}",
+        "status": "completed",
+    }
+    assert output["id"].startswith("fco_") and output["output"] == "3"
+    assert listed_item(items[0])["id"] != user["id"]  # a new id each time it is first listed
+
+
+def test_input_item_pages_follow_both_cursors_in_either_order():
+    items = [{"id": f"i{n}"} for n in range(5)]
+
+    def ids(**kwargs: Any) -> tuple[list[str], bool]:
+        page = input_item_page(items, **kwargs)
+        data = [item["id"] for item in page["data"]]
+        assert (page["first_id"], page["last_id"]) == (
+            (data[0], data[-1]) if data else (None, None)
+        )
+        return data, page["has_more"]
+
+    assert ids() == (["i4", "i3", "i2", "i1", "i0"], False)
+    assert ids(limit=2, ascending=True) == (["i0", "i1"], True)
+    assert ids(limit=2, ascending=True, after="i1") == (["i2", "i3"], True)
+    assert ids(limit=2, after="i3", before="i0") == (["i2", "i1"], False)
+    assert ids(after="i0") == ([], False)
+    with pytest.raises(KeyError, match="before"):
+        input_item_page(items, before="i9")
