@@ -65,6 +65,10 @@ def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"name": name, "in": "query", "required": False, "schema": schema}
 
 
+_RETRIEVE_QUERY = [
+    _query("stream", {"type": "boolean", "default": False}),
+    _query("starting_after", {"type": "integer", "minimum": -1}),
+]
 _INPUT_ITEMS_QUERY = [
     _query("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}),
     _query("order", {"type": "string", "enum": ["asc", "desc"], "default": "desc"}),
@@ -172,7 +176,11 @@ def openapi_document(version: str) -> dict[str, Any]:
             )
         },
         "/v1/responses/{response_id}": {
-            "get": op("A stored response", ok(ResponseObject), parameters=[response_param]),
+            "get": op(
+                "A stored response (stream=true: a streamed background response's events)",
+                ok(ResponseObject, stream=ResponseStreamEvent),
+                parameters=[response_param, *_RETRIEVE_QUERY],
+            ),
             "delete": op(
                 "Forget a stored response", ok(ResponseDeleted), parameters=[response_param]
             ),

@@ -25,6 +25,7 @@ from aioinfer.core.outputs import RequestOutput
 from aioinfer.server.bodies import BODY_SIZE, json_response, parse_request
 from aioinfer.server.completions import Framing, answer, generation_handler, start_chat
 from aioinfer.server.errors import BadRequestError, NotFoundError
+from aioinfer.server.event_log import EventLog, replay
 from aioinfer.server.generation import Generation, generation_error
 from aioinfer.server.prompts import off_loop_if_long
 from aioinfer.server.protocol import ChatCompletionRequest
@@ -74,13 +75,17 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     # What storing it keeps alive: this request (as models and as listed items), the
     # conversation before it, and the output.
     kept_bytes = 2 * request[BODY_SIZE] + previous_size
+    log = EventLog() if req.background and req.stream else None
 
     def store(response: ResponseObject) -> None:
         if req.store is False:
             return
         output: list[InputItem] = INPUT_ITEMS.validate_python(response["output"])
-        size = kept_bytes + len(orjson.dumps(response))
-        stored = StoredResponse(response, (*conversation, *output), owner, size, input_items)
+        body_bytes = len(orjson.dumps(response))
+        size = kept_bytes + body_bytes
+        if log is not None:  # its events so far, and the final one (the response again)
+            size += log.nbytes + body_bytes
+        stored = StoredResponse(response, (*conversation, *output), owner, size, input_items, log)
         if not state.responses.put(stored):
             logger.warning("response %s not stored: %d bytes", response["id"], size)
 
@@ -97,7 +102,10 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
         return events.complete(finals[0])
 
     if req.background:
-        return _in_background(state, started.generation, events, store, owner)
+        queued = _in_background(state, started.generation, events, store, owner, log)
+        if log is None:
+            return json_response(queued)
+        return await replay(request, state.config, state.watcher, log)
     framing = Framing(encode_named_event, done=False, error=events.error)
     chunks = events if req.stream else None
     return await answer(request, state, started.generation, record, chunks, body, framing)
@@ -117,8 +125,10 @@ def _in_background(
     events: ResponseEvents,
     store: Callable[[ResponseObject], None],
     owner: bytes | None,
-) -> web.Response:
-    """Answer "queued" now; a task generates the response and stores each state of it. The
+    log: EventLog | None,
+) -> ResponseObject:
+    """Start a task that generates the response and stores each state of it (and, for a
+    streamed one, appends its events to `log`); the "queued" response is the answer. The
     task is registered with its owner, so cancel and delete find it even where the store has
     already dropped its entry."""
     response_id = events.ctx.response_id
@@ -134,11 +144,22 @@ def _in_background(
             failed["output"] = []
             store(failed)
 
+    async def generate() -> None:
+        # Either way the final response is stored by on_done.
+        if log is None:
+            finals = await generation.finals()
+            events.complete(finals[0])
+            return
+        log.extend(map(encode_named_event, events.opening()))
+        async for item in generation.deltas():
+            assert item is not None  # no idle ticks without a timeout
+            log.extend(map(encode_named_event, events.delta(*item)))
+        log.extend(map(encode_named_event, events.closing()))
+
     async def run() -> None:
         try:
             store(events.response("in_progress"))
-            finals = await generation.finals()
-            events.complete(finals[0])  # stores the final response (on_done)
+            await generate()
         except asyncio.CancelledError:
             store(events.response("cancelled"))
         except Exception as exc:
@@ -146,12 +167,17 @@ def _in_background(
             if error is None:
                 logger.exception("background response %s failed", response_id)
             store_failure(str(error or exc))
+            if log is not None:
+                status = error.status if error is not None else 500
+                log.extend([encode_named_event(events.error(status, str(error or exc)))])
 
     def finished(task: asyncio.Task[None]) -> None:
         # Also for a task cancelled before it ran, whose body never started.
         if task.cancelled():
             store(events.response("cancelled"))
         generation.abort_unfinished("cancelled")
+        if log is not None:
+            log.close()
         state.in_flight -= 1
         del state.background[response_id]
 
@@ -159,7 +185,7 @@ def _in_background(
     task.add_done_callback(finished)
     state.in_flight += 1  # shutdown waits for it as for a request being answered
     state.background[response_id] = BackgroundResponse(task, owner)
-    return json_response(queued)
+    return queued
 
 
 async def cancel_response(request: web.Request) -> web.Response:
@@ -224,12 +250,31 @@ def _previous(
     return previous
 
 
-async def retrieve_response(request: web.Request) -> web.Response:
+async def retrieve_response(request: web.Request) -> web.StreamResponse:
+    """The stored response; with `stream=true`, the events of a streamed background response
+    after `starting_after` (a sequence number), then the rest as they come."""
+    state = request.app[STATE]
     response_id = request.match_info["response_id"]
-    stored = request.app[STATE].responses.get(response_id, _owner(request))
+    stored = state.responses.get(response_id, _owner(request))
     if stored is None:
         raise _not_found(response_id)
-    return json_response(stored.body)
+    stream = request.query.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise BadRequestError(f'stream must be "true" or "false", got {stream!r}', param="stream")
+    if stream == "false":
+        return json_response(stored.body)
+    if stored.events is None:
+        raise BadRequestError(
+            f"Response with id '{response_id}' was not created with background and stream "
+            "true: only such a response can be streamed again.",
+            param="stream",
+        )
+    after = request.query.get("starting_after", "-1")
+    if not (after.isascii() and after.lstrip("-").isdigit() and int(after) >= -1):
+        raise BadRequestError(
+            f"starting_after must be a sequence number, got {after!r}", param="starting_after"
+        )
+    return await replay(request, state.config, state.watcher, stored.events, int(after))
 
 
 async def list_input_items(request: web.Request) -> web.Response:

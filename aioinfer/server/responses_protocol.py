@@ -261,9 +261,10 @@ class ResponsesRequest(OpenAIRequest):
     )
     background: bool | None = Field(
         None,
-        description="Answer at once with a queued response and generate it in the background: "
-        "GET /v1/responses/{id} reads it, POST /v1/responses/{id}/cancel stops it. Needs "
-        "store; not streamed.",
+        description="Generate the response in the background, whatever the client does: "
+        "answered at once with a queued response, or streamed (GET /v1/responses/{id}"
+        "?stream=true&starting_after=N streams it again); GET /v1/responses/{id} reads it, "
+        "POST /v1/responses/{id}/cancel stops it. Needs store.",
     )
     conversation: Any = Field(None, description="Not supported.")
     prompt: Any = Field(None, description="Not supported (prompt templates).")
@@ -311,12 +312,6 @@ class ResponsesRequest(OpenAIRequest):
         if self.background and self.store is False:
             raise RequestValidationError(
                 "background responses must be stored: drop store false", "background"
-            )
-        if self.background and self.stream:
-            raise RequestValidationError(
-                "background responses are not streamed: drop stream, then poll GET "
-                "/v1/responses/{id}",
-                "background",
             )
         if self.truncation == "auto":
             raise RequestValidationError(

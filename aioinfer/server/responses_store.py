@@ -16,12 +16,15 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from typing_extensions import TypedDict
 
 from aioinfer.server.responses_protocol import InputItem, InputMessage, ReasoningItem
 from aioinfer.server.responses_render import ResponseObject, new_id
+
+if TYPE_CHECKING:
+    from aioinfer.server.event_log import EventLog
 
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_BYTES = 256 * 1024 * 1024
@@ -43,6 +46,8 @@ class StoredResponse:
     # What GET .../input_items lists: the conversation before this response's output, as
     # JSON items with ids (each keeps the id it was first listed with).
     input_items: tuple[Mapping[str, Any], ...] = ()
+    # A streamed background response's events, for GET ?stream=true (None otherwise).
+    events: EventLog | None = None
 
 
 class ResponseStore:

@@ -4,7 +4,6 @@ chat completions)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, Literal
 
@@ -16,8 +15,6 @@ from pydantic import BaseModel
 
 from aioinfer.config import ServerConfig
 from aioinfer.server.app import create_app
-from aioinfer.server.responses_render import ResponseEvents
-from aioinfer.server.state import STATE
 from tests.server.conftest import (
     API_KEYS,
     assert_pool_free,
@@ -25,7 +22,7 @@ from tests.server.conftest import (
     chat_prompt_ids,
     expected_output,
 )
-from tests.server.test_disconnect import check_a_leaving_client_frees_its_blocks, wait_until
+from tests.server.test_disconnect import check_a_leaving_client_frees_its_blocks
 from tests.server.test_http import error_of, post
 from tests.server.test_tools import WEATHER, _check_weather
 from tests.tokenizer_fixtures import make_tokenizer
@@ -273,114 +270,6 @@ async def test_a_streamed_response_is_stored_too(oai, engine):
     assert stored.model_dump() == final.response.model_dump()  # type: ignore[union-attr]
 
 
-async def poll(oai: openai.AsyncOpenAI, response_id: str) -> Any:
-    """The stored response once it left "queued" and "in_progress"."""
-    for _ in range(500):
-        response = await oai.responses.retrieve(response_id)
-        if response.status not in ("queued", "in_progress"):
-            return response
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{response_id} still {response.status}")
-
-
-async def test_a_background_response_is_answered_queued_and_read_back_complete(
-    live_factory, engine
-):
-    server = await live_factory(engine)
-    oai = server.openai()
-    queued = await oai.responses.create(
-        model=engine.model_name, input="Hi", max_output_tokens=5, background=True
-    )
-    assert queued.status == "queued" and queued.background and queued.output == []
-    assert queued.usage is None
-    final = await poll(oai, queued.id)
-    reference = await oai.responses.create(model=engine.model_name, input="Hi", max_output_tokens=5)
-    assert final.status == reference.status == "incomplete"  # max_output_tokens reached
-    assert final.background and not reference.background
-    assert final.output_text == reference.output_text
-    assert final.usage is not None and reference.usage is not None
-    assert final.usage.output_tokens == reference.usage.output_tokens == 5
-    assert final.usage.input_tokens == reference.usage.input_tokens  # the second one hits the cache
-    assert server.app[STATE].in_flight == 0 and not server.app[STATE].background
-    # Only a response still generating can be cancelled.
-    with pytest.raises(openai.BadRequestError) as info:
-        await oai.responses.cancel(final.id)
-    assert info.value.body["param"] == "response_id"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError):
-        await oai.responses.cancel(reference.id)
-    with pytest.raises(openai.NotFoundError):
-        await oai.responses.cancel("resp_unknown")
-    assert_pool_free(engine)
-    await oai.close()
-
-
-async def test_a_background_response_can_be_cancelled_or_deleted_while_it_runs(
-    live_factory, slow_engine
-):
-    server = await live_factory(slow_engine)
-    oai = server.openai()
-    create = {"model": slow_engine.model_name, "input": "Hi", "max_output_tokens": 100}
-    queued = await oai.responses.create(**create, background=True)
-    await wait_until(lambda: slow_engine.scheduler.num_running == 1)
-    cancelled = await oai.responses.cancel(queued.id)
-    assert cancelled.status == "cancelled"
-    assert (await oai.responses.retrieve(queued.id)).status == "cancelled"
-    assert (await oai.responses.cancel(queued.id)).status == "cancelled"  # again: the same
-    await wait_until(lambda: slow_engine.num_unfinished == 0)
-    assert_pool_free(slow_engine)
-    # Deleted while it runs: it stops, and does not come back when it would have finished.
-    second = await oai.responses.create(**create, background=True)
-    await wait_until(lambda: slow_engine.scheduler.num_running == 1)
-    await oai.responses.delete(second.id)
-    await wait_until(lambda: slow_engine.num_unfinished == 0)
-    with pytest.raises(openai.NotFoundError):
-        await oai.responses.retrieve(second.id)
-    assert server.app[STATE].in_flight == 0 and not server.app[STATE].background
-    assert_pool_free(slow_engine)
-    await oai.close()
-
-
-async def test_a_background_response_is_found_by_its_task_and_ends_even_when_finishing_fails(
-    live_factory, slow_engine, monkeypatch
-):
-    """Cancel reaches a running response the store has dropped (and it does not come back);
-    a continuation of an unfinished one is refused; delete and cancel at once leave no stale
-    answer; an error while the response is built ends it "failed"."""
-    server = await live_factory(slow_engine)
-    state = server.app[STATE]
-    oai = server.openai()
-    create = {"model": slow_engine.model_name, "input": "Hi", "max_output_tokens": 100}
-    queued = await oai.responses.create(**create, background=True)
-    await wait_until(lambda: slow_engine.scheduler.num_running == 1)
-    with pytest.raises(openai.BadRequestError) as info:
-        await oai.responses.create(**create, previous_response_id=queued.id)
-    assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
-    state.responses.capacity = 1
-    await oai.responses.create(**{**create, "max_output_tokens": 1})  # evicts the running one
-    assert (await oai.responses.cancel(queued.id)).status == "cancelled"
-    again = await oai.responses.create(**create, background=True)
-    await wait_until(lambda: slow_engine.scheduler.num_running == 1)
-    deleted, cancelled = await asyncio.gather(
-        oai.responses.delete(again.id), oai.responses.cancel(again.id), return_exceptions=True
-    )
-    assert not isinstance(deleted, Exception)
-    assert isinstance(cancelled, openai.NotFoundError) or cancelled.status == "cancelled"
-    with pytest.raises(openai.NotFoundError):
-        await oai.responses.retrieve(again.id)
-
-    def broken(self, final):
-        raise RuntimeError("no output today")
-
-    monkeypatch.setattr(ResponseEvents, "complete", broken)
-    failing = await oai.responses.create(**{**create, "max_output_tokens": 2}, background=True)
-    failed = await poll(oai, failing.id)
-    assert failed.status == "failed" and "no output today" in failed.error.message
-    await wait_until(lambda: slow_engine.num_unfinished == 0)
-    assert state.in_flight == 0 and not state.background
-    assert_pool_free(slow_engine)
-    await oai.close()
-
-
 @pytest.mark.parametrize(
     ("body", "param", "fragment"),
     [
@@ -403,7 +292,6 @@ async def test_a_background_response_is_found_by_its_task_and_ends_even_when_fin
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frob"}}}},
          "text.format", "text.format is invalid"),
-        ({"background": True, "stream": True}, "background", "not streamed"),
         ({"background": True, "store": False}, "background", "must be stored"),
         ({"include": ["file_search_call.results"]}, "include", "not supported"),
         ({"truncation": "auto"}, "truncation", "disabled"),
