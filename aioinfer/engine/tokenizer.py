@@ -59,6 +59,8 @@ class TokenizerSource(Protocol):
     @property
     def gguf_file(self) -> Path | None: ...
     @property
+    def converted_from(self) -> Path | None: ...
+    @property
     def hf_config(self) -> Any: ...
 
 
@@ -82,6 +84,8 @@ def load_tokenizer(
         tok = _gguf_tokenizer(Path(resolved.gguf_file))
     elif any((Path(resolved.folder) / name).is_file() for name in TOKENIZER_FILES):
         tok = _folder_tokenizer(Path(resolved.folder))
+    elif resolved.converted_from is not None:  # a GGUF cache entry written without one
+        tok = _gguf_tokenizer(Path(resolved.converted_from))
     else:
         tok = fallback_tokenizer(resolved.hf_config)
     if not tok.is_fast:

@@ -8,6 +8,7 @@ converted-model cache.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,12 +218,19 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(
-    hf: PreTrainedModel, path: Path, arch: str, qtype: gguf.GGMLQuantizationType | None = None
+    hf: PreTrainedModel,
+    path: Path,
+    arch: str,
+    qtype: gguf.GGMLQuantizationType | None = None,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """A GGUF of `hf` laid out the way llama.cpp's converter writes it: float32, or with the
-    2-D weights quantized to `qtype` (norms stay float32, as llama.cpp keeps them)."""
+    2-D weights quantized to `qtype` (norms stay float32, as llama.cpp keeps them). `extra`
+    adds metadata or tensors first."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
+    if extra is not None:
+        extra(writer)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)

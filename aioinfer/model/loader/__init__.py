@@ -305,11 +305,11 @@ def _weight_stream(
 
         reader, resolved.gguf_reader = resolved.gguf_reader, None
         if reader is None:
-            from gguf import GGUFReader
+            from aioinfer.model.loader.resolve import open_gguf
 
             if resolved.gguf_file is None:
                 raise ValueError("a model of kind 'gguf' needs its gguf_file")
-            reader = GGUFReader(resolved.gguf_file)
+            reader = open_gguf(resolved.gguf_file)
         return iter_gguf(reader, resolved.hf_config, targets)
     from aioinfer.model.loader.safetensors_loader import iter_safetensors
 

@@ -15,14 +15,19 @@ first start with a given file writes what these produce into a Hugging Face-styl
 and later starts resolve the .gguf to that folder (kind "folder", the served name still the
 GGUF's) without opening the GGUF at all; the weights are then memory-mapped.
 
-The key hashes the file's size, mtime and first MiB (magic, version, counts and the start of the
-metadata) with the cache format version, so a changed file gets a new entry. An entry is written
+The key hashes the file's size, mtime, first MiB (magic, version, counts and the start of the
+metadata) and last MiB with the cache format version, so a file rewritten in place, even with
+its mtime kept, gets a new entry unless the change is in neither end (checking more would cost
+a read of the whole file at every start). An entry is written
 into a temporary folder and renamed into place, so no reader sees half of one. An entry that
 fails its check (unreadable manifest or one of another file, a listed file missing or of another
 size or hash, a safetensors file whose header does not end where the file ends) is rebuilt, never
 loaded. Tensor data is checked by size and layout, not hashed: hashing it at every start would
 cost about what the cache saves. Entries are never evicted; AIOINFER_GGUF_CACHE=0 turns the cache
-off, and a cache folder that cannot be written makes the GGUF load directly.
+off, and a cache folder that cannot be written (or a disk without room for the float32
+weights) makes the GGUF load directly. A GGUF whose tokenizer cannot be rebuilt still gets an
+entry, without one: the tokenizer is then built from the GGUF itself when it is needed (so it
+fails there, as without the cache, unless another tokenizer is given).
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from safetensors import SafetensorError
+
 from aioinfer.model.loader.resolve import (
     ResolvedModel,
     gguf_served_name,
+    open_gguf,
     read_hf_config,
     read_json,
     resolve_gguf,
@@ -56,8 +64,11 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "AIOINFER_CACHE"
 DEFAULT_CACHE = "~/.cache/aioinfer"
 # Bump when the layout or the conversion changes: old entries are then never looked up.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 HEADER_BYTES = 1 << 20
+GiB = 1 << 30
+# Room left on the disk beyond the entry (the manifest, the tokenizer, other writers).
+DISK_MARGIN = 1 << 30
 MANIFEST = "manifest.json"
 REQUIRED_FILES = ("config.json",)
 # save_file holds a shard and its serialized bytes at once: this bounds conversion memory.
@@ -81,17 +92,26 @@ class GGUFFingerprint:
     mtime_ns: int
     header_sha256: str
     """sha256 of the first HEADER_BYTES bytes."""
+    tail_sha256: str
+    """sha256 of the last HEADER_BYTES bytes (the last tensors' data)."""
 
     @classmethod
     def of(cls, path: Path) -> GGUFFingerprint:
         stat = path.stat()
         with path.open("rb") as f:
             header = f.read(HEADER_BYTES)
-        return cls(stat.st_size, stat.st_mtime_ns, hashlib.sha256(header).hexdigest())
+            f.seek(max(stat.st_size - HEADER_BYTES, 0))
+            tail = f.read(HEADER_BYTES)
+        return cls(
+            stat.st_size,
+            stat.st_mtime_ns,
+            hashlib.sha256(header).hexdigest(),
+            hashlib.sha256(tail).hexdigest(),
+        )
 
     @property
     def key(self) -> str:
-        text = f"{CACHE_FORMAT}:{self.size}:{self.mtime_ns}:{self.header_sha256}"
+        text = f"{CACHE_FORMAT}:{self.size}:{self.mtime_ns}:{self.header_sha256}:{self.tail_sha256}"
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def as_dict(self) -> dict[str, Any]:
@@ -120,15 +140,40 @@ def resolve_gguf_cached(path: Path, dummy: bool = False) -> ResolvedModel:
         logger.warning("GGUF cache entry %s is unusable (%s); rebuilding it", folder, problem)
     if dummy:
         return resolve_gguf(path, dummy=True)
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
+    needed, free = _float32_bytes(reader), _free_bytes(folder.parent)
+    if free is not None and free < needed + DISK_MARGIN:
+        logger.warning(
+            "no room for the GGUF cache (%.1f GiB of float32 weights, %.1f GiB free under %s); "
+            "loading %s directly",
+            needed / GiB,
+            free / GiB,
+            folder.parent,
+            path,
+        )
+        return resolve_gguf(path, reader=reader)
     try:
         convert_gguf(path, folder, fingerprint, reader)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # save_file's I/O errors are SafetensorErrors
         logger.warning("cannot write the GGUF cache (%s); loading %s directly", exc, path)
         return resolve_gguf(path, reader=reader)
     return _resolved_from_entry(path, folder, dummy=False)
+
+
+def _float32_bytes(reader: GGUFReader) -> int:
+    """What the entry's weights take: every tensor dequantized to float32."""
+    return sum(4 * int(tensor.n_elements) for tensor in reader.tensors)
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Free bytes on the disk that holds (or will hold) `folder`; None when unknown."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
 
 
 def _resolved_from_entry(path: Path, folder: Path, dummy: bool) -> ResolvedModel:
@@ -219,9 +264,7 @@ def convert_gguf(
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{folder.name}-", dir=folder.parent))
     try:
         if reader is None:
-            from gguf import GGUFReader
-
-            reader = GGUFReader(path)
+            reader = open_gguf(path)
         _write_entry(path, reader, tmp, progress)
         _write_manifest(tmp, path, fingerprint)
         _apply_umask(tmp)
@@ -242,10 +285,13 @@ def _write_entry(path: Path, reader: GGUFReader, folder: Path, progress: bool) -
     with _progress_bar(f"Converting {path.name}", num_tensors + 1, progress) as advance:
         _write_weights(iter_gguf(reader, hf_config, wanted), folder, advance)
         hf_config.save_pretrained(folder)
-        if "tokenizer.ggml.tokens" in reader.fields:
-            _write_tokenizer(path, folder)
-        else:
+        if "tokenizer.ggml.tokens" not in reader.fields:
             logger.warning("%s holds no vocabulary: the cache entry has no tokenizer", path.name)
+        else:
+            try:
+                _write_tokenizer(path, folder)
+            except ValueError as exc:  # a tokenizer kind transformers cannot rebuild
+                logger.warning("the cache entry of %s has no tokenizer: %s", path.name, exc)
         advance()
 
 

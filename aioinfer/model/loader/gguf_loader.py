@@ -13,11 +13,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map, quants
 from gguf.quants import dequantize
 
 # GGUF architectures whose Q/K rows llama.cpp permuted at conversion time.
 _PERMUTED_QK_ARCHS = ("llama",)
+# Tensors a model may carry that its config accounts for otherwise (resolve.gguf_hf_config
+# reads Llama 3's RoPE factors from rope_freqs).
+_READ_ELSEWHERE = ("rope_freqs.weight",)
 
 
 def gguf_architecture(reader: GGUFReader) -> str:
@@ -47,11 +50,33 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def gguf_names(reader: GGUFReader, hf_config: Any, wanted: Iterable[str]) -> dict[str, str]:
-    """{gguf tensor name: HF key} for the tensors of `reader` that fill a key in `wanted`."""
+    """{gguf tensor name: HF key} for the tensors of `reader` that fill a key in `wanted`.
+
+    A tensor the model has no place for (a variant of the architecture it does not know) or of
+    a type that cannot be dequantized is a ValueError naming it, before any tensor is read."""
     arch = gguf_architecture(reader)
     names = gguf_to_hf_names(arch, int(hf_config.num_hidden_layers), wanted)
-    present = {tensor.name for tensor in reader.tensors}
+    present = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
+    unused = sorted(set(present) - set(names) - set(_READ_ELSEWHERE))
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise ValueError(
+            f"this GGUF has tensors the {arch} model has no place for: {shown} (a variant of "
+            "the architecture that is not supported)"
+        )
+    for name, kind in present.items():
+        if name in names and not _dequantizable(kind):
+            raise ValueError(
+                f"GGUF tensor {name} is of type {kind.name}, which cannot be dequantized"
+            )
     return {name: hf_name for name, hf_name in names.items() if name in present}
+
+
+def _dequantizable(kind: GGMLQuantizationType) -> bool:
+    # gguf-py's dequantize handles F32 and F16 itself and the rest through its type table.
+    return kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or (
+        kind in getattr(quants, "_type_traits", {})
+    )
 
 
 def iter_gguf(

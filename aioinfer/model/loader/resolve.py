@@ -270,9 +270,7 @@ def resolve_gguf(
     """Open a .gguf file once (unless `reader` is its open reader) and rebuild the HF config
     from its metadata."""
     if reader is None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
+        reader = open_gguf(path)
     return ResolvedModel(
         kind="dummy" if dummy else "gguf",
         folder=path.resolve().parent,
@@ -281,6 +279,24 @@ def resolve_gguf(
         gguf_file=path.resolve(),
         gguf_reader=reader,
     )
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """The reader of a .gguf file; a file it cannot parse, or one part of a split model, is a
+    ValueError naming the file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, TypeError, KeyError) as exc:  # gguf-py's parse errors
+        raise ValueError(f"{path} is not a readable GGUF file (is it truncated?): {exc}") from exc
+    parts = _gguf_value(reader, "split.count")
+    if parts is not None and int(parts) > 1:
+        raise ValueError(
+            f"{path} is one part of a GGUF split into {int(parts)} files, which is not "
+            "supported: merge them first (llama-gguf-split --merge FIRST_PART OUT.gguf)"
+        )
+    return reader
 
 
 def gguf_served_name(path: Path) -> str:
@@ -308,6 +324,9 @@ def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
         # llama.cpp drops output.weight when the head shares the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
+    if arch == "llama":  # llama.cpp loads these biases where a llama file has them
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
     pooling = _gguf_value(reader, f"{arch}.pooling_type")
     if pooling:
         if int(pooling) not in GGUF_POOLING_TYPES:
@@ -327,9 +346,18 @@ def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
         value = _gguf_value(reader, key)
         if value is not None:
             kwargs[attr] = value
+    # llama.cpp stops at the end-of-turn and end-of-message tokens as well as at EOS (an older
+    # Llama 3 file's EOS is <|end_of_text|>, its turns end with <|eot_id|>).
+    stops = [_gguf_value(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eot", "eom")]
+    stops = [int(s) for s in stops if s is not None and s != kwargs.get("eos_token_id")]
+    if stops:
+        eos = kwargs.get("eos_token_id")
+        kwargs["eos_token_id"] = list(dict.fromkeys([*([eos] if eos is not None else []), *stops]))
     if "vocab_size" not in kwargs:
         kwargs["vocab_size"] = _gguf_vocab_size(reader)
-    _warn_rope_scaling(reader, arch, tensor_names)
+    rope_scaling = _gguf_rope_scaling(reader, arch, tensor_names)
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
     return AutoConfig.for_model(arch, **kwargs)
 
 
@@ -348,12 +376,89 @@ def _gguf_value(reader: GGUFReader, key: str) -> Any:
     return None if field_ is None else field_.contents()
 
 
-def _warn_rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> None:
-    scaling = _gguf_value(reader, f"{arch}.rope.scaling.type")
-    if "rope_freqs.weight" in tensor_names or scaling not in (None, "none"):
-        logger.warning(
-            "this GGUF uses RoPE scaling (%s), which is ignored when reading GGUF files (as in "
-            "transformers): outputs differ slightly from the original model, most at long "
-            "contexts. Serve the safetensors checkpoint for exact RoPE scaling.",
-            scaling or "rope_freqs tensor",
+def _gguf_rope_scaling(
+    reader: GGUFReader, arch: str, tensor_names: set[str]
+) -> dict[str, Any] | None:
+    """The HF rope_scaling of a GGUF: its `rope.scaling.*` keys (linear and yarn, the kinds
+    llama.cpp writes there), or Llama 3's scaling, which llama.cpp stores as a `rope_freqs`
+    tensor of per-frequency factors (see `_llama3_scaling`)."""
+    if "rope_freqs.weight" in tensor_names:
+        return _llama3_scaling(reader, arch)
+    kind = _gguf_value(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = _gguf_value(reader, f"{arch}.rope.scaling.factor")
+    if kind not in ("linear", "yarn") or factor is None:
+        raise ValueError(
+            f"GGUF RoPE scaling {kind!r} (factor {factor}) is not supported; linear and yarn "
+            "with a factor are"
         )
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    original = _gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if kind == "yarn" and original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    for key in ("beta_fast", "beta_slow"):
+        value = _gguf_value(reader, f"{arch}.rope.scaling.yarn_{key}")
+        if kind == "yarn" and value is not None:
+            scaling[key] = float(value)
+    return scaling
+
+
+# What every Llama 3.x checkpoint uses besides its factor (8 for 3.1, 32 for 3.2).
+_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def _llama3_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    """The llama3 rope_scaling whose factors are the file's `rope_freqs` tensor: its largest
+    factor with Llama 3's other parameters, kept only when it gives every factor back. A tensor
+    from other parameters is ignored with a warning (as transformers ignores it)."""
+    import numpy as np
+
+    tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    factors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    head_dim = int(
+        _gguf_value(reader, f"{arch}.rope.dimension_count")
+        or _gguf_value(reader, f"{arch}.embedding_length")
+        // _gguf_value(reader, f"{arch}.attention.head_count")
+    )
+    theta = _gguf_value(reader, f"{arch}.rope.freq_base") or 10000.0
+    original = (
+        _gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+        or _LLAMA3_ORIGINAL_CONTEXT
+    )
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        **_LLAMA3_SCALING,
+        "original_max_position_embeddings": int(original),
+    }
+    expected = _llama3_factors(scaling, head_dim, float(theta))
+    if len(expected) == len(factors) and np.allclose(expected, factors, rtol=1e-5):
+        return scaling
+    logger.warning(
+        "this GGUF scales RoPE with a rope_freqs tensor that no Llama 3 scaling gives; it is "
+        "ignored (as in transformers): outputs differ from the original model's, most at long "
+        "contexts. Serve the safetensors checkpoint for exact RoPE scaling."
+    )
+    return None
+
+
+def _llama3_factors(scaling: dict[str, Any], head_dim: int, theta: float) -> list[float]:
+    """The factor dividing each rotary frequency under Llama 3's scaling (as llama.cpp's
+    converter writes them into rope_freqs)."""
+    import math
+
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
