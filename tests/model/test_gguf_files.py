@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import SafetensorError
+from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from aioinfer import LLM, SamplingParams, TokensPrompt
@@ -122,6 +123,39 @@ def test_rope_scaling_in_the_file_is_applied(
     ours = greedy(path, tokenizer_dir)
     assert ours == hf_greedy(hf, PROMPT)
     assert ours != hf_greedy(plain, PROMPT)  # the scaling matters here
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 and 3.3; Llama 3.2
+def test_the_rope_freqs_of_a_real_llama_3_shape_are_recognised(
+    tmp_path: Path, factor: float
+) -> None:
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    cfg = LlamaConfig(
+        hidden_size=4096, num_attention_heads=32, rope_theta=500000.0, rope_scaling=scaling
+    )
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    default = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    path = tmp_path / "Llama-3-shape.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_embedding_length(4096)
+    writer.add_head_count(32)
+    writer.add_block_count(1)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_rope_dimension_count(128)
+    writer.add_vocab_size(16)
+    writer.add_tensor("rope_freqs.weight", (default / scaled).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    params = resolve_model(str(path), gguf_cache=False).hf_config.rope_parameters
+    assert {k: params[k] for k in scaling} == scaling
 
 
 def test_a_rope_freqs_tensor_no_llama3_scaling_gives_is_ignored_with_a_warning(
