@@ -28,9 +28,12 @@ def completion_logprobs(
     token_ids: Sequence[int],
     token_text: TokenText,
     offset: int,
-) -> CompletionLogprobs:
-    """The legacy completions logprobs block; `offset` is where the first token's text starts.
-    An entry of None (the first prompt token) has no logprob."""
+    token_bytes: TokenBytes | None = None,
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy completions logprobs block, and the text offset after its last token;
+    `offset` is where the first token's text starts. An entry of None (the first prompt
+    token) has no logprob. `token_bytes` (see chat_logprobs) keeps the offsets those of the
+    text across tokens that are pieces of a character."""
     out: CompletionLogprobs = {
         "tokens": [],
         "token_logprobs": [],
@@ -41,7 +44,7 @@ def completion_logprobs(
         text = token_text(token_id)
         out["tokens"].append(text)
         out["text_offset"].append(offset)
-        offset += len(text)
+        offset += _text_width(token_id, text, token_bytes)
         if entry is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
@@ -50,7 +53,16 @@ def completion_logprobs(
         top.setdefault(text, entry.logprob)
         out["token_logprobs"].append(entry.logprob)
         out["top_logprobs"].append(top)
-    return out
+    return out, offset
+
+
+def _text_width(token_id: int, text: str, token_bytes: TokenBytes | None) -> int:
+    """How far a token moves the text offset. A piece of a character shows as U+FFFD but is
+    not one character of the text: it counts the characters it starts (its bytes that are not
+    UTF-8 continuation bytes), so the pieces of one character count it once."""
+    if token_bytes is None or "\ufffd" not in text:
+        return len(text)
+    return sum(1 for byte in token_bytes(token_id) if byte & 0xC0 != 0x80)
 
 
 def chat_logprobs(
@@ -76,12 +88,6 @@ def chat_logprobs(
             }
         )
     return {"content": content}
-
-
-def offset_of(logprobs: CompletionLogprobs, start: int) -> int:
-    if not logprobs["tokens"]:
-        return start
-    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 def prompt_logprobs_json(

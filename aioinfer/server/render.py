@@ -18,7 +18,6 @@ from aioinfer.server.logprobs_render import (
     TokenText,
     chat_logprobs,
     completion_logprobs,
-    offset_of,
     prompt_logprobs_json,
     top_trimmed,
 )
@@ -127,8 +126,8 @@ def completion_response(
             logprobs = None
             if want_logprobs:
                 prompt_entries = final.prompt_logprobs if echo_texts is not None else None
-                logprobs = _echoed_prompt_logprobs(ctx, p, prompt_entries)
-                _extend_logprobs(logprobs, seq, ctx.token_text, offset_of(logprobs, 0))
+                logprobs, start = _echoed_prompt_logprobs(ctx, p, prompt_entries)
+                _extend_logprobs(logprobs, seq, ctx, start)
             choice: CompletionChoice = {
                 "index": ctx.choice_index(p, seq.index),
                 "text": echo + seq.text,
@@ -156,23 +155,28 @@ def completion_response(
 
 def _echoed_prompt_logprobs(
     ctx: ResponseContext, prompt_index: int, entries: Sequence[TokenLogprobs | None] | None
-) -> CompletionLogprobs:
-    """The prompt part of an echoed completion's logprobs (empty without echo, i.e. None)."""
+) -> tuple[CompletionLogprobs, int]:
+    """The prompt part of an echoed completion's logprobs (empty without echo, i.e. None),
+    and the text offset after it."""
     if entries is None:
         return completion_logprobs([], [], ctx.token_text, 0)
     ids = ctx.prompts[prompt_index].token_ids
     width = ctx.echo_logprobs
     cut = [None if e is None else top_trimmed(e, width) for e in entries]
-    return completion_logprobs(cut, ids, ctx.token_text, 0)
+    return completion_logprobs(cut, ids, ctx.token_text, 0, ctx.token_bytes)
 
 
 def _extend_logprobs(
-    logprobs: CompletionLogprobs, seq: CompletionOutput, token_text: TokenText, start: int
-) -> None:
-    """Append the logprobs of `seq`'s tokens, whose text starts at offset `start`."""
-    more = completion_logprobs(seq.logprobs or [], seq.token_ids, token_text, start)
+    logprobs: CompletionLogprobs, seq: CompletionOutput, ctx: ResponseContext, start: int
+) -> int:
+    """Append the logprobs of `seq`'s tokens, whose text starts at offset `start`; the offset
+    after them."""
+    more, end = completion_logprobs(
+        seq.logprobs or [], seq.token_ids, ctx.token_text, start, ctx.token_bytes
+    )
     for key in logprobs:
         logprobs[key].extend(more[key])  # type: ignore[literal-required]
+    return end
 
 
 def chat_response(
@@ -361,10 +365,9 @@ class CompletionChunks(_ChunkStream):
         if not self.want_logprobs or (not seq.token_ids and not echo):
             return echo + seq.text, None
         prompt_entries = self._prompt_logprobs.get(prompt_index) if echo else None
-        logprobs = _echoed_prompt_logprobs(self.ctx, prompt_index, prompt_entries)
-        start = offset_of(logprobs, self._offsets.get(index, 0))
-        _extend_logprobs(logprobs, seq, self.ctx.token_text, start)
-        self._offsets[index] = offset_of(logprobs, start)
+        logprobs, echo_end = _echoed_prompt_logprobs(self.ctx, prompt_index, prompt_entries)
+        start = self._offsets.get(index, echo_end)
+        self._offsets[index] = _extend_logprobs(logprobs, seq, self.ctx, start)
         return echo + seq.text, logprobs
 
     def _chunk(

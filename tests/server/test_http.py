@@ -321,6 +321,36 @@ async def test_chat_logprob_bytes_are_a_character_s_pieces(real_oai, real_engine
                if "\ufffd" not in t.token)  # fmt: skip
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_text_offsets_stay_those_of_the_text_after_pieces_of_a_character(
+    real_oai, real_engine, stream
+):
+    """An echoed prompt whose character is split over four byte tokens: each token's offset
+    is where its text starts in the returned text, before and after the pieces."""
+    client, _ = real_oai
+    tok = make_tokenizer()
+    prompt = "a\U0001d11e b"
+    kwargs = dict(model=real_engine.model_name, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+    allowed = {"allowed_token_ids": tok.encode("c", add_special_tokens=False)}
+    if stream:
+        text, tokens, offsets = "", [], []
+        async for chunk in await client.completions.create(
+            stream=True, extra_body=allowed, **kwargs
+        ):
+            text += chunk.choices[0].text
+            if chunk.choices[0].logprobs:
+                tokens += chunk.choices[0].logprobs.tokens
+                offsets += chunk.choices[0].logprobs.text_offset
+    else:
+        choice = (await client.completions.create(extra_body=allowed, **kwargs)).choices[0]
+        text, tokens, offsets = choice.text, choice.logprobs.tokens, choice.logprobs.text_offset
+    assert text == prompt + "cc" and tokens.count("\ufffd") == 4
+    assert offsets[-2:] == [len(prompt), len(prompt) + 1]
+    for token, offset in zip(tokens, offsets, strict=True):
+        if token != "\ufffd":
+            assert text[offset:].startswith(token)
+
+
 # --------------------------------------------------------------------------- errors
 
 
