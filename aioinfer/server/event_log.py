@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from aiohttp import web
 
 from aioinfer.config import ServerConfig
+from aioinfer.engine.stream import wait_event
 from aioinfer.server.sse import ClientDisconnected, DisconnectWatcher, EventStream
 
 
@@ -40,14 +41,12 @@ class EventLog:
     async def wait(self, seen: int, timeout: float | None) -> bool:
         """Until there is an event past the first `seen` or the log closes; False when
         `timeout` seconds passed first."""
-        changed = self._changed
         if len(self.events) > seen or self.closed:
             return True
-        try:
-            await asyncio.wait_for(changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        if timeout is None:
+            await self._changed.wait()
+            return True
+        return await wait_event(self._changed, timeout)
 
     def _wake(self) -> None:
         # Each waiter holds the event of its time: set it and start a new one.

@@ -5,6 +5,7 @@ deleted while they run."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -25,6 +26,15 @@ async def poll(oai: openai.AsyncOpenAI, response_id: str) -> Any:
             return response
         await asyncio.sleep(0.01)
     raise AssertionError(f"{response_id} still {response.status}")
+
+
+@pytest.fixture
+async def slow(live_factory, slow_engine) -> AsyncIterator[tuple[Any, openai.AsyncOpenAI]]:
+    """The app over an engine whose steps take 20 ms, and a client of it."""
+    server = await live_factory(slow_engine)
+    oai = server.openai()
+    yield server, oai
+    await oai.close()
 
 
 async def test_a_background_response_is_answered_queued_and_read_back_complete(
@@ -58,11 +68,8 @@ async def test_a_background_response_is_answered_queued_and_read_back_complete(
     await oai.close()
 
 
-async def test_a_background_response_can_be_cancelled_or_deleted_while_it_runs(
-    live_factory, slow_engine
-):
-    server = await live_factory(slow_engine)
-    oai = server.openai()
+async def test_a_background_response_can_be_cancelled_or_deleted_while_it_runs(slow, slow_engine):
+    server, oai = slow
     create = {"model": slow_engine.model_name, "input": "Hi", "max_output_tokens": 100}
     queued = await oai.responses.create(**create, background=True)
     await wait_until(lambda: slow_engine.scheduler.num_running == 1)
@@ -81,18 +88,16 @@ async def test_a_background_response_can_be_cancelled_or_deleted_while_it_runs(
         await oai.responses.retrieve(second.id)
     assert server.app[STATE].in_flight == 0 and not server.app[STATE].background
     assert_pool_free(slow_engine)
-    await oai.close()
 
 
 async def test_a_background_response_is_found_by_its_task_and_ends_even_when_finishing_fails(
-    live_factory, slow_engine, monkeypatch
+    slow, slow_engine, monkeypatch
 ):
     """Cancel reaches a running response the store has dropped (and it does not come back);
     a continuation of an unfinished one is refused; delete and cancel at once leave no stale
     answer; an error while the response is built ends it "failed"."""
-    server = await live_factory(slow_engine)
+    server, oai = slow
     state = server.app[STATE]
-    oai = server.openai()
     create = {"model": slow_engine.model_name, "input": "Hi", "max_output_tokens": 100}
     queued = await oai.responses.create(**create, background=True)
     await wait_until(lambda: slow_engine.scheduler.num_running == 1)
@@ -122,14 +127,12 @@ async def test_a_background_response_is_found_by_its_task_and_ends_even_when_fin
     await wait_until(lambda: slow_engine.num_unfinished == 0)
     assert state.in_flight == 0 and not state.background
     assert_pool_free(slow_engine)
-    await oai.close()
 
 
 async def test_a_streamed_background_response_goes_on_without_its_reader_and_streams_again(
-    live_factory, slow_engine
+    slow, slow_engine
 ):
-    server = await live_factory(slow_engine)
-    oai = server.openai()
+    server, oai = slow
     create = {"model": slow_engine.model_name, "input": "Hi", "max_output_tokens": 12}
     stream = await oai.responses.create(**create, background=True, stream=True)
     seen = []
@@ -172,14 +175,10 @@ async def test_a_streamed_background_response_goes_on_without_its_reader_and_str
             async with session.get(target, params=params) as response:
                 assert response.status == 400
                 assert (await response.json())["error"]["param"] == param
-    await oai.close()
 
 
-async def test_a_reader_of_a_cancelled_background_stream_is_not_left_waiting(
-    live_factory, slow_engine
-):
-    server = await live_factory(slow_engine)
-    oai = server.openai()
+async def test_a_reader_of_a_cancelled_background_stream_is_not_left_waiting(slow, slow_engine):
+    server, oai = slow
     create = {"model": slow_engine.model_name, "input": "Hi", "max_output_tokens": 100}
     stream = await oai.responses.create(**create, background=True, stream=True)
     first = await stream.__anext__()
@@ -199,4 +198,3 @@ async def test_a_reader_of_a_cancelled_background_stream_is_not_left_waiting(
     await wait_until(lambda: slow_engine.num_unfinished == 0)
     assert server.app[STATE].in_flight == 0 and not server.app[STATE].background
     assert_pool_free(slow_engine)
-    await oai.close()
