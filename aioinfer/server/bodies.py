@@ -17,7 +17,12 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from aioinfer.server.classify_protocol import ClassifyRequest
 from aioinfer.server.embeddings_protocol import EmbeddingRequest
-from aioinfer.server.errors import BadRequestError, NotFoundError, PayloadTooLargeError
+from aioinfer.server.errors import (
+    BadRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+)
 from aioinfer.server.messages_protocol import MessagesRequest, MessageTokensCountRequest
 from aioinfer.server.protocol import (
     ChatCompletionRequest,
@@ -25,6 +30,7 @@ from aioinfer.server.protocol import (
 )
 from aioinfer.server.responses_protocol import ResponsesRequest
 from aioinfer.server.scores_protocol import RerankRequest, ScoreRequest
+from aioinfer.server.sse import within
 from aioinfer.server.state import STATE
 from aioinfer.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
@@ -93,6 +99,9 @@ def body_limit(engine: AsyncEngine) -> int:
 
 
 OFF_LOOP_BODY_BYTES = 64 * 1024
+# A body whose bytes stop coming for this long is a 408 (aiohttp times out idle and half-sent
+# headers by itself, after the keep-alive timeout, but not a body that stalls).
+BODY_IDLE_TIMEOUT = 60.0
 BODY_SIZE = web.RequestKey("body_size", int)  # the bytes of the body read_json read
 
 
@@ -113,7 +122,7 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     # whole (up to aiohttp's own cap) before it is refused.
     body = bytearray()
     try:
-        async for piece in request.content.iter_chunked(1 << 16):
+        while piece := await within(BODY_IDLE_TIMEOUT, request.content.readany()):
             body += piece
             if len(body) > limit:
                 raise PayloadTooLargeError(
@@ -121,6 +130,10 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
                 )
     except RequestPayloadError as exc:  # e.g. a Content-Encoding the bytes do not decode as
         raise BadRequestError(f"The body could not be read: {exc}") from None
+    except asyncio.TimeoutError:
+        raise RequestTimeoutError(
+            f"The body stopped coming: no byte for {BODY_IDLE_TIMEOUT:g} s"
+        ) from None
     request[BODY_SIZE] = len(body)
     try:
         data = orjson.loads(body)

@@ -29,6 +29,7 @@ _TYPE_BY_STATUS = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
@@ -65,6 +66,10 @@ class AuthenticationError(APIError):
 
 class NotFoundError(APIError):
     status = 404
+
+
+class RequestTimeoutError(APIError):
+    status = 408
 
 
 class PayloadTooLargeError(APIError):
@@ -136,7 +141,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except APIError as exc:
-        return error_response(exc.status, exc.message, exc.param, exc.headers, body)
+        response = error_response(exc.status, exc.message, exc.param, exc.headers, body)
+        if exc.status == 408:  # the rest of the body may still come: the connection is done
+            response.force_close()
+        return response
     except RequestValidationError as exc:
         return error_response(400, exc.message, exc.param, body=body)
     except web.HTTPException as exc:

@@ -13,6 +13,7 @@ import pytest
 
 from aioinfer.config import ServerConfig
 from aioinfer.engine.async_engine import AsyncEngine
+from aioinfer.server import bodies
 from aioinfer.server.app import create_app
 from aioinfer.server.bodies import body_limit
 from tests.server.conftest import assert_pool_free, build_engine
@@ -73,5 +74,25 @@ async def test_a_chunked_body_past_the_limit_is_refused_before_it_is_all_read(
     )
     assert response.status == 413
     assert "over the limit" in orjson.loads(await response.read())["error"]["message"]
+    response = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
+    assert response.status == 200
+
+
+async def test_a_body_that_stops_coming_is_a_408(aiohttp_client, engine, monkeypatch):
+    monkeypatch.setattr(bodies, "BODY_IDLE_TIMEOUT", 0.3)
+    client = await aiohttp_client(create_app(engine, ServerConfig()))
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 100\r\n\r\n"
+    )
+    writer.write(head.encode() + b'{"prompt": "')  # and then nothing
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    answer += await asyncio.wait_for(reader.readuntil(b"}}"), 5)
+    writer.close()
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 408")
+    error = orjson.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "stopped coming" in error["message"] and error["type"] == "RequestTimeoutError"
     response = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
     assert response.status == 200
