@@ -440,7 +440,6 @@ class AsyncEngine:
             parent.group = self._groups.setdefault(group, _Group(group))
             parent.group.member_ids.add(stream.request_id)
         self._parents[stream.request_id] = parent
-        self.stats.prompt_tokens += sum(r.num_prompt_tokens for r in requests)
         self._step_loop.notify()
 
     def abort(
@@ -543,10 +542,14 @@ class AsyncEngine:
             request = update.request
             self.stats.generation_tokens += len(update.new_token_ids)
             stream = child.stream
-            if child.index == 0 and request.num_output_tokens == len(update.new_token_ids):
-                stream.num_cached_tokens = request.num_cached_tokens
-                if request.wants_prompt_logprobs:
-                    stream.put_prompt_logprobs(request.prompt_logprobs)
+            if request.num_output_tokens == len(update.new_token_ids):
+                # Its first output (a pooled one has no tokens): the prompt is prefilled. Counted
+                # here, once, as vLLM does: a request dropped while queued computed no prompt.
+                self.stats.prompt_tokens += request.num_prompt_tokens
+                if child.index == 0:
+                    stream.num_cached_tokens = request.num_cached_tokens
+                    if request.wants_prompt_logprobs:
+                        stream.put_prompt_logprobs(request.prompt_logprobs)
             if request.pooled is not None:
                 stream.pooled = request.pooled
             wants_logprobs = request.sampling_params.logprobs is not None
@@ -560,8 +563,7 @@ class AsyncEngine:
                 request.stop_reason,
             )
             if update.finished:
-                reason = request.finish_reason or "stop"
-                self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+                EngineStats.count(self.stats.finished, request.finish_reason or "stop")
                 del self._children[update.request_id]
                 parent = self._parents.pop(stream.request_id, None) if stream.finished else None
                 if parent is not None:

@@ -442,7 +442,7 @@ class LLM:
                 progress.advance()
             return output
 
-        # The prompts' tokens are counted as they are queued: the rate counts from before.
+        # Prompt tokens are counted as they are prefilled, from the count before the first.
         tokens_before = self.engine.stats.prompt_tokens
         with self._batch(streams, lambda: progress):
             # All are validated and queued before the first step runs, as in _generate_all.

@@ -53,7 +53,7 @@ class EngineCollector(Collector):
             gauge.add_metric(name, float(value))
             yield gauge
         counters = {
-            "prompt_tokens": ("Prompt tokens admitted.", engine.stats.prompt_tokens),
+            "prompt_tokens": ("Prompt tokens prefilled.", engine.stats.prompt_tokens),
             "generation_tokens": ("Tokens generated.", engine.stats.generation_tokens),
             "prefix_cache_queries": ("Prompt tokens looked up in the cache.", kv.stats.queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", kv.stats.hits),

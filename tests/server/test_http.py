@@ -1,5 +1,5 @@
 """The app through aiohttp's test client: responses against the fake model's reference outputs,
-exact SSE framing, every error class, auth, the engine lifecycle and metrics."""
+exact SSE framing, every error class, auth and the engine lifecycle (metrics: test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -514,35 +514,6 @@ async def test_tokenize_and_detokenize(client):
     assert error_of(raw, 400)["param"] == "tokens"
     _, raw = await post(client, "/tokenize", {"prompt": "a", "messages": MESSAGES})
     assert error_of(raw, 400)["message"]
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-async def test_metrics(aiohttp_client, client, engine):
-    other = await aiohttp_client(create_app(engine))  # a second app: its own registry
-    body = {"prompt": [5, 6, 7], "max_tokens": 5, "stream": True}
-    await post(client, "/v1/completions", body)
-    await post(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
-    text = (await (await client.get("/metrics")).read()).decode()
-    label = f'{{model_name="{MODEL}"}}'
-    stats = engine.stats
-    for line in (
-        f"aioinfer:num_requests_running{label} 0.0",
-        f"aioinfer:num_requests_waiting{label} 0.0",
-        f"aioinfer:kv_cache_usage_perc{label} 0.0",
-        f"aioinfer:prompt_tokens_total{label} {float(stats.prompt_tokens)}",
-        f"aioinfer:generation_tokens_total{label} 8.0",
-        f"aioinfer:prefix_cache_queries_total{label} {float(engine.scheduler.kv.stats.queries)}",
-        f'aioinfer:request_success_total{{finished_reason="length",model_name="{MODEL}"}} 2.0',
-        f"aioinfer:time_to_first_token_seconds_count{label} 2.0",
-        f"aioinfer:e2e_request_latency_seconds_count{label} 2.0",
-        f"aioinfer:inter_token_latency_seconds_count{label} 6.0",
-    ):
-        assert line in text, line
-    assert "aioinfer:prefix_cache_hits_total" in text
-    other_text = (await (await other.get("/metrics")).read()).decode()
-    assert f"aioinfer:time_to_first_token_seconds_count{label}" not in other_text
 
 
 async def test_streamed_echo_and_logprobs_equal_the_non_streamed_ones(client):

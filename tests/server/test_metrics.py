@@ -1,0 +1,100 @@
+"""/metrics through aiohttp's test client, parsed with prometheus_client's parser: exact values
+against the fake model's outputs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from aioinfer.server.app import create_app
+from tests.server.conftest import MODEL, assert_pool_free, build_engine, chat_prompt_ids
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello, world! How are you today?"},
+]
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(client) -> Samples:
+    """Every sample of /metrics by (name without the prefix, labels other than model_name)."""
+    response = await client.get("/metrics")
+    assert response.status == 200
+    samples: Samples = {}
+    for family in text_string_to_metric_families((await response.read()).decode()):
+        for sample in family.samples:
+            assert sample.labels.get("model_name", MODEL) == MODEL
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            samples[(sample.name.removeprefix("aioinfer:"), labels)] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+async def post(client, path, body):
+    response = await client.post(path, json=body)
+    return response.status, await response.read()
+
+
+async def test_metrics(client, engine):
+    body = {"prompt": [5, 6, 7], "max_tokens": 5, "stream": True}
+    await post(client, "/v1/completions", body)
+    await post(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
+    samples = await scrape(client)
+    assert value(samples, "num_requests_running") == 0
+    assert value(samples, "num_requests_waiting") == 0
+    assert value(samples, "kv_cache_usage_perc") == 0
+    assert value(samples, "prompt_tokens_total") == 3 + len(chat_prompt_ids(MESSAGES))
+    assert value(samples, "generation_tokens_total") == 8
+    assert value(samples, "request_success_total", finished_reason="length") == 2
+    assert value(samples, "time_to_first_token_seconds_count") == 2
+    assert value(samples, "e2e_request_latency_seconds_count") == 2
+    assert value(samples, "inter_token_latency_seconds_count") == 6
+    assert value(samples, "prefix_cache_queries_total") == engine.scheduler.kv.stats.queries
+    assert ("prefix_cache_hits_total", ()) in samples
+
+
+# --------------------------------------------------------------------------- prompt tokens
+
+
+async def test_prompt_tokens_count_prefilled_prompts_only(aiohttp_client):
+    """Counted once the prompt is prefilled (vLLM's point): not for prompts queued and then
+    refused with the rest of their batch, nor for a request that timed out in the queue, and
+    once for a request preempted and computed again."""
+    engine = await build_engine(step_delay=0.02, max_num_seqs=1, queue_timeout=0.2)
+    try:
+        client = await aiohttp_client(create_app(engine))
+        # The third prompt does not fit: the two queued before it are aborted with it.
+        too_long = {"prompt": [[5, 6, 7], [8, 9, 10, 11], [5] * 200], "max_tokens": 3}
+        assert (await post(client, "/v1/completions", too_long))[0] == 400
+        assert value(await scrape(client), "prompt_tokens_total") == 0
+        # max_num_seqs 1: the second request waits behind the first and times out.
+        first = asyncio.create_task(
+            post(client, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 30})
+        )
+        while engine.scheduler.num_running < 1:
+            await asyncio.sleep(0.005)
+        second = await post(client, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 3})
+        assert second[0] == 503 and (await first)[0] == 200
+        samples = await scrape(client)
+        assert value(samples, "prompt_tokens_total") == 3
+        assert value(samples, "request_aborted_total", reason="queue_timeout") == 1
+    finally:
+        await engine.shutdown()
+    # Twelve blocks of four tokens for four requests of twenty: some are preempted.
+    engine = await build_engine(num_blocks=12)
+    try:
+        client = await aiohttp_client(create_app(engine))
+        bodies = [{"prompt": [5 + i, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 12} for i in range(4)]
+        results = await asyncio.gather(*(post(client, "/v1/completions", b) for b in bodies))
+        assert [status for status, _ in results] == [200] * 4
+        samples = await scrape(client)
+        assert value(samples, "num_preemptions_total") > 0
+        assert value(samples, "prompt_tokens_total") == 4 * 8
+        assert_pool_free(engine)
+    finally:
+        await engine.shutdown()
