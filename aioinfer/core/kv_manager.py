@@ -20,11 +20,11 @@ class PrefixCacheStats:
     hits: int = 0
     num_requests: int = 0
 
-    def record(self, num_queried: int, num_hit: int, *, first: bool = True) -> None:
-        """Count one admission; `first` is False when a preempted request comes back."""
+    def record(self, num_queried: int, num_hit: int) -> None:
+        """Count one lookup of a request admitted for the first time."""
         self.queries += num_queried
         self.hits += num_hit
-        self.num_requests += int(first)
+        self.num_requests += 1
 
 
 class KVCacheManager:
@@ -53,11 +53,15 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    def uses_prefix_cache(self, request: Request) -> bool:
+        """Whether the request's prefix is looked up in the cache and its blocks added to it."""
+        return self.enable_prefix_caching and not request.skips_prefix_cache
+
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """The cached blocks that hold a prefix of a new request's tokens, and how many tokens
         they cover. At least one token is always left to compute, since its logits are needed.
         Mutates nothing but the request's hash list."""
-        if not self.enable_prefix_caching or request.skips_prefix_cache:
+        if not self.uses_prefix_cache(request):
             return [], 0
         self._extend_hashes(request, request.num_tokens)
         blocks: list[int] = []
@@ -127,7 +131,7 @@ class KVCacheManager:
         # The K/V of these tokens are written by the step being planned, before any later step
         # can read them, so the blocks may be shared from the next step on. Drafted tokens
         # (past the request's own) are not known to be right yet: their blocks wait.
-        if not self.enable_prefix_caching or request.skips_prefix_cache:
+        if not self.uses_prefix_cache(request):
             return
         num_tokens = min(num_tokens, request.num_tokens)
         self._extend_hashes(request, num_tokens)

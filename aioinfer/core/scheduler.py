@@ -230,12 +230,15 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if self.kv.allocate(request, num_new, cached_blocks) is None:
                 break
-            self.kv.stats.record(request.num_tokens, num_hit, first=request.num_preemptions == 0)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
+                # As vLLM's counters: lookups made, not skipped ones; a preempted request
+                # finding its own blocks again would inflate the hits.
+                if self.kv.uses_prefix_cache(request):
+                    self.kv.stats.record(request.num_tokens, num_hit)
             self.running.append(request)
             chunks.append(self._make_chunk(request, num_new))
             budget -= num_new

@@ -63,8 +63,8 @@ async def test_metrics(client, engine):
 
 async def test_prompt_tokens_count_prefilled_prompts_only(aiohttp_client):
     """Counted once the prompt is prefilled (vLLM's point): not for prompts queued and then
-    refused with the rest of their batch, nor for a request that timed out in the queue, and
-    once for a request preempted and computed again."""
+    refused with the rest of their batch, nor for a request that timed out in the queue; once
+    for a request preempted and computed again."""
     engine = await build_engine(step_delay=0.02, max_num_seqs=1, queue_timeout=0.2)
     try:
         client = await aiohttp_client(create_app(engine))
@@ -85,16 +85,55 @@ async def test_prompt_tokens_count_prefilled_prompts_only(aiohttp_client):
         assert value(samples, "request_aborted_total", reason="queue_timeout") == 1
     finally:
         await engine.shutdown()
-    # Twelve blocks of four tokens for four requests of twenty: some are preempted.
+    engine = await build_engine(num_blocks=12)
+    try:
+        samples = await preempted_requests(await aiohttp_client(create_app(engine)))
+        assert value(samples, "prompt_tokens_total") == 4 * 8
+        assert_pool_free(engine)
+    finally:
+        await engine.shutdown()
+
+
+async def preempted_requests(client) -> Samples:
+    """Four requests of twenty tokens (prompts of eight that share no block) on twelve blocks
+    of four tokens: some are preempted. The metrics after."""
+    bodies = [{"prompt": [5 + i, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 12} for i in range(4)]
+    results = await asyncio.gather(*(post(client, "/v1/completions", b) for b in bodies))
+    assert [status for status, _ in results] == [200] * 4
+    samples = await scrape(client)
+    assert value(samples, "num_preemptions_total") > 0
+    return samples
+
+
+# --------------------------------------------------------------------------- prefix cache
+
+
+async def test_prefix_cache_counters_count_first_lookups_only(aiohttp_client):
+    """As vLLM's: a request whose prompt logprobs need every token computed makes no lookup
+    (no query), and a preempted request finding its own blocks again is not a hit."""
     engine = await build_engine(num_blocks=12)
     try:
         client = await aiohttp_client(create_app(engine))
-        bodies = [{"prompt": [5 + i, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 12} for i in range(4)]
-        results = await asyncio.gather(*(post(client, "/v1/completions", b) for b in bodies))
-        assert [status for status, _ in results] == [200] * 4
+        body = {"prompt": list(range(5, 30)), "max_tokens": 2, "prompt_logprobs": 1}
+        for _ in range(2):
+            assert (await post(client, "/v1/completions", body))[0] == 200
         samples = await scrape(client)
-        assert value(samples, "num_preemptions_total") > 0
-        assert value(samples, "prompt_tokens_total") == 4 * 8
-        assert_pool_free(engine)
+        assert value(samples, "prefix_cache_queries_total") == 0
+        assert value(samples, "prefix_cache_hits_total") == 0
+        # The same prompt without prompt logprobs, twice: the second finds six full blocks
+        # (one token is always left to compute).
+        del body["prompt_logprobs"]
+        for _ in range(2):
+            assert (await post(client, "/v1/completions", body))[0] == 200
+        samples = await scrape(client)
+        assert value(samples, "prefix_cache_queries_total") == 2 * 25
+        assert value(samples, "prefix_cache_hits_total") == 6 * 4
+    finally:
+        await engine.shutdown()
+    engine = await build_engine(num_blocks=12)
+    try:
+        samples = await preempted_requests(await aiohttp_client(create_app(engine)))
+        assert value(samples, "prefix_cache_queries_total") == 4 * 8
+        assert value(samples, "prefix_cache_hits_total") == 0
     finally:
         await engine.shutdown()
