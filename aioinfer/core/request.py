@@ -68,6 +68,11 @@ class Request:
         self.detokenizer = detokenizer
         self.constraints = constraints
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # For the metrics (time.monotonic()): when first scheduled, when the first and the
+        # latest output came out. Preemption changes none of them.
+        self.scheduled_time = 0.0
+        self.first_token_time = 0.0
+        self.last_token_time = 0.0
         self.priority = priority  # with the priority policy: lower runs first
         # Set for an embedding request: its prompt is prefilled, pooled and never decoded.
         self.pooler = pooler

@@ -26,6 +26,7 @@ instead of sampling, and it finishes when its prompt is done.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -235,6 +236,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
+                request.scheduled_time = time.monotonic()
                 # As vLLM's counters: lookups made, not skipped ones; a preempted request
                 # finding its own blocks again would inflate the hits.
                 if self.kv.uses_prefix_cache(request):

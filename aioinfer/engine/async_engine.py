@@ -153,6 +153,7 @@ class AsyncEngine:
         self.eos_token_ids = frozenset(self.info.eos_token_ids) | tokenizer_eos(self.tokenizer)
         self.default_sampling = dict(self.info.default_sampling)
         self.pooler = getattr(self.info, "pooler", None)
+        self.stats = EngineStats(self.info.max_model_len)
         self.limits = ModelLimits(
             self.info.max_model_len,
             self.info.vocab_size,
@@ -182,6 +183,7 @@ class AsyncEngine:
             self._die,
             before_step=self.expire_queued,
             step_timeout=self.step_timeout,
+            stats=self.stats,
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop.run())
         self.ready = True
@@ -535,21 +537,19 @@ class AsyncEngine:
     # ----------------------------------------------------------------- step-loop callbacks
 
     def _fan_out(self, updates: list[RequestUpdate]) -> None:
+        now = time.monotonic()
         for update in updates:
             child = self._children.get(update.request_id)
             if child is None:
                 continue
             request = update.request
-            self.stats.generation_tokens += len(update.new_token_ids)
             stream = child.stream
-            if request.num_output_tokens == len(update.new_token_ids):
-                # Its first output (a pooled one has no tokens): the prompt is prefilled. Counted
-                # here, once, as vLLM does: a request dropped while queued computed no prompt.
-                self.stats.prompt_tokens += request.num_prompt_tokens
-                if child.index == 0:
-                    stream.num_cached_tokens = request.num_cached_tokens
-                    if request.wants_prompt_logprobs:
-                        stream.put_prompt_logprobs(request.prompt_logprobs)
+            num_new = len(update.new_token_ids)
+            self.stats.sequence_output(request, num_new, update.finished, now)
+            if child.index == 0 and request.num_output_tokens == num_new:
+                stream.num_cached_tokens = request.num_cached_tokens
+                if request.wants_prompt_logprobs:
+                    stream.put_prompt_logprobs(request.prompt_logprobs)
             if request.pooled is not None:
                 stream.pooled = request.pooled
             wants_logprobs = request.sampling_params.logprobs is not None
@@ -563,10 +563,10 @@ class AsyncEngine:
                 request.stop_reason,
             )
             if update.finished:
-                EngineStats.count(self.stats.finished, request.finish_reason or "stop")
                 del self._children[update.request_id]
                 parent = self._parents.pop(stream.request_id, None) if stream.finished else None
                 if parent is not None:
+                    self.stats.params_n.observe(stream.n)
                     self._leave_group(parent, finished=True)
 
     def _leave_group(self, parent: _Parent, finished: bool) -> None:

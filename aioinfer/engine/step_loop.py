@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from aioinfer.core.scheduler import RequestUpdate, Scheduler
 from aioinfer.core.step import StepPlan, StepResult
+from aioinfer.engine.stats import EngineStats
 from aioinfer.gpu.thread import GpuThread
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class StepLoop:
         on_fatal: Callable[[BaseException], None],
         before_step: Callable[[], object] | None = None,
         step_timeout: float | None = None,
+        stats: EngineStats | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.gpu = gpu
@@ -42,6 +44,7 @@ class StepLoop:
         # The watchdog: a step that runs longer kills the engine (None: no limit). The stuck
         # thread cannot be stopped; the process exits around it.
         self.step_timeout = step_timeout
+        self.stats = stats  # its histogram of tokens per step
         self.wakeup = asyncio.Event()
         self.num_steps = 0
         self.busy_seconds = 0.0
@@ -80,6 +83,8 @@ class StepLoop:
         elapsed = time.perf_counter() - start
         self.num_steps += 1
         self.busy_seconds += elapsed
+        if self.stats is not None:
+            self.stats.step_tokens.observe(plan.num_tokens)
         updates = self.scheduler.apply(plan, result)
         if self.on_step is not None:
             self.on_step(plan, result, elapsed)

@@ -116,7 +116,6 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
     ctx = _response_context("cmpl", request, engine, prompts, req, params.n)
     want_logprobs = req.logprobs is not None
     generation = start_generation(
-        state,
         engine,
         ctx,
         params,
@@ -219,7 +218,6 @@ async def start_chat(
         if constraints is not None:
             constraints = ctx.reasoning.gate(constraints)
     generation = start_generation(
-        state,
         engine,
         ctx,
         params,

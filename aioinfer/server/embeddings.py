@@ -176,17 +176,10 @@ async def _embeddings(
 ) -> list[EmbeddingRequestOutput] | None:
     """Every input's embedding, in order; None when the client left first. Whatever ends the
     wait early aborts the inputs not done yet."""
-    metrics = state.metrics
-
-    async def embed(stream: RequestStream) -> EmbeddingRequestOutput:
-        timer = metrics.timer(engine.model_name)
-        output = await engine.embedding_of(stream, params)
-        timer.finished()
-        return output
-
     reason = "cancelled"
     try:
-        return await state.watcher.guard(request, gather_or_cancel(embed(s) for s in streams))
+        embeddings = (engine.embedding_of(s, params) for s in streams)
+        return await state.watcher.guard(request, gather_or_cancel(embeddings))
     except ClientDisconnected as exc:
         reason = exc.reason
         logger.info("client left; aborted %s", streams[0].request_id)

@@ -26,9 +26,7 @@ from aioinfer.server.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
-from aioinfer.server.metrics import RequestTimer
 from aioinfer.server.render import Prompt, ResponseContext
-from aioinfer.server.state import ServerState
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
@@ -107,12 +105,10 @@ class Generation:
         self,
         engine: AsyncEngine,
         streams: list[RequestStream],
-        timers: list[RequestTimer],
         prompt_only: bool = False,
     ) -> None:
         self.engine = engine
         self.streams = streams
-        self.timers = timers
         self.prompt_only = prompt_only
 
     def deltas(self, idle: float = 0.0) -> AsyncGenerator[tuple[int, RequestOutput] | None, None]:
@@ -125,13 +121,12 @@ class Generation:
     async def _single(
         self, timeout: float | None
     ) -> AsyncGenerator[tuple[int, RequestOutput] | None, None]:
-        stream, timer = self.streams[0], self.timers[0]
+        stream = self.streams[0]
         while True:
             output = await stream.get_within(timeout)
             if output is None:
                 yield None
                 continue
-            timer.observe(output)
             yield 0, self._shown(output)
             if output.finished:
                 return
@@ -151,7 +146,6 @@ class Generation:
                 for future in sorted(done, key=pending.__getitem__):
                     index = pending.pop(future)
                     output = future.result()
-                    self.timers[index].observe(output)
                     yield index, self._shown(output)
                     if not output.finished:
                         pending[asyncio.ensure_future(self.streams[index].get())] = index
@@ -196,7 +190,6 @@ class Generation:
 
 
 def start_generation(
-    state: ServerState,
     engine: AsyncEngine,
     ctx: ResponseContext,
     params: SamplingParams,
@@ -243,8 +236,7 @@ def start_generation(
     streams = queue_all(
         engine, len(ctx.prompts), add, lambda message, _index: _engine_param(message, what)
     )
-    timers = [state.metrics.timer(engine.model_name) for _ in streams]
-    return Generation(engine, streams, timers, prompt_only)
+    return Generation(engine, streams, prompt_only)
 
 
 def queue_all(

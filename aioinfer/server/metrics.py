@@ -1,8 +1,8 @@
 """Prometheus metrics, one CollectorRegistry per app, named like vLLM's with prefix `aioinfer:`.
 
-Engine-wide numbers (queue sizes, KV usage, token and prefix-cache counters, finished requests)
-are read from the engine at scrape time, so they also count work that did not come through HTTP.
-Latencies are observed by the HTTP layer, per request, as outputs arrive.
+Everything is read from the engine at scrape time (engine/stats.py), so it also counts work
+that did not come through HTTP: gauges, counters, and the histograms the engine observes per
+sequence (latencies, phases, token counts) and per step.
 """
 
 from __future__ import annotations
@@ -11,23 +11,37 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
-
-from aioinfer.core.outputs import RequestOutput
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
+    from aioinfer.engine.stats import Histogram
 
 PREFIX = "aioinfer:"
 _LABELS = ("model_name",)
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# vLLM's help texts, by the names in EngineStats.histograms.
+_HISTOGRAM_DOCS = {
+    "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "request_prompt_tokens": "Number of prefill tokens processed.",
+    "request_generation_tokens": "Number of generation tokens processed.",
+    "request_params_n": "Histogram of the n request parameter.",
+    "request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+    "iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+}
 
 
 class EngineCollector(Collector):
@@ -90,6 +104,8 @@ class EngineCollector(Collector):
             for position, count in enumerate(scheduler.spec_stats.accepted_per_position):
                 per_position.add_metric([*name, str(position)], float(count))
             yield per_position
+        for metric, histogram in engine.stats.histograms.items():
+            yield _histogram(metric, _HISTOGRAM_DOCS[metric], name, histogram)
         if engine.model_config.enable_lora:
             yield _lora_info(engine)
         yield _by_reason(
@@ -139,59 +155,22 @@ def _by_reason(
     return counter
 
 
+def _histogram(
+    metric: str, doc: str, name: list[str], histogram: Histogram
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(PREFIX + metric, doc, labels=_LABELS)
+    buckets: list[tuple[str, float]] = []
+    total = 0
+    for bound, count in zip((*histogram.buckets, float("inf")), histogram.counts, strict=True):
+        total += count  # Prometheus' buckets are cumulative
+        buckets.append((floatToGoString(bound), float(total)))
+    family.add_metric(name, buckets, histogram.sum)
+    return family
+
+
 class ServerMetrics:
-    """The registry of one app, its latency histograms and the engine collector."""
+    """The registry of one app, over the engine collector."""
 
     def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(get_engine))
-        self.ttft = self._histogram(
-            "time_to_first_token_seconds",
-            "Time from admission to the first output token.",
-            _TTFT_BUCKETS,
-        )
-        self.itl = self._histogram(
-            "inter_token_latency_seconds", "Time between consecutive output tokens.", _ITL_BUCKETS
-        )
-        self.e2e = self._histogram(
-            "e2e_request_latency_seconds",
-            "Time from admission to the last output token.",
-            _E2E_BUCKETS,
-        )
-
-    def _histogram(self, metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(PREFIX + metric, doc, _LABELS, buckets=buckets, registry=self.registry)
-
-    def timer(self, model_name: str) -> RequestTimer:
-        return RequestTimer(self, model_name)
-
-
-class RequestTimer:
-    """Latencies of one engine request, fed with its output deltas."""
-
-    def __init__(self, metrics: ServerMetrics, model_name: str) -> None:
-        self._ttft = metrics.ttft.labels(model_name)
-        self._itl = metrics.itl.labels(model_name)
-        self._e2e = metrics.e2e.labels(model_name)
-        self.start = time.perf_counter()
-        self._last: float | None = None
-
-    def observe(self, output: RequestOutput) -> None:
-        now = time.perf_counter()
-        # A delta's tokens (several steps' when the reader lagged, or one step's accepted
-        # drafts) share the gap since the last one, a token each.
-        steps = max((len(seq.token_ids) for seq in output.outputs), default=0)
-        if steps:
-            if self._last is None:
-                self._ttft.observe(now - self.start)
-            else:
-                gap = (now - self._last) / steps
-                for _ in range(steps):
-                    self._itl.observe(gap)
-            self._last = now
-        if output.finished and self._last is not None:
-            self._e2e.observe(now - self.start)
-
-    def finished(self) -> None:
-        """A request that outputs no tokens (an embedding) is done: its end-to-end latency."""
-        self._e2e.observe(time.perf_counter() - self.start)

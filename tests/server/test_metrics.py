@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aioinfer.server.app import create_app
@@ -40,7 +41,8 @@ async def post(client, path, body):
     return response.status, await response.read()
 
 
-async def test_metrics(client, engine):
+async def test_metrics(aiohttp_client, client, engine):
+    other = await aiohttp_client(create_app(engine))  # a second app: its own registry
     body = {"prompt": [5, 6, 7], "max_tokens": 5, "stream": True}
     await post(client, "/v1/completions", body)
     await post(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3})
@@ -56,6 +58,75 @@ async def test_metrics(client, engine):
     assert value(samples, "inter_token_latency_seconds_count") == 6
     assert value(samples, "prefix_cache_queries_total") == engine.scheduler.kv.stats.queries
     assert ("prefix_cache_hits_total", ()) in samples
+    # Read from the engine: every app over it shows the same numbers.
+    assert value(await scrape(other), "time_to_first_token_seconds_count") == 2
+
+
+async def test_n_sequences_are_observed_each(client):
+    """As vLLM's child requests: each of n sequences has its latencies, its token counts and
+    its finish reason; the n parameter is observed once per request."""
+    status, _ = await post(
+        client, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "n": 3}
+    )
+    assert status == 200
+    samples = await scrape(client)
+    assert value(samples, "request_success_total", finished_reason="length") == 3
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):  # fmt: skip
+        assert value(samples, f"{name}_count") == 3, name
+    assert value(samples, "inter_token_latency_seconds_count") == 3 * 3
+    assert value(samples, "request_generation_tokens_count") == 3
+    assert value(samples, "request_generation_tokens_sum") == 3 * 4
+    assert value(samples, "request_params_n_count") == 1
+    assert value(samples, "request_params_n_sum") == 3
+    assert value(samples, "request_params_n_bucket", le="2.0") == 0
+    assert value(samples, "request_params_n_bucket", le="5.0") == 1
+
+
+# --------------------------------------------------------------------------- request phases
+
+
+async def test_request_phase_and_size_histograms(aiohttp_client):
+    """vLLM's per-request histograms, from the request's timestamps: queued, first scheduled,
+    first token, finished. One request runs at a time, each step takes 20 ms or more."""
+    engine = await build_engine(step_delay=0.02, max_num_seqs=1)
+    try:
+        client = await aiohttp_client(create_app(engine))
+        empty = await scrape(client)  # before any request: the series exist, at zero
+        assert value(empty, "request_queue_time_seconds_count") == 0
+        assert value(empty, "iteration_tokens_total_count") == 0
+        bodies = [{"prompt": [5, 6, 7], "max_tokens": 5}, {"prompt": [8, 9], "max_tokens": 3}]
+        results = await asyncio.gather(*(post(client, "/v1/completions", b) for b in bodies))
+        assert [status for status, _ in results] == [200, 200]
+        samples = await scrape(client)
+    finally:
+        await engine.shutdown()
+    assert value(samples, "request_prompt_tokens_sum") == 3 + 2
+    assert value(samples, "request_prompt_tokens_bucket", le="2.0") == 1
+    assert value(samples, "request_prompt_tokens_bucket", le="5.0") == 2
+    assert value(samples, "request_generation_tokens_sum") == 5 + 3
+    assert value(samples, "request_params_max_tokens_sum") == 5 + 3
+    # Buckets of token counts go 1, 2, 5, ... up to the context (128).
+    assert value(samples, "request_params_max_tokens_bucket", le="100.0") == 2
+    assert ("request_params_max_tokens_bucket", (("le", "200.0"),)) not in samples
+    # Steps feed each prompt whole, then one token per decode step: eight steps in all.
+    assert value(samples, "iteration_tokens_total_count") == 5 + 3
+    assert value(samples, "iteration_tokens_total_sum") == (3 + 4) + (2 + 2)
+    assert value(samples, "iteration_tokens_total_bucket", le="1.0") == 4 + 2
+    seconds = {
+        name: value(samples, f"request_{name}_time_seconds_sum")
+        for name in ("queue", "prefill", "decode", "inference")
+    }
+    e2e = value(samples, "e2e_request_latency_seconds_sum")
+    assert seconds["queue"] + seconds["inference"] == pytest.approx(e2e)
+    assert seconds["prefill"] + seconds["decode"] == pytest.approx(seconds["inference"])
+    # The second waits for the first's five steps; the prefills take a step each, the decodes
+    # the remaining 4 + 2 steps.
+    assert seconds["queue"] >= 4 * 0.02  # less the moment between the two arrivals
+    assert seconds["prefill"] >= 2 * 0.02
+    assert seconds["decode"] >= 6 * 0.02
+    assert value(samples, "inter_token_latency_seconds_sum") >= 6 * 0.02
 
 
 # --------------------------------------------------------------------------- prompt tokens
