@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 PREFIX = "aioinfer:"
 _LABELS = ("model_name",)
+_FINISH_REASONS = ("abort", "length", "stop")  # vLLM's FinishReason
+_ABORT_REASONS = ("cancelled", "client_disconnect", "error", "queue_timeout", "rejected",
+                  "shutdown", "write_timeout")  # fmt: skip
 # vLLM's help texts, by the names in EngineStats.histograms.
 _HISTOGRAM_DOCS = {
     "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
@@ -87,14 +90,14 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(PREFIX + metric, doc, labels=_LABELS)
             counter.add_metric(name, float(value))
             yield counter
-        finished = CounterMetricFamily(
-            PREFIX + "request_success",
+        yield _by_reason(
+            "request_success",
             "Finished requests by finish reason.",
-            labels=(*_LABELS, "finished_reason"),
+            name,
+            engine.stats.finished,
+            _FINISH_REASONS,
+            label="finished_reason",
         )
-        for reason, count in sorted(engine.stats.finished.items()):
-            finished.add_metric([*name, reason], float(count))
-        yield finished
         if scheduler.speculation is not None:
             per_position = CounterMetricFamily(
                 PREFIX + "spec_decode_num_accepted_tokens_per_pos",
@@ -114,12 +117,14 @@ class EngineCollector(Collector):
             "queue_timeout, shutdown, cancelled, error, rejected.",
             name,
             engine.stats.aborted_by_reason,
+            _ABORT_REASONS,
         )
         yield _by_reason(
             "request_rejected",
             "Requests refused at admission, by reason (queue_full).",
             name,
             engine.stats.rejected,
+            ("queue_full",),
         )
 
 
@@ -147,11 +152,18 @@ def adapters_of(slots: dict[str, int], requests: Iterable[Any]) -> list[str]:
 
 
 def _by_reason(
-    metric: str, doc: str, name: list[str], counts: dict[str, int]
+    metric: str,
+    doc: str,
+    name: list[str],
+    counts: dict[str, int],
+    known: tuple[str, ...],
+    label: str = "reason",
 ) -> CounterMetricFamily:
-    counter = CounterMetricFamily(PREFIX + metric, doc, labels=(*_LABELS, "reason"))
-    for reason, count in sorted(counts.items()):
-        counter.add_metric([*name, reason], float(count))
+    """A counter by reason: the `known` reasons are there from the start, at zero, as vLLM
+    creates its series (a rate over a series that appears late misses its first events)."""
+    counter = CounterMetricFamily(PREFIX + metric, doc, labels=(*_LABELS, label))
+    for reason in sorted(set(known) | set(counts)):
+        counter.add_metric([*name, reason], float(counts.get(reason, 0)))
     return counter
 
 
