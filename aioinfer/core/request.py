@@ -192,3 +192,13 @@ class Request:
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def never_started(request: Request | None) -> bool:
+    """Waiting for its first step: nothing computed, nothing produced, never preempted."""
+    return (
+        request is not None
+        and request.num_computed_tokens == 0
+        and request.num_preemptions == 0
+        and request.num_output_tokens == 0
+    )

@@ -22,7 +22,7 @@ from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.lora import LoRARequest
 from aioinfer.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from aioinfer.core.pooling import PoolerConfig, PoolingParams, embedding
-from aioinfer.core.request import Request
+from aioinfer.core.request import Request, never_started
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import RequestUpdate, Scheduler
 from aioinfer.engine.lora_adapters import LoRAAdapters
@@ -295,6 +295,7 @@ class AsyncEngine:
         priority: int = 0,
         group: str | None = None,
         lora: str | None = None,
+        prompt_only: bool = False,
     ) -> RequestStream:
         """Admit one request (all n sequences) to the scheduler; raises ValueError for what
         does not fit this model, EngineDeadError once the engine died or was shut down.
@@ -302,7 +303,8 @@ class AsyncEngine:
         off the loop (a grammar compile, bad words to tokenize); else it runs here. `priority`
         orders requests under --scheduling-policy priority (lower first). `group` names the API
         request of several prompts this one is part of (see expire_queued). `lora` names an
-        adapter that `add_lora` loaded."""
+        adapter that `add_lora` loaded. `prompt_only`: echo with max_tokens 0, whose one
+        sampled token the client never sees: the metrics do not count it."""
         self._check_running()
         assert self.scheduler is not None and self.constraints is not None
         if self.pooler is not None:
@@ -336,7 +338,7 @@ class AsyncEngine:
             )
             for index, child_id in enumerate(child_ids)
         ]
-        stream = RequestStream(request_id, prompt, list(prompt_token_ids), params.n)
+        stream = RequestStream(request_id, prompt, list(prompt_token_ids), params.n, prompt_only)
         self._queue(stream, requests, group)
         return stream
 
@@ -483,7 +485,7 @@ class AsyncEngine:
         # scan stops at the first young one. By priority, a young one may stand before old ones.
         in_arrival_order = self.scheduler.policy == "fcfs"
         for request in self.scheduler.waiting:
-            if not _never_started(request):
+            if not never_started(request):
                 continue  # preempted requests come first: they already produced output
             waited = now - request.arrival_time
             if waited < timeout:
@@ -517,7 +519,7 @@ class AsyncEngine:
         assert self.scheduler is not None
         requests = self.scheduler.requests
         return all(
-            _never_started(requests.get(child_id))
+            never_started(requests.get(child_id))
             for child_id in self._parents[request_id].child_ids
         )
 
@@ -545,7 +547,7 @@ class AsyncEngine:
             request = update.request
             stream = child.stream
             num_new = len(update.new_token_ids)
-            self.stats.sequence_output(request, num_new, update.finished, now)
+            self.stats.sequence_output(request, num_new, update.finished, now, stream.prompt_only)
             if child.index == 0 and request.num_output_tokens == num_new:
                 stream.num_cached_tokens = request.num_cached_tokens
                 if request.wants_prompt_logprobs:
@@ -587,13 +589,3 @@ class AsyncEngine:
         self._parents.clear()
         self._groups.clear()
         self._died.set()
-
-
-def _never_started(request: Request | None) -> bool:
-    """Waiting for its first step: nothing computed, nothing produced, never preempted."""
-    return (
-        request is not None
-        and request.num_computed_tokens == 0
-        and request.num_preemptions == 0
-        and request.num_output_tokens == 0
-    )

@@ -96,11 +96,17 @@ class EngineStats:
     def count(counter: dict[str, int], key: str) -> None:
         counter[key] = counter.get(key, 0) + 1
 
-    def sequence_output(self, request: Request, num_new: int, finished: bool, now: float) -> None:
+    def sequence_output(
+        self, request: Request, num_new: int, finished: bool, now: float, hidden: bool = False
+    ) -> None:
         """Count one step's output of one sequence at `now` (time.monotonic()): its `num_new`
-        tokens (none when a pooled prompt is done), already appended to the request."""
+        tokens (none when a pooled prompt is done), already appended to the request. `hidden`:
+        the client never sees them (echo with max_tokens 0 samples one token): not counted."""
+        first = request.num_output_tokens == num_new
+        if hidden:
+            num_new = 0
         self.generation_tokens += num_new
-        if request.num_output_tokens == num_new:
+        if first:
             # Its first output: the prompt is prefilled. Counted here, once, as vLLM does: a
             # request dropped while queued computed no prompt.
             self.prompt_tokens += request.num_prompt_tokens
@@ -115,9 +121,9 @@ class EngineStats:
         request.last_token_time = now
         if finished:
             self.count(self.finished, request.finish_reason or "stop")
-            self._sequence_finished(request, now)
+            self._sequence_finished(request, now, hidden)
 
-    def _sequence_finished(self, request: Request, now: float) -> None:
+    def _sequence_finished(self, request: Request, now: float, hidden: bool) -> None:
         h = self.histograms
         queued, scheduled, first = (
             request.arrival_time,
@@ -130,7 +136,7 @@ class EngineStats:
         h["request_decode_time_seconds"].observe(now - first)
         h["request_inference_time_seconds"].observe(now - scheduled)
         h["request_prompt_tokens"].observe(request.num_prompt_tokens)
-        h["request_generation_tokens"].observe(request.num_output_tokens)
-        max_tokens = request.sampling_params.max_tokens
+        h["request_generation_tokens"].observe(0 if hidden else request.num_output_tokens)
+        max_tokens = 0 if hidden else request.sampling_params.max_tokens
         if request.pooler is None and max_tokens is not None:  # a pooled prompt samples none
             h["request_params_max_tokens"].observe(max_tokens)

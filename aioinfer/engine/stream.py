@@ -34,11 +34,19 @@ class RequestAbortedError(RuntimeError):
 
 
 class RequestStream:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        n: int,
+        prompt_only: bool = False,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.n = n
+        self.prompt_only = prompt_only  # echo with max_tokens 0: its one token stays hidden
         self.num_finished = 0
         self.num_cached_tokens = 0
         self._pending: dict[int, CompletionOutput] = {}

@@ -231,6 +231,7 @@ def start_generation(
             priority=priority,
             group=base if len(ctx.prompts) > 1 else None,
             lora=ctx.lora,
+            prompt_only=prompt_only,
         )
 
     streams = queue_all(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -220,3 +221,23 @@ async def test_prefix_cache_counters_count_first_lookups_only(aiohttp_client):
         assert value(samples, "prefix_cache_hits_total") == 0
     finally:
         await engine.shutdown()
+
+
+# --------------------------------------------------------------------------- echo, max_tokens 0
+
+
+async def test_echo_with_max_tokens_0_counts_no_generated_token(client):
+    """The engine samples one token the client never sees: neither the counters nor TTFT count
+    it; the prompt and the finished request count."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 0, "echo": True}
+    status, raw = await post(client, "/v1/completions", body)
+    assert status == 200 and orjson.loads(raw)["usage"]["completion_tokens"] == 0
+    samples = await scrape(client)
+    assert value(samples, "generation_tokens_total") == 0
+    assert value(samples, "prompt_tokens_total") == 3
+    assert value(samples, "time_to_first_token_seconds_count") == 0
+    assert value(samples, "request_generation_tokens_count") == 1
+    assert value(samples, "request_generation_tokens_sum") == 0
+    assert value(samples, "request_params_max_tokens_sum") == 0
+    assert value(samples, "e2e_request_latency_seconds_count") == 1
+    assert value(samples, "request_success_total", finished_reason="length") == 1
