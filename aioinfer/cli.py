@@ -33,11 +33,13 @@ app = typer.Typer(
     name="aioinfer",
     help="aioinfer: an LLM inference server for one GPU.",
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 
 API_KEY_ENV = "AIOINFER_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # read when ours is not set, as vLLM reads it
 _POSITIONAL = {"model"}
 
 
@@ -95,11 +97,12 @@ def build_configs(
     if values.get("model") is None:
         values["model"] = ""
     keys = list(values.get("api_key") or [])
-    env_keys = os.environ.get(API_KEY_ENV, "")
+    env_keys = os.environ.get(API_KEY_ENV, os.environ.get(VLLM_API_KEY_ENV, ""))
     keys += [k.strip() for k in env_keys.split(",") if k.strip()]
-    values["api_key"] = tuple(keys)
-    if values.get("allowed_origins") is not None:
-        values["allowed_origins"] = tuple(values["allowed_origins"])
+    values["api_key"] = keys
+    for _cls, f, tp in _config_fields():  # repeatable flags come as lists
+        if typing.get_origin(tp) is tuple and isinstance(values.get(f.name), list):
+            values[f.name] = tuple(values[f.name])
     built = []
     for cls in CONFIG_CLASSES:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -442,10 +445,13 @@ def serve_help(topic: str | None) -> str:
     for name, fields in groups.items():
         if name.lower() == wanted:
             return _describe_group(name, fields)
-    for fields in groups.values():
-        for f, tp in fields:
-            if f.name.replace("_", "-") == wanted:
-                return _describe_field(f, tp)
+    fields = [field for group in groups.values() for field in group]
+    for f, tp in fields:
+        if wanted in (f.name.replace("_", "-"), f"no-{f.name.replace('_', '-')}"):
+            return _describe_field(f, tp)
+    matches = [_describe_field(f, tp) for f, tp in fields if wanted in f.name.replace("_", "-")]
+    if matches:  # a part of flag names, as vLLM's --help=prefix
+        return "\n".join(matches)
     raise KeyError(topic)
 
 
@@ -455,6 +461,8 @@ def _describe_group(name: str, fields: list[tuple[dataclasses.Field[Any], Any]])
 
 def _describe_field(f: dataclasses.Field[Any], tp: Any) -> str:
     name = "MODEL (argument)" if f.name in _POSITIONAL else _flag(f.name)
+    if tp is bool and f.default:
+        name += f" / --no-{f.name.replace('_', '-')}"
     return f"  {name}  [default: {f.default!r}]\n      {f.metadata.get('help', '')}"
 
 
@@ -497,8 +505,32 @@ def main() -> None:
         except KeyError:
             print(f"Unknown help topic {topic!r}.\n\n{serve_help(None)}", file=sys.stderr)
             sys.exit(2)
+        except BrokenPipeError:  # `--help=all | head`
+            sys.stderr.close()
         sys.exit(0)
-    app()
+    if argv and argv[0] == "serve":
+        from aioinfer.vllm_args import translate
+
+        try:
+            serve_args, notes = translate(argv[1:], _takes_value)
+        except ValueError as exc:
+            print(f"Error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        for note in notes:
+            print(f"Note: {note}", file=sys.stderr)
+        argv = ["serve", *serve_args]
+    app(args=argv)
+
+
+def _takes_value(flag: str) -> bool:
+    """Whether one of `serve`'s flags is followed by a value (an unknown one is assumed to
+    be, so that the parser names it rather than taking its value for the model)."""
+    for _cls, f, tp in _config_fields():
+        if flag == _flag(f.name):
+            return tp is not bool
+        if tp is bool and flag == f"--no-{f.name.replace('_', '-')}":
+            return False
+    return flag not in ("--help", "-h")
 
 
 if __name__ == "__main__":

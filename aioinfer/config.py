@@ -15,6 +15,8 @@ from typing import Any
 
 # Sampling defaults a model's generation_config.json (or --override-generation-config) may set.
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# What --override-generation-config may set (the penalties are not generation_config.json keys).
+OVERRIDE_KEYS = (*GENERATION_DEFAULT_KEYS, "presence_penalty", "frequency_penalty")
 
 # The parsers of server/tool_parsers.py and server/reasoning.py (a test keeps the lists the same).
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic")
@@ -92,7 +94,7 @@ class ModelConfig:
         None,
         "Sampling defaults over generation_config.json's, as a JSON object, e.g. "
         '\'{"temperature": 0.6, "max_new_tokens": 512}\' (keys: '
-        + ", ".join(GENERATION_DEFAULT_KEYS)
+        + ", ".join(OVERRIDE_KEYS)
         + ", max_new_tokens); a request's own values win, except that max_new_tokens caps "
         "max_tokens, as in vLLM.",
     )
@@ -159,7 +161,7 @@ class ModelConfig:
         """--override-generation-config as sampling defaults (max_new_tokens: max_tokens);
         raises ValueError naming what is wrong."""
         value = _json_object("override_generation_config", self.override_generation_config)
-        allowed = (*GENERATION_DEFAULT_KEYS, "max_new_tokens")
+        allowed = (*OVERRIDE_KEYS, "max_new_tokens")
         out: dict[str, Any] = {}
         for key, number in (value or {}).items():
             if key not in allowed:
@@ -332,7 +334,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = _opt(
         (),
         "Origins whose browser apps may call the API, as scheme://host[:port] (repeatable, or "
-        "vLLM's JSON list; '*': any). Default: none (vLLM's is '*').",
+        "vLLM's JSON list; '*': any). Default: none, as vLLM's since 0.33 (before, '*').",
     )
     shutdown_timeout: float = _opt(
         10.0,

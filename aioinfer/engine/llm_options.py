@@ -23,7 +23,7 @@ _IGNORED_VLLM_OPTIONS = (
 )
 # vLLM's options that only have one value here, and why.
 _ONE_DEVICE = "one model on one device"
-_FIXED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
+FIXED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
     "tensor_parallel_size": (1, _ONE_DEVICE),
     "pipeline_parallel_size": (1, _ONE_DEVICE),
     "data_parallel_size": (1, _ONE_DEVICE),
@@ -42,7 +42,7 @@ _FIXED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
 def _drop_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     """The options without vLLM's that change nothing here; raises for a value they cannot take."""
     kept = {k: v for k, v in options.items() if k not in _IGNORED_VLLM_OPTIONS}
-    for name, (only, why) in _FIXED_VLLM_OPTIONS.items():
+    for name, (only, why) in FIXED_VLLM_OPTIONS.items():
         value = kept.pop(name, only)
         if value != only and not (only is None and not value):  # {} or "" mean None
             raise ValueError(f"{name} must be {only!r} ({why}), got {value!r}")

@@ -1,0 +1,172 @@
+"""vLLM's `serve` command lines, made ours before the flags are parsed.
+
+What a vLLM user copies from a model card should start the same server or be refused in one
+line that says why: `--model X` is the positional MODEL; flags that take several values in vLLM
+(`--api-key k1 k2`) repeat ours; `--config file.yaml` holds flags as keys; `--max-model-len 32k`
+reads as vLLM reads it; vLLM's flags that change nothing for one model on one device are
+dropped with a note; those that could only hold one value here are checked against it
+(`--tensor-parallel-size 2` is refused, `1` passes). Anything else goes to the parser as typed,
+so a real typo still gets its suggestion.
+
+PURE (no torch).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aioinfer.engine.llm_options import FIXED_VLLM_OPTIONS
+
+_GRAPHS = "CUDA graphs cover every decode batch shape"
+# vLLM flags that change nothing here, with the number of values each takes, and why.
+IGNORED_FLAGS: dict[str, tuple[int, str]] = {
+    "--trust-remote-code": (0, "no code from a model repository is ever run"),
+    "--enable-chunked-prefill": (0, "prompts are always chunked"),
+    "--no-enable-chunked-prefill": (0, "prompts are always chunked"),
+    "--disable-log-stats": (0, "the statistics line is logged only while requests run"),
+    "--disable-log-requests": (0, "requests are logged only with --log-requests"),
+    "--disable-fastapi-docs": (0, "the server publishes only /openapi.json"),
+    "--disable-uvicorn-access-log": (0, "there is no access log"),
+    "--disable-custom-all-reduce": (0, "one device"),
+    "--swap-space": (1, "preempted requests are recomputed, never swapped"),
+    "--max-seq-len-to-capture": (1, _GRAPHS),
+    "--compilation-config": (1, _GRAPHS),
+    "--limit-mm-per-prompt": (1, "the models served take text only"),
+    "--root-path": (1, "routes are served at /; a proxy in front strips its prefix"),
+    "--uvicorn-log-level": (1, "set AIOINFER_LOGGING_LEVEL instead"),
+}
+RENAMED_FLAGS = {"--enable-log-requests": "--log-requests", "--enable-log-outputs": "--log-prompts"}
+# vLLM's nargs="+" flags; ours are repeated instead.
+MULTI_VALUE_FLAGS = ("--api-key", "--lora-modules", "--allowed-origins")
+SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
+               "-dp": "--data-parallel-size", "-q": "--quantization"}  # fmt: skip
+_OPTIMIZATION_LEVEL = re.compile(r"-O\d?$")  # vLLM's -O3 (compilation level)
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgG])")
+_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def translate(argv: list[str], takes_value: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+    """`serve`'s arguments (after "serve") in our spelling, and notes on what was dropped.
+    `takes_value(flag)` says whether one of our flags is followed by a value. Raises
+    ValueError for a vLLM flag at a value that cannot apply here."""
+    args = _expand_config(argv)
+    out: list[str] = []
+    notes: list[str] = []
+    model: str | None = None
+    positional: str | None = None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        flag, eq, inline = arg.partition("=")
+        flag = SHORT_FLAGS.get(flag, flag)
+        value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+        step = 1 if eq else 2
+        if flag == "--model":
+            model, i = value, i + step
+        elif flag in IGNORED_FLAGS or _OPTIMIZATION_LEVEL.match(flag):
+            count, why = IGNORED_FLAGS.get(flag, (int(flag == "-O"), _GRAPHS))
+            notes.append(f"{flag} changes nothing here: {why}")
+            i += 1 if eq else 1 + count
+        elif flag in RENAMED_FLAGS:
+            out.append(RENAMED_FLAGS[flag])
+            i += 1
+        elif (option := flag[2:].replace("-", "_")) in FIXED_VLLM_OPTIONS:
+            if FIXED_VLLM_OPTIONS[option][0] is False:  # a switch: given means on
+                raise ValueError(f"{flag} cannot be on here ({FIXED_VLLM_OPTIONS[option][1]})")
+            _check_fixed(option, flag, value)
+            notes.append(f"{flag} {value} changes nothing here")
+            i += step
+        elif flag == "--max-model-len" and value is not None:
+            out += [flag, _max_model_len(value)]
+            i += step
+        elif flag in MULTI_VALUE_FLAGS and not eq:
+            i += 1
+            while i < len(args) and not args[i].startswith("-"):
+                out += [flag, args[i]]
+                i += 1
+        elif arg.startswith("-"):
+            out.append(arg)
+            has_value = not eq and takes_value(flag) and value is not None
+            if has_value:
+                out.append(value)  # type: ignore[arg-type]
+            i += 2 if has_value else 1
+        else:
+            if positional is not None:
+                raise ValueError(
+                    f"one model only: got {positional!r} and {arg!r} (--served-model-name, "
+                    "several values in vLLM, takes one here)"
+                )
+            positional = arg
+            i += 1
+    if model is not None and positional is not None and model != positional:
+        raise ValueError(f"the model is given twice: {positional!r} and --model {model!r}")
+    chosen = positional or model
+    return ([chosen] if chosen else []) + out, notes
+
+
+def _check_fixed(option: str, flag: str, value: str | None) -> None:
+    only, why = FIXED_VLLM_OPTIONS[option]
+    allowed = {str(only).lower()} | ({"none", ""} if only is None else set())
+    if value is None or value.lower() not in allowed:
+        must = "cannot be set" if only is None else f"must be {only}"
+        raise ValueError(f"{flag} {must} here ({why}), got {value}")
+
+
+def _max_model_len(value: str) -> str:
+    """vLLM's forms: 32k (1000s) and 32K (1024s), 1m/1M; -1 and auto are refused here."""
+    match = _HUMAN_INT.fullmatch(value)
+    if match is not None:
+        return str(int(float(match[1]) * _UNITS[match[2]]))
+    if value in ("-1", "auto"):
+        raise ValueError(
+            f"--max-model-len {value}: leave the flag out for the model's own context (a KV "
+            "cache too small for it is refused with the longest that fits)"
+        )
+    return value
+
+
+def _expand_config(argv: list[str]) -> list[str]:
+    """argv with `--config FILE` replaced by the flags its YAML mapping holds (before the
+    other flags, which win over it as in vLLM)."""
+    for i, arg in enumerate(argv):
+        flag, eq, inline = arg.partition("=")
+        if flag != "--config":
+            continue
+        path = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+        rest = argv[:i] + argv[i + (1 if eq else 2) :]
+        return _config_flags(Path(path)) + rest
+    return argv
+
+
+def _config_flags(path: Path) -> list[str]:
+    import yaml
+
+    try:
+        data: Any = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of flags to values")
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if key == "model":
+            flags += [str(value)]
+        elif isinstance(value, bool):  # a switch
+            if value or flag not in IGNORED_FLAGS:
+                flags.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            for item in value:
+                flags += [flag, str(item)]
+        else:
+            flags += [flag, value if isinstance(value, str) else _json(value)]
+    return flags
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value) if isinstance(value, dict) else str(value)

@@ -1,0 +1,116 @@
+"""vLLM's `serve` command lines as users copy them: translated to ours, dropped with a note
+where they change nothing, refused in one line where they cannot apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aioinfer.cli import _takes_value, build_configs, serve_help
+from aioinfer.config import ModelConfig
+from aioinfer.vllm_args import translate
+from tests.cli.test_cli_help import run_cli
+
+
+def ours(*argv: str) -> list[str]:
+    args, _ = translate(list(argv), _takes_value)
+    return args
+
+
+def test_the_model_flag_is_the_positional_model():
+    assert ours("--model", "Qwen/Q", "--port", "8001") == ["Qwen/Q", "--port", "8001"]
+    assert ours("--port", "8001", "--model=Qwen/Q") == ["Qwen/Q", "--port", "8001"]
+    assert ours("Qwen/Q", "--model", "Qwen/Q") == ["Qwen/Q"]
+    with pytest.raises(ValueError, match="given twice"):
+        ours("Qwen/Q", "--model", "Other/O")
+
+
+def test_flags_that_change_nothing_are_dropped_with_a_note():
+    args, notes = translate(
+        ["M", "--trust-remote-code", "--swap-space", "4", "-tp", "1", "-O3", "-O", "2",
+         "--kv-cache-dtype=auto", "--enable-chunked-prefill", "--seed", "3"],
+        _takes_value,
+    )  # fmt: skip
+    assert args == ["M", "--seed", "3"]
+    assert len(notes) == 7 and "no code from a model repository" in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["M", "--tensor-parallel-size", "2"], "--tensor-parallel-size must be 1 here"),
+        (["M", "-q", "awq"], "--quantization cannot be set here"),
+        (["M", "--skip-tokenizer-init"], "--skip-tokenizer-init cannot be on"),
+        (["M", "--served-model-name", "a", "b"], "--served-model-name"),
+        (["M", "--max-model-len", "auto"], "leave the flag out"),
+    ],
+)
+def test_values_that_cannot_apply_are_refused_in_one_line(argv, message):
+    with pytest.raises(ValueError, match=message):
+        ours(*argv)
+
+
+def test_several_values_after_one_flag_repeat_it_and_lengths_read_as_vllm_reads_them():
+    assert ours("M", "--api-key", "k1", "k2", "--port", "1") == [
+        "M", "--api-key", "k1", "--api-key", "k2", "--port", "1"
+    ]  # fmt: skip
+    assert ours("--lora-modules", "a=/p", "b=/q") == [
+        "--lora-modules",
+        "a=/p",
+        "--lora-modules",
+        "b=/q",
+    ]
+    for value, tokens in (("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("4096", 4096)):
+        assert ours("M", "--max-model-len", value) == ["M", "--max-model-len", str(tokens)]
+    assert ours("M", "--enable-log-requests") == ["M", "--log-requests"]
+    # An unknown flag keeps its value, so that the parser can name it.
+    assert ours("--max-modle-len", "4096", "M") == ["M", "--max-modle-len", "4096"]
+
+
+def test_a_config_file_holds_flags_that_the_command_line_overrides(tmp_path: Path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: Qwen/Q\nport: 8001\nenable-prefix-caching: false\napi_key: [k1, k2]\n"
+        "override-generation-config: {temperature: 0.5}\ntrust-remote-code: true\n"
+    )
+    args, notes = translate(["--config", str(config), "--port", "9000"], _takes_value)
+    assert args == [
+        "Qwen/Q", "--port", "8001", "--no-enable-prefix-caching", "--api-key", "k1",
+        "--api-key", "k2", "--override-generation-config", '{"temperature": 0.5}', "--port", "9000",
+    ]  # fmt: skip
+    assert notes and "--trust-remote-code" in notes[0]
+    with pytest.raises(ValueError, match="--config"):
+        ours("--config", str(tmp_path / "missing.yaml"))
+
+
+def test_vllm_s_key_variable_is_read_when_ours_is_not_set(monkeypatch):
+    monkeypatch.delenv("AIOINFER_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vk")
+    assert build_configs({})[3].api_key == ("vk",)
+    monkeypatch.setenv("AIOINFER_API_KEY", "ak")
+    assert build_configs({})[3].api_key == ("ak",)
+
+
+def test_repeatable_flags_left_at_their_default_are_tuples_so_not_reported_as_changed():
+    _, _, _, server = build_configs({"lora_modules": [], "api_key": []})
+    assert server.lora_modules == () and server.api_key == ()
+
+
+def test_help_finds_flags_by_a_part_of_their_name_and_by_their_negation():
+    assert "--enable-prefix-caching / --no-enable-prefix-caching" in serve_help("prefix")
+    assert serve_help("no-enable-prefix-caching") == serve_help("enable-prefix-caching")
+
+
+def test_the_penalties_are_generation_overrides_too():
+    config = ModelConfig(override_generation_config='{"presence_penalty": 0.5}')
+    assert config.generation_overrides == {"presence_penalty": 0.5}
+
+
+def test_the_command_refuses_in_one_line_before_loading_anything():
+    result = run_cli("serve", "--model", "Qwen/Q", "--tensor-parallel-size", "2")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "Error: --tensor-parallel-size must be 1 here (one model on one device), got 2"
+    )
+    assert run_cli("-h").returncode == 0
