@@ -385,7 +385,9 @@ class Scheduler:
             # A stop token ends the text without its own text (as OpenAI and vLLM), unless
             # asked for.
             if detokenizer is not None and (params.include_stop_str_in_output or not stop_token):
-                check_stops = request.num_output_tokens >= params.min_tokens
+                # As vLLM: the first min_tokens tokens may not end the output, by a stop
+                # string either (the banned stop tokens cannot).
+                check_stops = request.num_output_tokens > params.min_tokens
                 stop_string = detokenizer.update([token_id], check_stop=check_stops)
             status = request.check_stop(token_id, stop_token, stop_string)
             if status is not None:
@@ -395,6 +397,11 @@ class Scheduler:
                 break
         if detokenizer is not None:
             update.text_delta = detokenizer.take_delta(finished=update.finished)
+            if update.finished and request.stop_reason is None and detokenizer.matched_stop:
+                # Found only in the last text (held for a character the output ended in the
+                # middle of): the text is cut there, so the finish says so.
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = detokenizer.matched_stop
         return update
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -90,7 +90,13 @@ class ServerState:
         def text(token_id: int) -> str:
             value = cache.get(token_id)
             if value is None:
-                value = cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+                value = tokenizer.decode([token_id], skip_special_tokens=False)
+                # SentencePiece decoders drop a word's leading space ("▁") at the start of a
+                # text: alone, every token is at the start. Keep it, as the token adds it.
+                piece = tokenizer.convert_ids_to_tokens(token_id)
+                if isinstance(piece, str) and piece.startswith("\u2581") and value[:1] != " ":
+                    value = " " + value
+                cache[token_id] = value
             return value
 
         return text

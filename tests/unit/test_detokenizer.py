@@ -385,3 +385,22 @@ def test_no_delta_ends_in_a_replacement_char_held_before_a_stop_prefix():
         stop=["a", ".a"],
     )  # `stream` asserts that no delta before the end ends in U+FFFD
     assert "".join(result.deltas) == first_stop(text, ["a", ".a"], False)[1]
+
+
+def test_metaspace_token_texts_keep_their_space_so_text_offsets_stay_on_the_text():
+    """A logprob token's text is its own, leading space included (decode([id]) drops it,
+    every token being at the start of its text): completions' text_offset then follows the
+    output text word by word."""
+    from aioinfer.config import ServerConfig
+    from aioinfer.server.logprobs_render import completion_logprobs
+    from aioinfer.server.state import ServerState
+
+    tokenizer = metaspace_tokenizer()
+    prompt = tokenizer.encode("the", add_special_tokens=False)
+    output = tokenizer.encode("hello world stream token", add_special_tokens=False)
+    text = stream(tokenizer, prompt, output).text
+    token_text = ServerState(ServerConfig()).token_text(tokenizer)
+    block, end = completion_logprobs([None] * len(output), output, token_text, 0)
+    assert "".join(block["tokens"]) == text and end == len(text)
+    for token, offset in zip(block["tokens"], block["text_offset"], strict=True):
+        assert text[offset:].startswith(token)

@@ -295,3 +295,60 @@ def test_longrope_requests_past_the_original_context_are_computed_with_the_long_
     assert restarts == {"short": [False], "grows": [False, True], "long": [True], "long2": []}
     assert kv.stats.hits > 0  # "long2" started from "long"'s blocks
     assert kv.pool.num_free_blocks == 63 and not sched.requests
+
+
+def test_a_stop_string_found_only_in_the_last_text_makes_the_finish_a_stop():
+    """The stop string's last character comes in one token with the lead byte of a character
+    the output then ends in the middle of (length): the text is cut at the stop string only
+    when flushed, and the finish agrees with it (stop, the string)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from aioinfer.core.detokenizer import IncrementalDetokenizer
+    from tests.tokenizer_fixtures import bytes_to_unicode
+
+    chars = bytes_to_unicode()  # byte -> the character a byte-level vocabulary writes it as
+    vocab = {chars[b]: b for b in range(256)}
+    vocab["b" + chars[0xE4]] = 256  # "b" and the lead byte of a three-byte character
+    model = models.BPE(vocab, [("b", chars[0xE4])])
+    backend = Tokenizer(model)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokens = [ord("a"), 256]
+    kv = KVCacheManager(64, 4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32)
+    runner = FakeRunner(64, 4, next_token=lambda context: tokens[len(context) - 3])
+    request = Request("r", [5, 6, 7], SamplingParams(stop=["b"]), max_tokens=2)
+    request.detokenizer = IncrementalDetokenizer(tokenizer, [5, 6, 7], stop=["b"])
+    sched.add(request)
+    text = ""
+    while sched.has_work():
+        plan = sched.schedule()
+        for update in sched.apply(plan, runner.execute(plan)):
+            text += update.text_delta
+    assert text == "a"
+    assert (request.finish_reason, request.stop_reason) == ("stop", "b")
+
+
+def test_min_tokens_holds_off_stop_strings_through_its_last_token():
+    """As vLLM: the first min_tokens tokens cannot end the output by a stop string either."""
+    from aioinfer.core.detokenizer import IncrementalDetokenizer
+    from tests.tokenizer_fixtures import byte_token_ids, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    ids = byte_token_ids(tokenizer)
+    tokens = [ids[ord("x")], ids[ord("y")], ids[ord("x")], ids[ord("z")]]
+    results = {}
+    for min_tokens in (0, 1):
+        sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=32)
+        runner = FakeRunner(64, 4, next_token=lambda context: tokens[len(context) - 3])
+        params = SamplingParams(stop=["x"], min_tokens=min_tokens)
+        request = Request("r", [5, 6, 7], params, max_tokens=4)
+        request.detokenizer = IncrementalDetokenizer(tokenizer, [5, 6, 7], stop=["x"])
+        sched.add(request)
+        text = ""
+        while sched.has_work():
+            plan = sched.schedule()
+            text += "".join(u.text_delta for u in sched.apply(plan, runner.execute(plan)))
+        results[min_tokens] = (text, request.num_output_tokens)
+    assert results == {0: ("", 1), 1: ("xy", 3)}
