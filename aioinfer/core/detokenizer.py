@@ -22,12 +22,16 @@ What equality holds (no `clean_up_tokenization_spaces` is applied, as in vLLM):
   `decode(prompt + output)[len(decode(prompt)):]` and keeps the leading space of its first word,
   which `decode(output_ids)` drops. With no visible prompt token (an empty prompt, or one whose
   last tokens end in an unfinished character) it equals `decode(output_ids)`.
-- Byte-fallback decoders (`<0xE4>` tokens) replace a whole invalid byte run in a full decode; a
-  stream that had already emitted a valid character of that run keeps it.
+- Byte-fallback decoders (`<0xE4>` tokens) decode a run of byte tokens as one: invalid as a
+  whole, every byte of it is U+FFFD, so new byte tokens could change how committed ones read.
+  The context therefore never ends in a byte token: a plain token ("a") stands in for it. A
+  stream that had already emitted a valid character of a run keeps it, and the text after a run
+  is never lost; only the count of U+FFFD for invalid bytes may differ from a full decode.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +44,30 @@ _CONTEXT_TOKENS = 6  # prompt tokens decoded as context for the first output tok
 _MAX_PENDING_TOKENS = 8
 _MAX_WINDOW_TOKENS = 32  # bound on context kept across tokens that decode to nothing
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# Plain one-letter tokens, one of which stands in as context for committed byte tokens.
+_ANCHOR_PIECES = ("a", "e", "x")
+
 Decode = Callable[[list[int]], str]
+
+
+def _byte_fallback(tokenizer: Any) -> tuple[Callable[[int], bool], int | None]:
+    """Whether an id is a byte-fallback token (`<0xE4>`), and a plain token to stand in for
+    them as context; (never, None) for tokenizers without byte fallback."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not isinstance(backend, tokenizers.Tokenizer) or not getattr(
+        backend.model, "byte_fallback", False
+    ):
+        return (lambda _: False), None
+    anchor = next(
+        (i for piece in _ANCHOR_PIECES if (i := backend.token_to_id(piece)) is not None), None
+    )
+
+    def is_byte_token(token_id: int) -> bool:
+        piece = backend.id_to_token(token_id)
+        return piece is not None and _BYTE_TOKEN.fullmatch(piece) is not None
+
+    return is_byte_token, anchor
 
 
 def _decode_fn(tokenizer: Any, skip_special_tokens: bool) -> tuple[Decode, frozenset[int]]:
@@ -94,6 +121,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._decode, self._skipped = _decode_fn(tokenizer, skip_special_tokens)
+        self._is_byte_token, self._anchor = _byte_fallback(tokenizer)
         self._stops = _stop_strings(stop)
         self._include_stop = include_stop_str_in_output
         # Characters before new text that a stop string can start in.
@@ -168,6 +196,8 @@ class IncrementalDetokenizer:
                 if len(context) == _CONTEXT_TOKENS:
                     break
         context.reverse()
+        if context and self._anchor is not None and self._is_byte_token(context[-1]):
+            context = [self._anchor]  # as in _advance
         text = self._decode(context) if context else ""
         if text.endswith(REPLACEMENT_CHAR):
             return [], ""
@@ -212,6 +242,10 @@ class IncrementalDetokenizer:
             del self._window[: self._read]
             end -= self._read
             text = last
+        if end and self._anchor is not None and self._is_byte_token(self._window[end - 1]):
+            # Byte tokens after it would join its run and change how it reads.
+            self._window[:end] = [self._anchor]
+            end, text = 1, self._decode([self._anchor])
         self._read = end
         self._prefix_text = text
 

@@ -404,3 +404,40 @@ def test_metaspace_token_texts_keep_their_space_so_text_offsets_stay_on_the_text
     assert "".join(block["tokens"]) == text and end == len(text)
     for token, offset in zip(block["tokens"], block["text_offset"], strict=True):
         assert text[offset:].startswith(token)
+
+
+# ---------------------------------------------------------------- byte fallback (<0xNN> tokens)
+
+
+@functools.cache
+def byte_fallback_tokenizer(decoder: str) -> PreTrainedTokenizerFast:
+    """A Llama-style BPE whose unknown characters are spelled by <0xNN> byte tokens, with
+    transformers' Llama decoder chain or a plain Metaspace one."""
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    for piece in ("▁", "w", "o", "r", "l", "d", "a", "▁w", "▁wo", "▁wor", "▁worl", "▁world"):
+        vocab[piece] = len(vocab)
+    merges = [("▁", "w"), ("▁w", "o"), ("▁wo", "r"), ("▁wor", "l"), ("▁worl", "d")]
+    model = models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True)
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    steps = [decoders.ByteFallback(), decoders.Metaspace()]
+    if decoder == "llama":
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                 decoders.Strip(" ", 1, 0)]  # fmt: skip
+    backend.decoder = decoders.Sequence(steps)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("decoder", ["llama", "metaspace"])
+@pytest.mark.parametrize("run", [8, 11, 12])
+def test_byte_tokens_after_committed_ones_do_not_change_the_text_before_or_after(decoder, run):
+    """An invalid byte, a run of byte tokens, a character in byte tokens, then a word: as a
+    whole run the bytes decode to U+FFFD each, which used to shift the text after them (the
+    word lost letters). The word comes out whole, with its space."""
+    tokenizer = byte_fallback_tokenizer(decoder)
+    byte_id = {b: 2 + b for b in range(256)}
+    output = [byte_id[b] for b in b"\xe1" + b"a" * run + "❤️".encode()]
+    output.append(tokenizer.convert_tokens_to_ids("▁world"))
+    result = stream(tokenizer, [], output)
+    assert result.text.endswith("❤️ world") and "".join(result.deltas) == result.text
+    assert result.text.startswith(REPLACEMENT_CHAR)
