@@ -122,6 +122,53 @@ def test_shape_mismatch_is_named(tmp_path: Path) -> None:
         load_model(resolve_model(str(tmp_path)), torch.float32, CPU)
 
 
+def _set_quantization(folder: Path, method: str) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_quantized_checkpoint_is_refused_when_resolved(tmp_path: Path) -> None:
+    _save(make_variant("llama"), tmp_path)
+    for method in ("fp8", "awq", "gptq", "bitsandbytes", "compressed-tensors"):
+        _set_quantization(tmp_path, method)
+        with pytest.raises(ValueError, match=rf"quant_method '{method}'.*unquantized.*GGUF"):
+            resolve_model(str(tmp_path))
+    # Random weights lose nothing to the quantization: the shapes are all that is read.
+    assert resolve_model(str(tmp_path), load_format="dummy").kind == "dummy"
+
+
+def test_quantized_hub_model_is_refused_before_its_weights_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+
+    make_variant("llama").config.save_pretrained(tmp_path)
+    _set_quantization(tmp_path, "awq")
+    fetched: list[list[str]] = []
+
+    def snapshot_download(repo_id: str, revision: Any, allow_patterns: list[str]) -> str:
+        fetched.append(allow_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(ValueError, match=r"'owner/tiny-awq' is a quantized.*'awq'"):
+        resolve_model("owner/tiny-awq")
+    assert fetched and all("*.safetensors" not in patterns for patterns in fetched)
+
+
+def test_float8_weights_are_refused(tmp_path: Path) -> None:
+    """Without a quantization_config, a float8 tensor would be upcast without its scale."""
+    _save(make_variant("llama"), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+    with pytest.raises(ValueError, match=rf"{name} in .* is float8_e4m3fn.*unquantized"):
+        load_model(resolve_model(str(tmp_path)), torch.float32, CPU)
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=300)
     config.architectures = ["GPT2LMHeadModel"]

@@ -186,9 +186,18 @@ def _resolve_bundled(model: str, folder: Path) -> ResolvedModel:
 
 
 def _resolve_hub(model: str, revision: str | None, load_format: str) -> ResolvedModel:
+    folder = _fetch(model, revision, HUB_PATTERNS)
+    if load_format != "dummy":
+        # The config comes first, so that a checkpoint we cannot load is refused before
+        # gigabytes of its weights download.
+        _refuse_quantized(read_hf_config(folder), model)
+        folder = _fetch(model, revision, HUB_PATTERNS + WEIGHT_PATTERNS)
+    return _resolve_folder(folder, served_name=model, load_format=load_format)
+
+
+def _fetch(model: str, revision: str | None, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
-    patterns = HUB_PATTERNS if load_format == "dummy" else HUB_PATTERNS + WEIGHT_PATTERNS
     try:
         folder = snapshot_download(model, revision=revision, allow_patterns=patterns)
     except Exception as exc:  # the hub client raises a dozen types; all mean "cannot get it"
@@ -196,7 +205,7 @@ def _resolve_hub(model: str, revision: str | None, load_format: str) -> Resolved
             f"model {model!r} is not a local folder or .gguf file, and fetching it from the "
             f"Hugging Face hub failed: {exc}"
         ) from exc
-    return _resolve_folder(Path(str(folder)), served_name=model, load_format=load_format)
+    return Path(str(folder))
 
 
 def _resolve_folder(folder: Path, served_name: str, load_format: str) -> ResolvedModel:
@@ -205,6 +214,9 @@ def _resolve_folder(folder: Path, served_name: str, load_format: str) -> Resolve
     if load_format == "gguf":
         raise ValueError(f"load_format 'gguf' needs a .gguf file, got the folder {folder}")
     dummy = load_format == "dummy"
+    hf_config = read_hf_config(folder)
+    if not dummy:  # random weights have no quantization to lose
+        _refuse_quantized(hf_config, served_name)
     if not dummy and not any(folder.glob("*.safetensors")):
         raise ValueError(
             f"model folder {folder} holds no *.safetensors weights (only safetensors and GGUF "
@@ -213,9 +225,27 @@ def _resolve_folder(folder: Path, served_name: str, load_format: str) -> Resolve
     return ResolvedModel(
         kind="dummy" if dummy else "folder",
         folder=folder,
-        hf_config=read_hf_config(folder),
+        hf_config=hf_config,
         served_name=served_name,
         generation_config=read_json(folder / "generation_config.json"),
+    )
+
+
+def _refuse_quantized(hf_config: PretrainedConfig, name: str) -> None:
+    """A quantized checkpoint (fp8, AWQ, GPTQ, bitsandbytes, compressed-tensors, ...) stores
+    packed or scaled weights that only make sense with its kernels: loaded as plain weights it
+    would fail on missing tensors or, worse, run and answer garbage. Refuse it up front."""
+    # Older compressed-tensors checkpoints name it compression_config.
+    quantization = getattr(hf_config, "quantization_config", None) or getattr(
+        hf_config, "compression_config", None
+    )
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    raise ValueError(
+        f"model {name!r} is a quantized checkpoint (quant_method {method or 'unknown'!r} in its "
+        "config.json), which aioinfer cannot load: serve an unquantized checkpoint (float16, "
+        "bfloat16 or float32 safetensors) or a GGUF file instead"
     )
 
 

@@ -47,7 +47,21 @@ def iter_safetensors(folder: Path, wanted: Container[str]) -> Iterator[tuple[str
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 target = name if name in wanted else f"model.{name}"
                 if target in wanted:
-                    yield target, f.get_tensor(name)
+                    yield target, _unscaled(f.get_tensor(name), name, path)
+
+
+def _unscaled(tensor: torch.Tensor, name: str, path: Path) -> torch.Tensor:
+    """`tensor`, unless it is a float8 (or packed float4) one: those mean nothing without the
+    scale tensors of a quantized checkpoint, and converting them to the model's dtype would
+    silently give garbage."""
+    # The floats of one byte: float8 e4m3fn, e5m2, their fnuz kinds, e8m0, float4_e2m1fn_x2.
+    if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1:
+        raise ValueError(
+            f"weight {name} in {path} is {str(tensor.dtype).removeprefix('torch.')}: an fp8 or fp4 "
+            "checkpoint needs its scales, which aioinfer does not apply; serve an unquantized "
+            "checkpoint (float16, bfloat16 or float32 safetensors) or a GGUF file instead"
+        )
+    return tensor
 
 
 def check_safetensors_file(path: Path) -> None:
