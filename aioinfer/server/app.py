@@ -131,7 +131,13 @@ async def _create_engine(
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        logger.exception("the engine failed to start")
+        if isinstance(exc, ValueError):
+            # A configuration the model cannot serve (a bad path, a --max-model-len too long,
+            # an unsupported architecture): the message says what to change; a traceback of
+            # our own validation code would only bury it.
+            logger.error("the engine failed to start: %s", exc)
+        else:
+            logger.exception("the engine failed to start")
         state.set_startup_error(exc)
         if on_fatal is not None:
             on_fatal(exc)

@@ -147,6 +147,7 @@ async def _serve(
     from aioinfer.core.lora import LoRARequest
     from aioinfer.engine.async_engine import AsyncEngine
     from aioinfer.server.app import create_app, drain
+    from aioinfer.server.state import STATE
 
     started_at = started_at if started_at is not None else time.perf_counter()
     stop = asyncio.Event()
@@ -173,7 +174,8 @@ async def _serve(
 
     def on_fatal(error: BaseException) -> None:
         nonlocal exit_code
-        logger.error("engine failed, shutting down: %r", error)
+        if app[STATE].startup_error is None:  # a failed start was logged where it happened
+            logger.error("engine failed, shutting down: %r", error)
         exit_code = 1
         stop.set()
 

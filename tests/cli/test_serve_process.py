@@ -143,3 +143,20 @@ def test_a_port_in_use_is_refused_in_one_line(tiny_model_dir):
     assert f"Cannot listen on http://127.0.0.1:{port}: " in proc.output
     assert "address already in use" in proc.output
     assert "Traceback" not in proc.output
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "message"),
+    [
+        ("missing", (), "does not exist"),
+        ("tiny", ("--max-model-len", "100000"), r"max_model_len \(100000\) is larger than"),
+    ],
+)
+def test_a_configuration_error_exits_with_one_line(tiny_model_dir, tmp_path, model, flags, message):
+    path = tiny_model_dir if model == "tiny" else tmp_path / "missing"
+    proc = ServeProcess([str(path), "--host", "127.0.0.1", "--port", str(free_port()), *flags])
+    code, _ = proc.wait_exit(120)
+    assert code == 1, proc.output
+    errors = [line for line in proc.lines if "ERROR" in line]
+    assert len(errors) == 1 and re.search(f"the engine failed to start: .*{message}", errors[0])
+    assert "Traceback" not in proc.output

@@ -5,6 +5,7 @@ shutdown."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
@@ -55,6 +56,36 @@ async def test_startup_failure_is_reported(aiohttp_client):
     response = await client.get("/health")
     assert "no weights" in error_of(await response.read(), 503)["message"]
     assert [str(e) for e in errors] == ["no weights"]
+
+
+async def test_a_configuration_error_is_logged_in_one_line(aiohttp_client, caplog):
+    """A ValueError is what the configuration checks raise: its message, no traceback. Any
+    other error is a bug, whose traceback is kept."""
+
+    async def factory():
+        raise ValueError("max_model_len (9999) is larger than the model's maximum length")
+
+    caplog.set_level(logging.ERROR, logger="aioinfer")
+    app = create_app(factory)
+    await aiohttp_client(app)
+    with pytest.raises(ValueError):
+        await asyncio.wait_for(wait_for_engine(app), 5)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "the engine failed to start: max_model_len (9999) is larger than the model's maximum length"
+    )
+    assert record.exc_info is None
+
+    async def buggy():
+        raise KeyError("layers")
+
+    caplog.clear()
+    app = create_app(buggy)
+    await aiohttp_client(app)
+    with pytest.raises(KeyError):
+        await asyncio.wait_for(wait_for_engine(app), 5)
+    [record] = caplog.records
+    assert record.getMessage() == "the engine failed to start" and record.exc_info is not None
 
 
 async def test_engine_death_500_in_flight_then_503(aiohttp_client):
