@@ -129,6 +129,9 @@ class ModelRunner:
                 "LoRA adapters serve text generation: --enable-lora needs a generating model"
             )
 
+        # A config-only check: it must not wait for minutes of weight loading.
+        self.max_model_len = sizing.max_model_len(hf_config, model_config.max_model_len)
+
         start = time.perf_counter()
         mem_before = memory.device_memory_used(self.device)
         self.model = load_model(
@@ -148,7 +151,6 @@ class ModelRunner:
         logger.debug("memory used before weights: %.2f GiB", mem_before / GiB)
 
         self.vocab_size = int(hf_config.vocab_size)
-        self.max_model_len = sizing.max_model_len(hf_config, model_config.max_model_len)
         longrope_original = sizing.longrope_original(hf_config)
         budget = scheduler_config.max_num_batched_tokens or memory.default_token_budget(
             self.device, offline

@@ -169,6 +169,26 @@ def test_float8_weights_are_refused(tmp_path: Path) -> None:
         load_model(resolve_model(str(tmp_path)), torch.float32, CPU)
 
 
+def test_a_too_long_max_model_len_is_refused_before_the_weights_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+    from aioinfer.gpu.runner import ModelRunner
+    from aioinfer.model import loader
+
+    _save(make_variant("llama"), tmp_path)  # max_position_embeddings 256
+
+    def load_model(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the weights load before max_model_len is checked")
+
+    monkeypatch.setattr(loader, "load_model", load_model)
+    model_config = ModelConfig(model=str(tmp_path), device="cpu", max_model_len=257)
+    with pytest.raises(ValueError, match=r"max_model_len \(257\) is larger .*=256\)"):
+        ModelRunner(
+            ModelRunner.resolve(model_config), model_config, CacheConfig(), SchedulerConfig()
+        )
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=300)
     config.architectures = ["GPT2LMHeadModel"]
