@@ -85,6 +85,13 @@ def _no_passphrase() -> str:
 
 def _tls_context(config: ServerConfig) -> ssl.SSLContext:
     assert config.ssl_certfile is not None
+    # OpenSSL's "[Errno 2] No such file or directory" does not say which file it missed.
+    for flag, path in (
+        ("--ssl-certfile", config.ssl_certfile),
+        ("--ssl-keyfile", config.ssl_keyfile),
+    ):
+        if path is not None and not os.path.isfile(path):
+            raise SystemExit(f"Cannot load {flag} {path}: no such file")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile, password=_no_passphrase)
@@ -97,7 +104,10 @@ def _tls_context(config: ServerConfig) -> ssl.SSLContext:
         hint = (
             "" if config.ssl_keyfile else " (no --ssl-keyfile: is the key in the certificate file?)"
         )
-        raise SystemExit(f"Cannot load --ssl-certfile / --ssl-keyfile: {exc}{hint}") from None
+        files = f"--ssl-certfile {config.ssl_certfile}"
+        if config.ssl_keyfile:
+            files += f" / --ssl-keyfile {config.ssl_keyfile}"
+        raise SystemExit(f"Cannot load {files}: {exc}{hint}") from None
     return context
 
 

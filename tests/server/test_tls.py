@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import ssl
 import subprocess
@@ -91,6 +92,21 @@ def test_an_encrypted_key_is_refused_with_what_to_do(tmp_path):
 def test_a_key_without_a_certificate_or_a_bad_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="ssl_keyfile needs ssl_certfile"):
         ServerConfig(ssl_keyfile="key.pem")
-    config = ServerConfig(ssl_certfile=str(tmp_path / "missing.pem"))
-    with pytest.raises(SystemExit, match="Cannot load --ssl-certfile"):
-        make_site(web.AppRunner(web.Application()), config)
+    runner = web.AppRunner(web.Application())
+    missing = tmp_path / "missing.pem"
+    with pytest.raises(
+        SystemExit, match=f"Cannot load --ssl-certfile {re.escape(str(missing))}: no such file"
+    ):
+        make_site(runner, ServerConfig(ssl_certfile=str(missing)))
+    # The file that is missing is named, whichever it is.
+    present = tmp_path / "cert.pem"
+    present.write_text("not a certificate")
+    config = ServerConfig(ssl_certfile=str(present), ssl_keyfile=str(missing))
+    with pytest.raises(
+        SystemExit, match=f"Cannot load --ssl-keyfile {re.escape(str(missing))}: no such file"
+    ):
+        make_site(runner, config)
+    with pytest.raises(
+        SystemExit, match=f"Cannot load --ssl-certfile {re.escape(str(present))}: .*PEM"
+    ):
+        make_site(runner, ServerConfig(ssl_certfile=str(present)))
