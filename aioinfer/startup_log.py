@@ -88,15 +88,28 @@ def log_engine_started(engine: Any) -> None:
         )
     else:
         logger.info("CUDA graphs are off: %s; every step runs eagerly.", info.graphs_off_reason)
-    if engine.default_sampling:
-        logger.info(
-            "Default sampling parameters have been overridden by the model's generation config: %s",
-            engine.default_sampling,
-        )
+    _log_default_sampling(engine.default_sampling, mc.generation_overrides)
     logger.info(
         "init engine (profile, create kv cache, warmup model) took %.2f seconds",
         info.init_seconds,
     )
+
+
+def _log_default_sampling(defaults: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Where the sampling defaults come from. The model's generation_config.json changes what
+    a request without those fields gets, unasked: a warning, as in vLLM. What
+    --override-generation-config set was asked for, and is reported under its own name."""
+    from_model = {k: v for k, v in defaults.items() if k not in overrides}
+    if from_model:
+        logger.warning(
+            "Default sampling parameters have been overridden by the model's generation config: "
+            "%s (--generation-config vllm ignores it)",
+            from_model,
+        )
+    if overrides:
+        logger.info(
+            "Default sampling parameters set by --override-generation-config: %s", overrides
+        )
 
 
 async def log_stats_periodically(engine: Any, interval: float) -> None:

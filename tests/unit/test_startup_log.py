@@ -5,9 +5,11 @@ import logging
 import re
 from types import SimpleNamespace
 
+from aioinfer.config import CacheConfig, ModelConfig
 from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.scheduler import Scheduler
-from aioinfer.startup_log import log_stats_periodically, setup_logging
+from aioinfer.gpu.runner import RunnerInfo
+from aioinfer.startup_log import log_engine_started, log_stats_periodically, setup_logging
 
 
 async def test_periodic_stats_line_only_while_busy(caplog):
@@ -46,3 +48,47 @@ def test_log_lines_off_a_terminal_are_plain_and_unpadded(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1
     assert re.fullmatch(r"\d\d:\d\d:\d\d INFO     KV cache size: 1024 tokens", lines[0])
+
+
+def _started_engine(default_sampling: dict, **model: object) -> SimpleNamespace:
+    info = RunnerInfo(
+        served_name="m", device="cpu", dtype="float32", vocab_size=512, max_model_len=64,
+        max_num_seqs=4, max_num_batched_tokens=64, num_blocks=9, block_size=16,
+        attention_backend="torch", eos_token_ids=(1,), default_sampling=default_sampling,
+        weights_load_seconds=0.0, model_load_seconds=0.0, weights_gib=0.0, available_kv_gib=0.0,
+        graphs_off_reason="on the CPU",
+    )  # fmt: skip
+    return SimpleNamespace(
+        info=info,
+        model_config=ModelConfig(model="m", **model),
+        cache_config=CacheConfig(),
+        model_name="m",
+        default_sampling=default_sampling,
+    )
+
+
+def test_sampling_defaults_are_logged_under_their_source(caplog):
+    """The model's generation config changing the defaults unasked is a warning (as in vLLM);
+    what --override-generation-config set is not the model's, and was asked for."""
+    caplog.set_level(logging.INFO, logger="aioinfer")
+    overrides = '{"temperature": 0.2, "max_new_tokens": 64}'
+    defaults = {"temperature": 0.2, "top_p": 0.8, "max_tokens": 64}  # top_p: the model's
+    log_engine_started(_started_engine(defaults, override_generation_config=overrides))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "sampling" in r.getMessage()]
+    assert lines == [
+        (
+            "WARNING",
+            "Default sampling parameters have been overridden by the model's generation "
+            "config: {'top_p': 0.8} (--generation-config vllm ignores it)",
+        ),
+        (
+            "INFO",
+            "Default sampling parameters set by --override-generation-config: "
+            "{'temperature': 0.2, 'max_tokens': 64}",
+        ),
+    ]
+
+    caplog.clear()
+    asked_only = {"temperature": 0.2, "max_tokens": 64}  # the model's config sets nothing
+    log_engine_started(_started_engine(asked_only, override_generation_config=overrides))
+    assert not [r for r in caplog.records if "model's generation config" in r.getMessage()]
