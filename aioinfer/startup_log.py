@@ -4,15 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
 logger = logging.getLogger("aioinfer")
 
+# The level `aioinfer serve` logs at (vLLM's VLLM_LOGGING_LEVEL); INFO when unset.
+LOGGING_LEVEL_ENV = "AIOINFER_LOGGING_LEVEL"
+LOGGING_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-def setup_logging(level: str = "INFO") -> None:
+
+def logging_level_from_env() -> str:
+    """AIOINFER_LOGGING_LEVEL in upper case, INFO when unset; ValueError for another value."""
+    value = os.environ.get(LOGGING_LEVEL_ENV, "").strip()
+    if not value:
+        return "INFO"
+    if value.upper() not in LOGGING_LEVELS:
+        raise ValueError(
+            f"{LOGGING_LEVEL_ENV} must be one of {', '.join(LOGGING_LEVELS)}, got {value!r}"
+        )
+    return value.upper()
+
+
+def setup_logging(level: str | None = None) -> None:
+    """Log to stderr at `level`; None: the level AIOINFER_LOGGING_LEVEL names (ValueError for
+    one it does not know)."""
     import sys
 
+    if level is None:
+        level = logging_level_from_env()
     handler: logging.Handler
     if sys.stderr.isatty():
         from rich.console import Console

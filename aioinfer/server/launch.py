@@ -118,8 +118,13 @@ def run_server(
     server_config: ServerConfig,
     started_at: float | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (returns 0) or an engine failure (returns 1)."""
-    setup_logging()
+    """Serve until SIGTERM/SIGINT (returns 0) or an engine failure (returns 1); 2 when
+    AIOINFER_LOGGING_LEVEL names no level."""
+    try:
+        setup_logging()
+    except ValueError as exc:  # worded as the command line's own errors
+        print(f"Error: {exc}", file=sys.stderr)
+        return 2
     args = non_default_args(model_config, cache_config, scheduler_config, server_config)
     if "api_key" in args:
         args["api_key"] = f"<{len(server_config.api_key)} key(s)>"

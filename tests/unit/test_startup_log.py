@@ -50,6 +50,37 @@ def test_log_lines_off_a_terminal_are_plain_and_unpadded(capsys):
     assert re.fullmatch(r"\d\d:\d\d:\d\d INFO     KV cache size: 1024 tokens", lines[0])
 
 
+def test_the_log_level_comes_from_the_environment(capsys, monkeypatch):
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    monkeypatch.setenv("AIOINFER_LOGGING_LEVEL", "warning")
+    try:
+        setup_logging()
+        logging.getLogger("aioinfer").info("an info line")
+        logging.getLogger("aioinfer").warning("a warning line")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].endswith("WARNING  a warning line")
+
+
+def test_an_unknown_log_level_is_one_error(capsys, monkeypatch):
+    from aioinfer.config import SchedulerConfig, ServerConfig
+    from aioinfer.server import launch
+
+    async def serve(*args):
+        raise AssertionError("the server starts")
+
+    monkeypatch.setattr(launch, "_serve", serve)
+    monkeypatch.setenv("AIOINFER_LOGGING_LEVEL", "verbose")
+    configs = ModelConfig(), CacheConfig(), SchedulerConfig(), ServerConfig()
+    assert launch.run_server(*configs) == 2
+    assert capsys.readouterr().err == (
+        "Error: AIOINFER_LOGGING_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, got 'verbose'\n"
+    )
+
+
 def _started_engine(default_sampling: dict, **model: object) -> SimpleNamespace:
     info = RunnerInfo(
         served_name="m", device="cpu", dtype="float32", vocab_size=512, max_model_len=64,
