@@ -28,7 +28,7 @@ FIXED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
     "pipeline_parallel_size": (1, _ONE_DEVICE),
     "data_parallel_size": (1, _ONE_DEVICE),
     "distributed_executor_backend": (None, _ONE_DEVICE),
-    "quantization": (None, "weights load unquantized; GGUF files are dequantized"),
+    "quantization": (None, "quantized checkpoints are refused; GGUF files are dequantized"),
     "kv_cache_dtype": ("auto", "the KV cache takes the model's dtype"),
     "cpu_offload_gb": (0, "the weights stay on the device"),
     "tokenizer_mode": ("auto", "fast tokenizers only"),

@@ -117,7 +117,9 @@ def test_vllm_options_and_a_running_event_loop(tiny, tmp_path):
     path = llm.engine.model_config.model
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
         LLM(path, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"quantization must be None \(weights load unquantized"):
+    with pytest.raises(
+        ValueError, match=r"quantization must be None \(quantized checkpoints are refused"
+    ):
         LLM(path, quantization="awq")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(path, kv_cache_dtype="fp8")
