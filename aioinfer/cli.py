@@ -379,7 +379,7 @@ def plan(
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     revision: str = _config_option("revision"),
-    served_model_name: str = _config_option("served_model_name"),
+    served_model_name: list[str] = _config_option("served_model_name"),
     dtype: str = _config_option("dtype"),
     device: str = _config_option("device"),
     max_model_len: int = _config_option("max_model_len"),

@@ -70,7 +70,11 @@ class ModelConfig:
     model: str = _opt(
         "", "Hugging Face hub id, local folder or .gguf file. Empty: the bundled SmolLM2-135M."
     )
-    served_model_name: str | None = _opt(None, "Model name in the API (default: from the model).")
+    served_model_name: tuple[str, ...] = _opt(
+        (),
+        "Model name in the API (default: from the model). Repeatable, or several names after "
+        "the flag as in vLLM: responses carry the first, requests may name any.",
+    )
     tokenizer: str | None = _opt(None, "Tokenizer hub id or folder (default: the model's).")
     dtype: str = _opt(
         "auto", "auto (bfloat16 on GPU, float32 on CPU), float32 (float), bfloat16, float16 (half)."
@@ -130,6 +134,10 @@ class ModelConfig:
     max_lora_rank: int = _opt(64, "Largest LoRA rank an adapter may have.")
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        # One name as a string (vLLM's LLM(served_model_name=...) takes one or a list).
+        names = () if not names else (names,) if isinstance(names, str) else tuple(names)
+        object.__setattr__(self, "served_model_name", names)
         # vLLM's (and torch's) other names for the same types.
         aliases = {"half": "float16", "float": "float32"}
         object.__setattr__(self, "dtype", aliases.get(self.dtype, self.dtype))

@@ -256,7 +256,7 @@ def make_plan(
         available = int(cache_config.kv_cache_memory * GiB)
         num_blocks = available // per_block
     return MemoryPlan(
-        served_name=model_config.served_model_name or resolved.served_name,
+        served_name=(model_config.served_model_name or (resolved.served_name,))[0],
         device=device,
         dtype=dtype,
         num_parameters=num_params,

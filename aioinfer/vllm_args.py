@@ -40,7 +40,7 @@ IGNORED_FLAGS: dict[str, tuple[int, str]] = {
 }
 RENAMED_FLAGS = {"--enable-log-requests": "--log-requests", "--enable-log-outputs": "--log-prompts"}
 # vLLM's nargs="+" flags; ours are repeated instead.
-MULTI_VALUE_FLAGS = ("--api-key", "--lora-modules", "--allowed-origins")
+MULTI_VALUE_FLAGS = ("--api-key", "--lora-modules", "--allowed-origins", "--served-model-name")
 SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
                "-dp": "--data-parallel-size", "-q": "--quantization"}  # fmt: skip
 _OPTIMIZATION_LEVEL = re.compile(r"-O\d?$")  # vLLM's -O3 (compilation level)
@@ -95,10 +95,7 @@ def translate(argv: list[str], takes_value: Callable[[str], bool]) -> tuple[list
             i += 2 if has_value else 1
         else:
             if positional is not None:
-                raise ValueError(
-                    f"one model only: got {positional!r} and {arg!r} (--served-model-name, "
-                    "several values in vLLM, takes one here)"
-                )
+                raise ValueError(f"one model only: got {positional!r} and {arg!r}")
             positional = arg
             i += 1
     if model is not None and positional is not None and model != positional:

@@ -212,7 +212,14 @@ class AsyncEngine:
 
     @property
     def model_name(self) -> str:
-        return self.model_config.served_model_name or self.info.served_name
+        """The name responses carry: the first served name, else the model's own."""
+        names = self.model_config.served_model_name
+        return names[0] if names else self.info.served_name
+
+    @property
+    def model_aliases(self) -> tuple[str, ...]:
+        """The other names requests may give the served model (--served-model-name a b)."""
+        return self.model_config.served_model_name[1:]
 
     @property
     def is_healthy(self) -> bool:

@@ -86,6 +86,8 @@ async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngi
     else:
         req = kind.parse(data)
     check_model(req.model, engine)
+    if req.model in engine.model_aliases:
+        req.model = engine.model_name  # as vLLM: responses carry the first served name
     return engine, req
 
 
@@ -168,8 +170,9 @@ def _too_large(size: int, limit: int) -> str:
 
 def check_model(name: str | None, engine: AsyncEngine) -> None:
     """404 unless `name` is the served model or one of its LoRA adapters (or not given)."""
-    if name and name != engine.model_name and name not in engine.loras.slots:
-        valid = ", ".join([engine.model_name, *engine.loras.slots])
+    names = (engine.model_name, *engine.model_aliases)
+    if name and name not in names and name not in engine.loras.slots:
+        valid = ", ".join([*names, *engine.loras.slots])
         raise NotFoundError(
             f"The model `{name}` does not exist. Valid models: {valid}.", param="model"
         )

@@ -90,7 +90,7 @@ async def openapi(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.serving_engine()
-    names = [engine.model_name, *engine.loras.slots]
+    names = [engine.model_name, *engine.model_aliases, *engine.loras.slots]
     cards = [_model_card(state, engine, name) for name in names]
     return json_response({"object": "list", "data": cards})
 
@@ -106,7 +106,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
 def _model_card(state: ServerState, engine: AsyncEngine, name: str) -> ModelCard:
     """The served model's card, or a LoRA adapter's (its parent: the served model)."""
     card = model_card(name, engine.max_model_len, state.created)
-    if name != engine.model_name:
+    if name in engine.loras.slots:
         card["root"] = engine.loras.paths.get(name, name)
         card["parent"] = engine.model_name
     return card

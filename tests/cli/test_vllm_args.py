@@ -42,7 +42,6 @@ def test_flags_that_change_nothing_are_dropped_with_a_note():
         (["M", "--tensor-parallel-size", "2"], "--tensor-parallel-size must be 1 here"),
         (["M", "-q", "awq"], "--quantization cannot be set here"),
         (["M", "--skip-tokenizer-init"], "--skip-tokenizer-init cannot be on"),
-        (["M", "--served-model-name", "a", "b"], "--served-model-name"),
         (["M", "--max-model-len", "auto"], "leave the flag out"),
     ],
 )
@@ -114,3 +113,12 @@ def test_the_command_refuses_in_one_line_before_loading_anything():
         "Error: --tensor-parallel-size must be 1 here (one model on one device), got 2"
     )
     assert run_cli("-h").returncode == 0
+
+
+def test_several_served_names_are_aliases_of_the_first():
+    assert ours("M", "--served-model-name", "a", "b") == [
+        "M", "--served-model-name", "a", "--served-model-name", "b"
+    ]  # fmt: skip
+    model, _, _, _ = build_configs({"served_model_name": ["a", "b"]})
+    assert model.served_model_name == ("a", "b")
+    assert ModelConfig(served_model_name="one").served_model_name == ("one",)

@@ -100,11 +100,12 @@ async def build_engine(
     hang_at_step: int | None = None,
     release: threading.Event | None = None,
     step_timeout: float | None = None,
+    served_model_name: tuple[str, ...] = (),
     **sched: Any,
 ) -> AsyncEngine:
     """`pooler`: a PoolerConfig, for an engine that serves embeddings."""
     return await AsyncEngine.create(
-        ModelConfig(model="fake"),
+        ModelConfig(model="fake", served_model_name=served_model_name),
         CacheConfig(block_size=BLOCK_SIZE),
         SchedulerConfig(**{"max_num_batched_tokens": 256, **sched}),
         runner_factory=ServerRunnerFactory(

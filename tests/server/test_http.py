@@ -542,3 +542,20 @@ async def test_json_content_type_with_utf8_charset_is_fine(client):
         headers={"Content-Type": "Application/JSON; charset=UTF-8"},
     )
     assert response.status == 200
+
+
+async def test_several_served_names_answer_as_the_first(aiohttp_client):
+    engine = await build_engine(served_model_name=("first", "second"))
+    try:
+        client = await aiohttp_client(create_app(engine, ServerConfig()))
+        _, raw = await post(
+            client, "/v1/completions", {"prompt": [5], "max_tokens": 2, "model": "second"}
+        )
+        assert orjson.loads(raw)["model"] == "first"
+        cards = (await (await client.get("/v1/models")).json())["data"]
+        assert [(c["id"], c["parent"]) for c in cards] == [("first", None), ("second", None)]
+        assert (await client.get("/v1/models/second")).status == 200
+        _, raw = await post(client, "/v1/completions", {"prompt": [5], "model": "third"})
+        assert "Valid models: first, second" in error_of(raw, 404)["message"]
+    finally:
+        await engine.shutdown()
