@@ -447,7 +447,8 @@ def serve_help(topic: str | None) -> str:
             return _describe_group(name, fields)
     fields = [field for group in groups.values() for field in group]
     for f, tp in fields:
-        if wanted in (f.name.replace("_", "-"), f"no-{f.name.replace('_', '-')}"):
+        negation = f"no-{f.name.replace('_', '-')}" if tp is bool and f.default else None
+        if wanted in (f.name.replace("_", "-"), negation):
             return _describe_field(f, tp)
     matches = [_describe_field(f, tp) for f, tp in fields if wanted in f.name.replace("_", "-")]
     if matches:  # a part of flag names, as vLLM's --help=prefix
@@ -512,7 +513,7 @@ def main() -> None:
         from aioinfer.vllm_args import translate
 
         try:
-            serve_args, notes = translate(argv[1:], _takes_value)
+            serve_args, notes = translate(argv[1:], _flag_kind)
         except ValueError as exc:
             print(f"Error: {exc}", file=sys.stderr)
             sys.exit(2)
@@ -522,16 +523,13 @@ def main() -> None:
     app(args=argv)
 
 
-def _takes_value(flag: str) -> bool:
-    """Whether one of `serve`'s flags is followed by a value (an unknown one is assumed to
-    be, so that the parser names it rather than taking its value for the model)."""
+def _flag_kind(flag: str) -> str | None:
+    """What one of `serve`'s flags is: "value" (followed by one), "switch" (on when given),
+    "negatable" (with a --no- form) or None when it is not one of ours."""
     for _cls, f, tp in _config_fields():
-        if flag == _flag(f.name):
-            return tp is not bool
-        if tp is bool and flag == f"--no-{f.name.replace('_', '-')}":
-            return False
-    return flag not in ("--help", "-h")
-
-
-if __name__ == "__main__":
-    main()
+        name = f.name.replace("_", "-")
+        if flag == f"--{name}":
+            return ("negatable" if f.default else "switch") if tp is bool else "value"
+        if tp is bool and f.default and flag == f"--no-{name}":
+            return "switch"
+    return None

@@ -48,22 +48,34 @@ _HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgG])")
 _UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
-def translate(argv: list[str], takes_value: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+# What one of our flags is: followed by a value, an on-switch, a switch with a --no- form, or
+# None for a flag we do not have.
+FlagKind = Callable[[str], "str | None"]
+
+
+def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
     """`serve`'s arguments (after "serve") in our spelling, and notes on what was dropped.
-    `takes_value(flag)` says whether one of our flags is followed by a value. Raises
-    ValueError for a vLLM flag at a value that cannot apply here."""
-    args = _expand_config(argv)
+    `kind(flag)`: "value", "switch", "negatable" or None (not ours). Raises ValueError for a
+    vLLM flag at a value that cannot apply here."""
+    args = _expand_config(argv, kind)
     out: list[str] = []
     notes: list[str] = []
     model: str | None = None
     positional: str | None = None
+    model_flag = any(a == "--model" or a.startswith("--model=") for a in args)
     i = 0
     while i < len(args):
         arg = args[i]
+        if not arg.startswith("-"):
+            if positional is not None and arg != positional:
+                raise ValueError(f"one model only: got {positional!r} and {arg!r}")
+            positional, i = arg, i + 1
+            continue
         flag, eq, inline = arg.partition("=")
         flag = SHORT_FLAGS.get(flag, flag)
         value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
         step = 1 if eq else 2
+        option = flag[2:].replace("-", "_")
         if flag == "--model":
             model, i = value, i + step
         elif flag in IGNORED_FLAGS or _OPTIMIZATION_LEVEL.match(flag):
@@ -71,9 +83,10 @@ def translate(argv: list[str], takes_value: Callable[[str], bool]) -> tuple[list
             notes.append(f"{flag} changes nothing here: {why}")
             i += 1 if eq else 1 + count
         elif flag in RENAMED_FLAGS:
-            out.append(RENAMED_FLAGS[flag])
+            if not eq or inline.lower() not in ("false", "0", "no", "off"):
+                out.append(RENAMED_FLAGS[flag])
             i += 1
-        elif (option := flag[2:].replace("-", "_")) in FIXED_VLLM_OPTIONS:
+        elif flag.startswith("--") and option in FIXED_VLLM_OPTIONS:
             if FIXED_VLLM_OPTIONS[option][0] is False:  # a switch: given means on
                 raise ValueError(f"{flag} cannot be on here ({FIXED_VLLM_OPTIONS[option][1]})")
             _check_fixed(option, flag, value)
@@ -82,22 +95,24 @@ def translate(argv: list[str], takes_value: Callable[[str], bool]) -> tuple[list
         elif flag == "--max-model-len" and value is not None:
             out += [flag, _max_model_len(value)]
             i += step
-        elif flag in MULTI_VALUE_FLAGS and not eq:
-            i += 1
+        elif flag in MULTI_VALUE_FLAGS and not eq and value is not None:
+            # The first value is taken whatever it looks like (a key may start with "-"); more
+            # follow as in vLLM, but never the model, which would otherwise be swallowed.
+            out += [flag, value]
+            i += 2
+            model_seen = model_flag or positional is not None
             while i < len(args) and not args[i].startswith("-"):
+                last_bare = not any(not a.startswith("-") for a in args[i + 1 :])
+                if (not model_seen and last_bare) or args[i] == positional:
+                    break
                 out += [flag, args[i]]
                 i += 1
-        elif arg.startswith("-"):
+        else:
             out.append(arg)
-            has_value = not eq and takes_value(flag) and value is not None
+            has_value = not eq and kind(flag) not in ("switch", "negatable") and value is not None
             if has_value:
                 out.append(value)  # type: ignore[arg-type]
             i += 2 if has_value else 1
-        else:
-            if positional is not None:
-                raise ValueError(f"one model only: got {positional!r} and {arg!r}")
-            positional = arg
-            i += 1
     if model is not None and positional is not None and model != positional:
         raise ValueError(f"the model is given twice: {positional!r} and --model {model!r}")
     chosen = positional or model
@@ -125,20 +140,24 @@ def _max_model_len(value: str) -> str:
     return value
 
 
-def _expand_config(argv: list[str]) -> list[str]:
+def _expand_config(argv: list[str], kind: FlagKind) -> list[str]:
     """argv with `--config FILE` replaced by the flags its YAML mapping holds (before the
     other flags, which win over it as in vLLM)."""
-    for i, arg in enumerate(argv):
-        flag, eq, inline = arg.partition("=")
-        if flag != "--config":
-            continue
-        path = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-        rest = argv[:i] + argv[i + (1 if eq else 2) :]
-        return _config_flags(Path(path)) + rest
-    return argv
+    found = [i for i, arg in enumerate(argv) if arg.partition("=")[0] == "--config"]
+    if not found:
+        return argv
+    if len(found) > 1:
+        raise ValueError("--config is given more than once")
+    i = found[0]
+    _, eq, inline = argv[i].partition("=")
+    path = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    if not path or path.startswith("-"):
+        raise ValueError("--config needs a YAML file")
+    rest = argv[:i] + argv[i + (1 if eq else 2) :]
+    return _config_flags(Path(path), kind) + rest
 
 
-def _config_flags(path: Path) -> list[str]:
+def _config_flags(path: Path, kind: FlagKind) -> list[str]:
     import yaml
 
     try:
@@ -150,20 +169,27 @@ def _config_flags(path: Path) -> list[str]:
     flags: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")
+        if value is None:  # unset, as vLLM reads it
+            continue
         if key == "model":
-            flags += [str(value)]
+            flags.append(str(value))
         elif isinstance(value, bool):  # a switch
-            if value or flag not in IGNORED_FLAGS:
-                flags.append(flag if value else f"--no-{flag[2:]}")
+            if value:
+                flags.append(flag)
+            elif kind(flag) == "negatable":
+                flags.append(f"--no-{flag[2:]}")
         elif isinstance(value, list):
+            if flag not in MULTI_VALUE_FLAGS:
+                raise ValueError(f"--config {path}: {key} takes one value, got a list")
             for item in value:
-                flags += [flag, str(item)]
+                flags += [flag, _text(item)]
         else:
-            flags += [flag, value if isinstance(value, str) else _json(value)]
+            flags += [flag, _text(value)]
     return flags
 
 
-def _json(value: Any) -> str:
+def _text(value: Any) -> str:
+    """A YAML value as a flag's text: mappings as JSON (vLLM's JSON flags)."""
     import json
 
     return json.dumps(value) if isinstance(value, dict) else str(value)

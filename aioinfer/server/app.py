@@ -136,6 +136,7 @@ async def _create_engine(
             # an unsupported architecture): the message says what to change; a traceback of
             # our own validation code would only bury it.
             logger.error("the engine failed to start: %s", exc)
+            logger.debug("where it failed", exc_info=exc)  # AIOINFER_LOGGING_LEVEL=DEBUG
         else:
             logger.exception("the engine failed to start")
         state.set_startup_error(exc)

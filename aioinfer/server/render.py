@@ -126,7 +126,7 @@ def completion_response(
             logprobs = None
             if want_logprobs:
                 prompt_entries = final.prompt_logprobs if echo_texts is not None else None
-                logprobs, start = _echoed_prompt_logprobs(ctx, p, prompt_entries)
+                logprobs, start = _echoed_prompt_logprobs(ctx, p, prompt_entries, echo)
                 _extend_logprobs(logprobs, seq, ctx, start)
             choice: CompletionChoice = {
                 "index": ctx.choice_index(p, seq.index),
@@ -154,7 +154,10 @@ def completion_response(
 
 
 def _echoed_prompt_logprobs(
-    ctx: ResponseContext, prompt_index: int, entries: Sequence[TokenLogprobs | None] | None
+    ctx: ResponseContext,
+    prompt_index: int,
+    entries: Sequence[TokenLogprobs | None] | None,
+    echo_text: str,
 ) -> tuple[CompletionLogprobs, int]:
     """The prompt part of an echoed completion's logprobs (empty without echo, i.e. None),
     and the text offset after it."""
@@ -163,7 +166,15 @@ def _echoed_prompt_logprobs(
     ids = ctx.prompts[prompt_index].token_ids
     width = ctx.echo_logprobs
     cut = [None if e is None else top_trimmed(e, width) for e in entries]
-    return completion_logprobs(cut, ids, ctx.token_text, 0, ctx.token_bytes)
+    block, end = completion_logprobs(cut, ids, ctx.token_text, 0, ctx.token_bytes)
+    tokens = block["tokens"]
+    if tokens and tokens[0].startswith(" ") and not echo_text.startswith(" "):
+        # A SentencePiece decoder drops the space of a text's first word, which the token's
+        # own text keeps: the first token and the offsets after it follow the text.
+        tokens[0] = tokens[0][1:]
+        block["text_offset"] = [0, *(offset - 1 for offset in block["text_offset"][1:])]
+        end -= 1
+    return block, end
 
 
 def _extend_logprobs(
@@ -365,7 +376,7 @@ class CompletionChunks(_ChunkStream):
         if not self.want_logprobs or (not seq.token_ids and not echo):
             return echo + seq.text, None
         prompt_entries = self._prompt_logprobs.get(prompt_index) if echo else None
-        logprobs, echo_end = _echoed_prompt_logprobs(self.ctx, prompt_index, prompt_entries)
+        logprobs, echo_end = _echoed_prompt_logprobs(self.ctx, prompt_index, prompt_entries, echo)
         start = self._offsets.get(index, echo_end)
         self._offsets[index] = _extend_logprobs(logprobs, seq, self.ctx, start)
         return echo + seq.text, logprobs

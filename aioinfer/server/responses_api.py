@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,11 +68,12 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     chat, listed_input = await off_loop_if_long(
         request[BODY_SIZE] + previous_size, _prepare, req, history
     )
+    listed_history = (*previous.input_items, *previous.body["output"]) if previous else ()
+    input_items = (*listed_history, *listed_input)
+    _check_unique_ids(input_items)
     with responses_params():
         started = await start_chat(request, engine, chat, record, response_id=new_id("resp"))
     conversation = (*history, *req.input)
-    listed_history = (*previous.input_items, *previous.body["output"]) if previous else ()
-    input_items = (*listed_history, *listed_input)
     # What storing it keeps alive: this request (as models and as listed items), the
     # conversation before it, and the output.
     kept_bytes = 2 * request[BODY_SIZE] + previous_size
@@ -88,6 +90,7 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
         stored = StoredResponse(response, (*conversation, *output), owner, size, input_items, log)
         if not state.responses.put(stored):
             logger.warning("response %s not stored: %d bytes", response["id"], size)
+            state.responses.delete(response["id"], owner)  # not an earlier, stale state
 
     events = ResponseEvents(
         started.ctx,
@@ -109,6 +112,20 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     framing = Framing(encode_named_event, done=False, error=events.error)
     chunks = events if req.stream else None
     return await answer(request, state, started.generation, record, chunks, body, framing)
+
+
+def _check_unique_ids(items: tuple[Mapping[str, Any], ...]) -> None:
+    """An item id given twice in one conversation (an output item sent back with the
+    previous_response_id that already holds it) is a 400, as OpenAI's: ids name items."""
+    seen: set[str] = set()
+    for item in items:
+        if item["id"] in seen:
+            raise BadRequestError(
+                f"Duplicate item found with id {item['id']}: send each item once (the previous "
+                "response's items are already part of the conversation).",
+                param="input",
+            )
+        seen.add(item["id"])
 
 
 def _prepare(
@@ -270,7 +287,7 @@ async def retrieve_response(request: web.Request) -> web.StreamResponse:
             param="stream",
         )
     after = request.query.get("starting_after", "-1")
-    if not (after.isascii() and after.lstrip("-").isdigit() and int(after) >= -1):
+    if not re.fullmatch(r"-1|\d+", after):
         raise BadRequestError(
             f"starting_after must be a sequence number, got {after!r}", param="starting_after"
         )

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from aioinfer.cli import _takes_value, build_configs, serve_help
+from aioinfer.cli import _flag_kind, build_configs, serve_help
 from aioinfer.config import ModelConfig
 from aioinfer.vllm_args import translate
 from tests.cli.test_cli_help import run_cli
 
 
 def ours(*argv: str) -> list[str]:
-    args, _ = translate(list(argv), _takes_value)
+    args, _ = translate(list(argv), _flag_kind)
     return args
 
 
@@ -30,7 +30,7 @@ def test_flags_that_change_nothing_are_dropped_with_a_note():
     args, notes = translate(
         ["M", "--trust-remote-code", "--swap-space", "4", "-tp", "1", "-O3", "-O", "2",
          "--kv-cache-dtype=auto", "--enable-chunked-prefill", "--seed", "3"],
-        _takes_value,
+        _flag_kind,
     )  # fmt: skip
     assert args == ["M", "--seed", "3"]
     assert len(notes) == 7 and "no code from a model repository" in notes[0]
@@ -54,12 +54,9 @@ def test_several_values_after_one_flag_repeat_it_and_lengths_read_as_vllm_reads_
     assert ours("M", "--api-key", "k1", "k2", "--port", "1") == [
         "M", "--api-key", "k1", "--api-key", "k2", "--port", "1"
     ]  # fmt: skip
-    assert ours("--lora-modules", "a=/p", "b=/q") == [
-        "--lora-modules",
-        "a=/p",
-        "--lora-modules",
-        "b=/q",
-    ]
+    assert ours("M", "--lora-modules", "a=/p", "b=/q") == [
+        "M", "--lora-modules", "a=/p", "--lora-modules", "b=/q"
+    ]  # fmt: skip
     for value, tokens in (("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("4096", 4096)):
         assert ours("M", "--max-model-len", value) == ["M", "--max-model-len", str(tokens)]
     assert ours("M", "--enable-log-requests") == ["M", "--log-requests"]
@@ -73,7 +70,7 @@ def test_a_config_file_holds_flags_that_the_command_line_overrides(tmp_path: Pat
         "model: Qwen/Q\nport: 8001\nenable-prefix-caching: false\napi_key: [k1, k2]\n"
         "override-generation-config: {temperature: 0.5}\ntrust-remote-code: true\n"
     )
-    args, notes = translate(["--config", str(config), "--port", "9000"], _takes_value)
+    args, notes = translate(["--config", str(config), "--port", "9000"], _flag_kind)
     assert args == [
         "Qwen/Q", "--port", "8001", "--no-enable-prefix-caching", "--api-key", "k1",
         "--api-key", "k2", "--override-generation-config", '{"temperature": 0.5}', "--port", "9000",
@@ -113,6 +110,7 @@ def test_the_command_refuses_in_one_line_before_loading_anything():
         "Error: --tensor-parallel-size must be 1 here (one model on one device), got 2"
     )
     assert run_cli("-h").returncode == 0
+    assert run_cli("serve", "m", "--api-key").returncode == 2  # never a server without its key
 
 
 def test_several_served_names_are_aliases_of_the_first():
@@ -122,3 +120,37 @@ def test_several_served_names_are_aliases_of_the_first():
     model, _, _, _ = build_configs({"served_model_name": ["a", "b"]})
     assert model.served_model_name == ("a", "b")
     assert ModelConfig(served_model_name="one").served_model_name == ("one",)
+
+
+def test_command_lines_that_worked_before_keep_their_meaning():
+    """The model after a flag of several values is still the model; a key may start with
+    "-"; a flag left without its value still fails; a model path may look like a flag name."""
+    assert ours("--api-key", "k", "M") == ["M", "--api-key", "k"]
+    assert ours("--api-key", "k1", "--api-key", "k2", "M") == [
+        "M", "--api-key", "k1", "--api-key", "k2"
+    ]  # fmt: skip
+    assert ours("--allowed-origins", "*", "M") == ["M", "--allowed-origins", "*"]
+    assert ours("M", "--api-key", "-secret") == ["M", "--api-key", "-secret"]
+    assert ours("M", "--api-key") == ["M", "--api-key"]  # the parser refuses it
+    assert ours("./quantization", "--port", "9") == ["./quantization", "--port", "9"]
+    assert ours("M", "--enable-log-requests=false") == ["M"]
+    assert ours("M", "--enforce-eager", "--seed", "-1") == ["M", "--enforce-eager", "--seed", "-1"]
+
+
+def test_config_file_values_of_every_type(tmp_path: Path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: M\nenforce_eager: false\nseed: null\nenable_prefix_caching: false\n"
+        "lora_modules: [{name: sql, path: /p}]\n"
+    )
+    args, _ = translate(["M", "--config", str(config)], _flag_kind)
+    assert args == [
+        "M", "--no-enable-prefix-caching", "--lora-modules", '{"name": "sql", "path": "/p"}'
+    ]  # fmt: skip
+    config.write_text("served_model_name: [a, b]\nport: [1, 2]\n")
+    with pytest.raises(ValueError, match="port takes one value"):
+        ours("--config", str(config))
+    with pytest.raises(ValueError, match="more than once"):
+        ours("--config", str(config), "--config", str(config))
+    with pytest.raises(ValueError, match="needs a YAML file"):
+        ours("M", "--config")

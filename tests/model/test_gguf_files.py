@@ -288,3 +288,13 @@ def test_a_change_at_the_end_of_a_file_with_its_mtime_kept_is_a_new_entry(
         before.header_sha256,
     )
     assert after.key != before.key
+
+
+def test_a_pooling_model_may_leave_the_file_s_head_unused(tmp_path: Path) -> None:
+    from aioinfer.model.loader import checkpoint_keys
+    from aioinfer.model.loader.gguf_loader import gguf_names
+
+    resolved = resolve_model(str(_tiny(tmp_path)), gguf_cache=False)  # untied: output.weight
+    wanted = set(checkpoint_keys(resolved.hf_config)) - {"lm_head.weight"}
+    names = gguf_names(resolved.gguf_reader, resolved.hf_config, iter(wanted))
+    assert "output.weight" not in names and len(names) == len(wanted)

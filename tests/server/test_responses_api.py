@@ -234,6 +234,13 @@ async def test_input_items_list_the_conversation_before_the_output_page_by_page(
                 assert (await response.json())["error"]["param"] == param
     first_items = await oai.responses.input_items.list(first.id)
     assert [item.id for item in first_items.data] == [newest_first[3].id]
+    # An item the previous response already holds, sent again with its id: a 400 (ids name
+    # items; a cursor on a doubled id would page for ever).
+    again = {"type": "message", "role": "user", "content": "One", "id": newest_first[3].id}
+    with pytest.raises(openai.BadRequestError, match="Duplicate item"):
+        await oai.responses.create(
+            model=engine.model_name, input=[again], previous_response_id=second.id
+        )
     with pytest.raises(openai.NotFoundError):
         await oai.responses.input_items.list("resp_none")
 

@@ -166,10 +166,13 @@ async def test_a_streamed_background_response_goes_on_without_its_reader_and_str
         for target, params, param in (
             (url, {"stream": "true"}, "stream"),
             (url, {"stream": "yes"}, "stream"),
-            (
-                f"{server.url}/v1/responses/{response_id}",
-                {"stream": "true", "starting_after": "x"},
-                "starting_after",
+            *(
+                (
+                    f"{server.url}/v1/responses/{response_id}",
+                    {"stream": "true", "starting_after": after},
+                    "starting_after",
+                )
+                for after in ("x", "--5", "-2")
             ),
         ):
             async with session.get(target, params=params) as response:

@@ -441,3 +441,21 @@ def test_byte_tokens_after_committed_ones_do_not_change_the_text_before_or_after
     result = stream(tokenizer, [], output)
     assert result.text.endswith("❤️ world") and "".join(result.deltas) == result.text
     assert result.text.startswith(REPLACEMENT_CHAR)
+
+
+def test_an_echoed_metaspace_prompt_s_first_token_follows_the_text():
+    """The echoed prompt's text starts without the space its first token's own text has (the
+    decoder strips it at the start of a text): the token and the offsets follow the text."""
+    from aioinfer.config import ServerConfig
+    from aioinfer.server import render
+    from aioinfer.server.state import ServerState
+
+    tokenizer = metaspace_tokenizer()
+    prompt = tokenizer.encode("world stream token", add_special_tokens=False)
+    echo = tokenizer.decode(prompt)
+    token_text = ServerState(ServerConfig()).token_text(tokenizer)
+    ctx = render.ResponseContext("c", "m", [render.Prompt(prompt)], 1, token_text)
+    block, end = render._echoed_prompt_logprobs(ctx, 0, [None] * len(prompt), echo)
+    assert "".join(block["tokens"]) == echo and end == len(echo) and not echo.startswith(" ")
+    for token, offset in zip(block["tokens"], block["text_offset"], strict=True):
+        assert echo[offset:].startswith(token)

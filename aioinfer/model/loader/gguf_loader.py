@@ -55,11 +55,15 @@ def gguf_names(reader: GGUFReader, hf_config: Any, wanted: Iterable[str]) -> dic
     A tensor the model has no place for (a variant of the architecture it does not know) or of
     a type that cannot be dequantized is a ValueError naming it, before any tensor is read."""
     arch = gguf_architecture(reader)
+    wanted = set(wanted)
     names = gguf_to_hf_names(arch, int(hf_config.num_hidden_layers), wanted)
     present = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
-    unused = sorted(set(present) - set(names) - set(_READ_ELSEWHERE))
+    unused = set(present) - set(names) - set(_READ_ELSEWHERE)
+    if "lm_head.weight" not in wanted:  # a pooling model drops its head
+        unused.discard("output.weight")
     if unused:
-        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        listed = sorted(unused)
+        shown = ", ".join(listed[:5]) + (f" and {len(listed) - 5} more" if len(listed) > 5 else "")
         raise ValueError(
             f"this GGUF has tensors the {arch} model has no place for: {shown} (a variant of "
             "the architecture that is not supported)"
