@@ -85,7 +85,11 @@ class ModelConfig:
         "Qwen/Qwen2.5-1.5B-Instruct, meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B and "
         "google/gemma-3-1b-it are bundled, so these need no download).",
     )
-    max_model_len: int | None = _opt(None, "Longest prompt plus output (default: the model's).")
+    max_model_len: int | None = _opt(
+        None,
+        "Longest prompt plus output (default: the model's). -1 (vLLM's auto): the model's, "
+        "lowered to what the KV cache holds.",
+    )
     device: str = _opt("auto", "auto (cuda if available), cuda or cpu.")
     seed: int | None = _opt(
         0, "Seed for random weights and unseeded sampling (offline, seed=None: a fresh one)."
@@ -153,7 +157,9 @@ class ModelConfig:
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        _check_positive(self, "max_model_len", "max_loras", "max_lora_rank")
+        _check_positive(self, "max_loras", "max_lora_rank")
+        if self.max_model_len != -1:
+            _check_positive(self, "max_model_len")
         self.generation_overrides  # noqa: B018 (checks the JSON)
         self.pooler_overrides  # noqa: B018 (checks the JSON)
         if self.max_logprobs < 0:

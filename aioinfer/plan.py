@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, sampled_rows_per_request
 from aioinfer.sizing import (
+    AUTO_MAX_MODEL_LEN,
     GiB,
     default_token_budget,
     kv_bytes_per_block,
     kv_cache_too_small,
+    kv_capacity_tokens,
     max_model_len,
 )
 
@@ -255,6 +257,9 @@ def make_plan(
     else:
         available = int(cache_config.kv_cache_memory * GiB)
         num_blocks = available // per_block
+    capacity = kv_capacity_tokens(num_blocks, cache_config.block_size)
+    if model_config.max_model_len == AUTO_MAX_MODEL_LEN and capacity > 0:
+        max_len = min(max_len, capacity)  # as the runner lowers it
     return MemoryPlan(
         served_name=(model_config.served_model_name or (resolved.served_name,))[0],
         device=device,

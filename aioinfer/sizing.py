@@ -53,10 +53,14 @@ def longrope_original(hf_config: Any) -> int | None:
     return None
 
 
+# --max-model-len -1 (vLLM's "auto"): the model's own, lowered to what the KV cache holds.
+AUTO_MAX_MODEL_LEN = -1
+
+
 def max_model_len(hf_config: Any, requested: int | None) -> int:
     """The flag, else the config's max_position_embeddings; never more than the model's."""
     limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
-    if requested is None:
+    if requested is None or requested == AUTO_MAX_MODEL_LEN:
         return limit
     if requested > limit:
         raise ValueError(
@@ -73,10 +77,16 @@ def kv_bytes_per_block(
     return 2 * block_size * num_kv_heads * head_dim * num_layers * dtype_bytes
 
 
+def kv_capacity_tokens(num_blocks: int, block_size: int) -> int:
+    """The tokens one request may hold in a KV cache of num_blocks (block 0 is the null
+    block)."""
+    return max(num_blocks - 1, 0) * block_size
+
+
 def kv_cache_too_small(max_model_len: int, num_blocks: int, block_size: int) -> str | None:
     """Why a KV cache of num_blocks cannot serve one request of max_model_len tokens (block 0
     is the null block), naming the longest that fits; None when it can."""
-    capacity = max(num_blocks - 1, 0) * block_size
+    capacity = kv_capacity_tokens(num_blocks, block_size)
     if num_blocks >= 2 and capacity >= max_model_len:
         return None
     blocks = f"{num_blocks} block" + ("" if num_blocks == 1 else "s")

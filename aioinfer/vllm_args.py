@@ -128,16 +128,12 @@ def _check_fixed(option: str, flag: str, value: str | None) -> None:
 
 
 def _max_model_len(value: str) -> str:
-    """vLLM's forms: 32k (1000s) and 32K (1024s), 1m/1M; -1 and auto are refused here."""
+    """vLLM's forms: 32k (1000s) and 32K (1024s), 1m/1M, and auto (-1: the model's, lowered
+    to what the KV cache holds)."""
     match = _HUMAN_INT.fullmatch(value)
     if match is not None:
         return str(int(float(match[1]) * _UNITS[match[2]]))
-    if value in ("-1", "auto"):
-        raise ValueError(
-            f"--max-model-len {value}: leave the flag out for the model's own context (a KV "
-            "cache too small for it is refused with the longest that fits)"
-        )
-    return value
+    return "-1" if value == "auto" else value
 
 
 def _expand_config(argv: list[str], kind: FlagKind) -> list[str]:

@@ -206,6 +206,15 @@ class ModelRunner:
         else:
             available_kv = int(cache_config.kv_cache_memory * GiB)
             num_blocks = available_kv // bytes_per_block
+        capacity = sizing.kv_capacity_tokens(num_blocks, self.block_size)
+        if model_config.max_model_len == sizing.AUTO_MAX_MODEL_LEN and capacity > 0:
+            if capacity < self.max_model_len:
+                logger.warning(
+                    "max model len lowered from %d to %d tokens: what the KV cache holds",
+                    self.max_model_len,
+                    capacity,
+                )
+            self.max_model_len = min(self.max_model_len, capacity)
         too_small = sizing.kv_cache_too_small(self.max_model_len, num_blocks, self.block_size)
         if too_small is not None:
             raise ValueError(too_small)

@@ -140,3 +140,17 @@ def test_a_failed_start_leaves_no_thread_to_abort_the_exit(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: chat_template is neither Jinja text nor a file" in done.stdout
+
+
+def test_max_model_len_auto_fits_the_kv_cache(tmp_path):
+    """vLLM's -1 / auto: the model's own context (256 here), lowered to what the cache holds;
+    without it such a cache is refused, naming that length."""
+    make_variant("llama").save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    options = {"dtype": "float32", "num_gpu_blocks_override": 5, "block_size": 16}
+    with LLM(str(tmp_path), max_model_len=-1, **options) as llm:
+        assert llm.engine.max_model_len == 4 * 16  # block 0 is the null block
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match=r"decrease --max-model-len to at most 64"):
+        LLM(str(tmp_path), **options)
