@@ -96,14 +96,14 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
             out += [flag, _max_model_len(value)]
             i += step
         elif flag in MULTI_VALUE_FLAGS and not eq and value is not None:
-            # The first value is taken whatever it looks like (a key may start with "-"); more
-            # follow as in vLLM, but never the model, which would otherwise be swallowed.
+            # The first value is taken whatever it looks like (a key may start with "-"). More
+            # follow as in vLLM only once the model is known (`vllm serve MODEL --api-key a
+            # b`): before it, a bare word may be the model itself.
             out += [flag, value]
             i += 2
             model_seen = model_flag or positional is not None
-            while i < len(args) and not args[i].startswith("-"):
-                last_bare = not any(not a.startswith("-") for a in args[i + 1 :])
-                if (not model_seen and last_bare) or args[i] == positional:
+            while model_seen and i < len(args) and not args[i].startswith("-"):
+                if args[i] == positional:
                     break
                 out += [flag, args[i]]
                 i += 1

@@ -125,6 +125,13 @@ def test_command_lines_that_worked_before_keep_their_meaning():
     """The model after a flag of several values is still the model; a key may start with
     "-"; a flag left without its value still fails; a model path may look like a flag name."""
     assert ours("--api-key", "k", "M") == ["M", "--api-key", "k"]
+    assert ours("--api-key", "k", "M", "--device", "cpu") == [
+        "M",
+        "--api-key",
+        "k",
+        "--device",
+        "cpu",
+    ]
     assert ours("--api-key", "k1", "--api-key", "k2", "M") == [
         "M", "--api-key", "k1", "--api-key", "k2"
     ]  # fmt: skip
