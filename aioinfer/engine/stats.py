@@ -114,10 +114,8 @@ class EngineStats:
             if num_new:
                 self._ttft.observe(now - request.arrival_time)
         elif num_new:
-            # A step's tokens (accepted drafts) share the gap since the last output, one each.
-            gap = (now - request.last_token_time) / num_new
-            for _ in range(num_new):
-                self._itl.observe(gap)
+            # One gap per step, however many tokens (accepted drafts) it gave, as vLLM's.
+            self._itl.observe(now - request.last_token_time)
         request.last_token_time = now
         if finished:
             self.count(self.finished, request.finish_reason or "stop")

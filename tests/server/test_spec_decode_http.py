@@ -93,7 +93,16 @@ async def test_metrics_count_drafts(spec_client):
     }
     assert values["aioinfer:spec_decode_num_drafts_total"] > 0
     drafted = values["aioinfer:spec_decode_num_draft_tokens_total"]
-    assert 0 < values["aioinfer:spec_decode_num_accepted_tokens_total"] <= drafted
+    accepted = values["aioinfer:spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafted
+    # One inter-token gap per step that gave tokens (as vLLM's), not one per token: 20
+    # tokens in 20 - accepted steps.
+    itl = next(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("aioinfer:inter_token_latency_seconds_count")
+    )
+    assert itl == 20 - accepted - 1
     assert (
         'aioinfer:spec_decode_num_accepted_tokens_per_pos_total{model_name="fake-model",position="0"}'
         in metrics
