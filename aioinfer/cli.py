@@ -103,11 +103,15 @@ def build_configs(
     for _cls, f, tp in _config_fields():  # repeatable flags come as lists
         if typing.get_origin(tp) is tuple and isinstance(values.get(f.name), list):
             values[f.name] = tuple(values[f.name])
-    built = []
+    built: list[Any] = []
     for cls in CONFIG_CLASSES:
         names = {f.name for f in dataclasses.fields(cls)}
         built.append(cls(**{k: v for k, v in values.items() if k in names}))
-    return built[0], built[1], built[2], built[3]  # type: ignore[return-value]
+    model, cache, scheduler, server = built
+    if server.lora_modules and not model.enable_lora:
+        # Known now: not after the weights load and the engine starts.
+        raise ValueError("--lora-modules needs --enable-lora")
+    return model, cache, scheduler, server
 
 
 def serve(**values: Any) -> None:

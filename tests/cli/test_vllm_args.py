@@ -160,3 +160,10 @@ def test_config_file_values_of_every_type(tmp_path: Path):
         ours("--config", str(config), "--config", str(config))
     with pytest.raises(ValueError, match="needs a YAML file"):
         ours("M", "--config")
+
+
+def test_lora_modules_without_enable_lora_are_refused_before_anything_loads():
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        build_configs({"lora_modules": ["a=/p"]})
+    model, _, _, server = build_configs({"lora_modules": ["a=/p"], "enable_lora": True})
+    assert model.enable_lora and server.lora_modules == ("a=/p",)
