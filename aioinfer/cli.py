@@ -163,6 +163,9 @@ def bench_throughput(
         0.92, help="Share of the GPU for our engine (lower it to leave the peer room)."
     ),
     load_format: str = typer.Option("auto", help="auto or dummy."),
+    cpu_weight_format: str = typer.Option(
+        "auto", help="auto, coded or float32: exact byte codes of GGUF weights (serve --help)."
+    ),
 ) -> None:
     """Offline throughput through LLM, optionally against transformers' generate."""
     from aioinfer.bench.throughput import main as run
@@ -176,6 +179,7 @@ def bench_throughput(
         "kv_cache_memory": kv_cache_memory,
         "gpu_memory_utilization": gpu_memory_utilization,
         "load_format": load_format,
+        "cpu_weight_format": cpu_weight_format,
     }
     run(model, num_prompts, input_len, output_len, vs, hf_batch_size, seed, result_file, options)
 
@@ -270,6 +274,9 @@ def bench_latency(
     enable_prefix_caching: bool = typer.Option(
         False, help="Reuse the prompt's KV cache between iterations (skips the prefill)."
     ),
+    cpu_weight_format: str = typer.Option(
+        "auto", help="auto, coded or float32: exact byte codes of GGUF weights (serve --help)."
+    ),
 ) -> None:
     """Batch-1 TTFT and TPOT through LLM, beside the memory-bandwidth floor of a decode step."""
     from aioinfer.bench.latency import main as run
@@ -284,6 +291,7 @@ def bench_latency(
         "load_format": load_format,
         "enforce_eager": enforce_eager,
         "enable_prefix_caching": enable_prefix_caching,
+        "cpu_weight_format": cpu_weight_format,
     }
     try:
         run(
@@ -395,6 +403,8 @@ def plan(
     max_num_batched_tokens: int = _config_option("max_num_batched_tokens"),
     runner: str = _config_option("runner"),
     pooler_config: str = _config_option("pooler_config"),
+    cpu_kernels: str = _config_option("cpu_kernels"),
+    cpu_weight_format: str = _config_option("cpu_weight_format"),
 ) -> None:
     """Predict serve's memory numbers without loading weights.
 
@@ -417,6 +427,8 @@ def plan(
         "max_num_batched_tokens": max_num_batched_tokens,
         "runner": runner,
         "pooler_config": pooler_config,
+        "cpu_kernels": cpu_kernels,
+        "cpu_weight_format": cpu_weight_format,
     }
     code = plan_main(
         model,

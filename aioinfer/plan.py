@@ -5,6 +5,8 @@ Only the model's config is read (a hub id fetches config and tokenizer files, ne
 the numbers of the startup log:
 
     weights      = parameters x dtype bytes                (tied embeddings counted once)
+                   + 1.25 bytes per GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 linear weight on the CPU
+                     (the exact byte codes of --cpu-weight-format auto; coded: - 4 bytes too)
     CPU:  available KV = --kv-cache-memory GiB
     CUDA: available KV = total x --gpu-memory-utilization - weights - peak activations - non-torch
     bytes per block    = 2 (K and V) x block_size x kv_heads x head_dim x layers x dtype bytes
@@ -227,6 +229,8 @@ def make_plan(
     if pooler is not None and pooler.classifies:
         num_params += len(pooler.labels) * cfg.hidden_size  # the `score` head
     weights = num_params * dtype_bytes
+    if device == "cpu" and dtype == "float32" and model_config.cpu_kernels != "torch":
+        weights += coded_weight_bytes(resolved, model_config.cpu_weight_format)
     max_len = max_model_len(resolved.hf_config, model_config.max_model_len)
     budget = scheduler_config.max_num_batched_tokens or default_token_budget(
         device, gpu.total_bytes if gpu else None, offline=False
@@ -322,6 +326,32 @@ def _local_gpu() -> GpuTarget | None:
     return GpuTarget(int(total), int(non_torch), measured=True)
 
 
+# GGUF tensor types whose blocks dequantize to exact byte codes (model/kernels/packed_weights.py).
+_CODED_GGUF_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+
+
+def coded_weight_bytes(resolved: Any, weight_format: str) -> int:
+    """Bytes the byte codes of a GGUF's decoder linears add to its float32 weights on the CPU
+    (negative where they replace them): 1.25 a weight beside them ("auto"), 1.25 - 4 instead
+    ("coded"), for the tensors whose type makes them codes."""
+    gguf_file = resolved.gguf_file or resolved.converted_from  # or the file of a cache entry
+    if gguf_file is None or weight_format == "float32":
+        return 0
+    from aioinfer.model.loader.resolve import open_gguf
+
+    reader = resolved.gguf_reader or open_gguf(gguf_file)
+    elements = sum(
+        int(t.n_elements)
+        for t in reader.tensors
+        if t.name.startswith("blk.")
+        and len(t.shape) == 2
+        and t.tensor_type.name in _CODED_GGUF_TYPES
+        and int(t.shape[1]) % 16 == 0  # output features: whole strips
+    )
+    per_weight = 1.25 if weight_format == "auto" else 1.25 - 4
+    return int(elements * per_weight)
+
+
 def _dtype_name(name: str, device: str) -> str:
     if name == "auto":
         return "bfloat16" if device == "cuda" else "float32"
@@ -348,13 +378,17 @@ def _decoder_config(hf_config: Any) -> DecoderConfig:
 
 def format_plan(plan: MemoryPlan) -> str:
     """The plan in the startup log's wording, so that the two can be compared line by line."""
+    floats = plan.num_parameters * DTYPE_BYTES[plan.dtype]
+    codes = plan.weights_bytes - floats  # the exact byte codes of a GGUF's linears
+    why = f"{plan.num_parameters:,} parameters x {DTYPE_BYTES[plan.dtype]} bytes"
+    if codes:
+        why += f" {'+' if codes > 0 else '-'} {abs(codes) / GiB:.4f} GiB for byte codes"
     lines = [
         f"Plan for {plan.served_name}: device={plan.device}, dtype={plan.dtype}, "
         f"max_model_len={plan.max_model_len}, block_size={plan.block_size}",
         f"Chunked prefill is enabled with max_num_batched_tokens={plan.max_num_batched_tokens}.",
         f"Using max model len {plan.max_model_len}",
-        f"Model loading took {plan.weights_gib:.4f} GiB memory "
-        f"({plan.num_parameters:,} parameters x {DTYPE_BYTES[plan.dtype]} bytes)",
+        f"Model loading took {plan.weights_gib:.4f} GiB memory ({why})",
     ]
     if plan.total_bytes is not None and plan.activation_bytes is not None:
         non_torch = plan.non_torch_bytes or 0

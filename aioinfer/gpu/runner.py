@@ -144,7 +144,11 @@ class ModelRunner:
                 self.model, model_config.max_loras, model_config.max_lora_rank, self.dtype
             )
         cpu_kernels = select_cpu_kernels(
-            self.model, model_config.cpu_kernels, self.device, self.dtype
+            self.model,
+            model_config.cpu_kernels,
+            self.device,
+            self.dtype,
+            weight_format=model_config.cpu_weight_format,
         )
         load_seconds = time.perf_counter() - start
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -477,11 +481,16 @@ def _native_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
 
 
 def select_cpu_kernels(
-    model: torch.nn.Module, name: str, device: torch.device, dtype: torch.dtype
+    model: torch.nn.Module,
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    weight_format: str = "auto",
 ) -> str:
     """Swap the model's linears, norms and activations for the native CPU kernels when `name`
     allows it; returns what runs them. `auto`: native for float32 on the CPU when the kernels
-    build, else torch."""
+    build, else torch. `weight_format`: as use_native_kernels."""
     if name == "torch":
         return "torch"
     if device.type != "cpu" or dtype != torch.float32:
@@ -498,7 +507,7 @@ def select_cpu_kernels(
             raise ValueError(f"cpu_kernels 'native' is unavailable: {reason}")
         logger.info("Native CPU kernels unavailable (%s); using torch ops.", reason)
         return "torch"
-    use_native_kernels(model, kernels)
+    use_native_kernels(model, kernels, weight_format=weight_format)
     return "native"
 
 

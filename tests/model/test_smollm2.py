@@ -122,3 +122,40 @@ def test_long_prompts_in_chunks_and_from_the_prefix_cache_equal_transformers(hf_
     assert hit.num_cached_tokens >= 256  # whole blocks of the shared prefix
     for prompt, tokens in zip([*prompts, late], [*got, hit.outputs[0].token_ids], strict=True):
         assert tokens == hf_greedy(hf_same_weights, prompt, 4)
+
+
+def test_the_gguf_linears_run_from_exact_byte_codes(llm):
+    """Every decoder linear of the Q4_1 file is held as byte codes beside its float32 strips
+    (the LM head, tied to the Q8_0 embedding, as floats), and an engine holding the codes alone
+    gives the same tokens and logprobs, bit for bit, through prompt and decode steps."""
+    from aioinfer.model.layers.native_cpu import PackedLinear
+    from aioinfer.plan import build_plan_configs, make_plan
+
+    if cpu_native.load() is None:
+        pytest.skip(cpu_native.unavailable_reason())
+    model = llm.engine.gpu.call(lambda: llm.engine.gpu.runner.model).result()
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    coded = [m for m in linears if m.codes is not None]
+    layers = model.hf_config.num_hidden_layers
+    assert len(coded) == 7 * layers and all(m.packed is not None for m in coded)
+    assert model.lm_head.codes is None
+    messages = [{"role": "user", "content": "Name three rivers of Europe and their seas."}]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, logprobs=3),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=24, logprobs=1, n=2),
+    ]
+    with LLM(
+        dtype="float32", kv_cache_memory=0.1, max_model_len=512, cpu_weight_format="coded"
+    ) as coded_only:
+        # `aioinfer plan` predicts the weights' memory of both engines
+        other = coded_only.engine.gpu.call(lambda: coded_only.engine.gpu.runner.model).result()
+        for engine_model, fmt in ((model, "auto"), (other, "coded")):
+            configs = build_plan_configs({"cpu_weight_format": fmt, "device": "cpu"})
+            planned = make_plan(*configs).weights_bytes
+            assert planned == sum(p.numel() * p.element_size() for p in engine_model.parameters())
+        for p in params:
+            expected = llm.chat(messages, p, use_tqdm=False)[0].outputs
+            got = coded_only.chat(messages, p, use_tqdm=False)[0].outputs
+            assert [(c.token_ids, c.logprobs) for c in got] == [
+                (c.token_ids, c.logprobs) for c in expected
+            ]

@@ -12,6 +12,7 @@
  * top_p_thresholds, race_argmax, apply_token_bitmask and greedy_head (the exact argmax of an
  * LM head, where the CPU has AVX512-BF16); each documented above its code.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -121,7 +122,45 @@ typedef struct {
     float *y;          /* output of the tile, row stride N */
     long K, N;
     int accumulate;    /* add to y (a residual) instead of overwriting it */
+    /* A coded weight (see Weight) instead of w and up: the tile's first column in its strip of
+     * codes, and in its strip of scales. */
+    const signed char *codes, *up_codes;
+    const float *scales, *up_scales;
 } Tile;
+
+/* A linear weight [N, K] packed for these kernels, in one or both of two forms:
+ * - strips: float32 [N / 16][K][16];
+ * - codes: signed bytes [N / 16][K][16], and scales: float32 [N / 16][K / 32][2][16], the
+ *   scale and offset of each column's runs of 32 k, so that weight = code * scale + offset
+ *   (an offset of -0.0 keeps the sign of a zero weight d * 0 with d < 0). The loader
+ *   codes a weight only where that rebuilds every float32 weight bit for bit (it does for the
+ *   blocks of GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0), and code * scale is exact, so the FMAs
+ *   below see the same floats as from strips: the same results, from 1.25 bytes a weight
+ *   instead of 4. Decoding costs a convert and an FMA per weight vector: where a step's rows
+ *   are few the memory it saves wins (batch-1 linears 2.2-2.7x faster), from about 32 rows
+ *   the FMA units are the limit and strips are faster by 5-10 %; with both forms each step
+ *   takes the faster. */
+typedef struct {
+    const float *strips;
+    const signed char *codes;
+    const float *scales;
+} Weight;
+#define CODE_BLOCK 32
+
+static inline vi load_codes(const signed char *p) { /* LANES bytes, sign-extended */
+#if LANES == 16
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#endif
+}
+
+/* LANES weights of row k of a strip of codes; scales: the strip's scales at the same lane. */
+static inline vf decode_weights(const signed char *codes, const float *scales, long k) {
+    const float *block = scales + (k / CODE_BLOCK) * 2 * STRIP;
+    return __builtin_convertvector(load_codes(codes + k * STRIP), vf) * load(block) +
+           load(block + STRIP);
+}
 
 /* The packed weight of column `col`, row 0 ([N / 16][K][16] strips). */
 static inline const float *strip_column(const float *wp, long K, long col) {
@@ -136,23 +175,47 @@ static inline const float *weight_at(const Tile *t, long j, long k, const int ga
     return t->w + (col / STRIP) * t->K * STRIP + k * STRIP + col % STRIP;
 }
 
+/* The same for a coded tile: where its vector j's codes and scales start. */
+static inline const signed char *codes_at(const Tile *t, long j, const int gated) {
+    if (gated) return j ? t->up_codes : t->codes;
+    long col = j * LANES;
+    return t->codes + (col / STRIP) * t->K * STRIP + col % STRIP;
+}
+static inline const float *scales_at(const Tile *t, long j, const int gated) {
+    if (gated) return j ? t->up_scales : t->scales;
+    long col = j * LANES;
+    return t->scales + (col / STRIP) * (t->K / CODE_BLOCK) * 2 * STRIP + col % STRIP;
+}
+
 static inline vf silu_times(vf gate, vf up) { return gate / (1.0f + exp_v(-gate)) * up; }
 
 /* rows x (vecs * LANES) outputs, or, gated, rows x LANES outputs silu(gate) * up; rows, vecs
  * and gated are constants after inlining. */
 static inline __attribute__((always_inline)) void micro_tile(const Tile t, const long rows,
-                                                             const long vecs, const int gated) {
+                                                             const long vecs, const int gated,
+                                                             const int coded) {
     vf acc[ROWS][2];
     for (long j = 0; j < vecs; j++) {
         const float *bias = gated && j ? t.up_bias : t.bias;
         vf init = bias ? load(bias + (gated ? 0 : j * LANES)) : splat(0.0f);
         for (long i = 0; i < rows; i++) acc[i][j] = init;
     }
+    const signed char *codes[2] = {0, 0};
+    const float *scales[2] = {0, 0};
+    for (long j = 0; coded && j < vecs; j++) {
+        codes[j] = codes_at(&t, j, gated);
+        scales[j] = scales_at(&t, j, gated);
+    }
     for (long k = 0; k < t.K; k++) {
         vf b[2];
         for (long j = 0; j < vecs; j++) {
-            __builtin_prefetch(weight_at(&t, j, k + PREFETCH_ROWS, gated), 0, 3);
-            b[j] = load(weight_at(&t, j, k, gated));
+            if (coded) {
+                __builtin_prefetch(codes[j] + (k + PREFETCH_ROWS) * STRIP, 0, 3);
+                b[j] = decode_weights(codes[j], scales[j], k);
+            } else {
+                __builtin_prefetch(weight_at(&t, j, k + PREFETCH_ROWS, gated), 0, 3);
+                b[j] = load(weight_at(&t, j, k, gated));
+            }
         }
         for (long i = 0; i < rows; i++) {
             vf xv = splat(t.x[i * t.K + k]);
@@ -174,11 +237,15 @@ static inline __attribute__((always_inline)) void micro_tile(const Tile t, const
 
 /* One switch so that every (rows, vecs, gated) case gets its own fully unrolled body. */
 static void run_tile(const Tile t, long rows, long vecs) {
-#define CASE(R)                                    \
-    case R:                                        \
-        if (t.up) micro_tile(t, R, 2, 1);          \
-        else if (vecs == 2) micro_tile(t, R, 2, 0); \
-        else micro_tile(t, R, 1, 0);               \
+#define CASE(R)                                                 \
+    case R:                                                     \
+        if (t.codes) {                                          \
+            if (t.up_codes) micro_tile(t, R, 2, 1, 1);          \
+            else if (vecs == 2) micro_tile(t, R, 2, 0, 1);      \
+            else micro_tile(t, R, 1, 0, 1);                     \
+        } else if (t.up) micro_tile(t, R, 2, 1, 0);             \
+        else if (vecs == 2) micro_tile(t, R, 2, 0, 0);          \
+        else micro_tile(t, R, 1, 0, 0);                         \
         break;
     switch (rows) {
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
@@ -194,28 +261,87 @@ static void run_tile(const Tile t, long rows, long vecs) {
  * L3 once per 32 columns (about 10 % slower at 2048 rows); decode steps fit in one block. */
 #define ROW_BLOCK_FLOATS (128 * 1024)
 
+/* Row blocks of at most this many rows read a weight's codes where it has them, decoding them in
+ * registers in every row tile; larger blocks read its strips, or, with codes only, decode each
+ * tile's weights once into a float32 panel that their row tiles then read as strips (decoded
+ * in registers, the linears of a 128-row prefill ran 7-12 % slower than from strips; through
+ * the panel, 1-10 %; a 16-row decode step through the panel about 20 %). */
+#define DECODE_IN_REGISTERS_ROWS (2 * ROWS)
+
+/* This thread's panel of at least `floats` floats, grown as needed; NULL if out of memory. */
+static float *thread_panel(long floats) {
+    static __thread float *panel;
+    static __thread long capacity;
+    if (capacity < floats) {
+        free(panel);
+        capacity = (floats + 15) / 16 * 16;
+        panel = aligned_alloc(64, capacity * sizeof(float));
+        if (!panel) capacity = 0;
+    }
+    return panel;
+}
+
+/* The float32 weights of a coded tile, written where the same tile from strips reads them. */
+static void decode_tile(const Tile *coded, long vecs, int gated, const Tile *panel) {
+    for (long j = 0; j < vecs; j++) {
+        const signed char *codes = codes_at(coded, j, gated);
+        const float *scales = scales_at(coded, j, gated);
+        for (long k = 0; k < coded->K; k++) {
+            __builtin_prefetch(codes + (k + 4 * PREFETCH_ROWS) * STRIP, 0, 3);
+            store((float *)weight_at(panel, j, k, gated), decode_weights(codes, scales, k));
+        }
+    }
+}
+
 /* The tiles of one linear, shared out among the threads of the enclosing parallel region
  * without a barrier at the end, so several linears of one input run back to back.
- * x [M, K] and y [M, N] row-major and contiguous; wp [N / 16][K][16]; N % 16 == 0. With `up`
- * (packed as wp, with its bias up_bias), y [M, N] = silu(x Wp^T + bias) * (x Wup^T + up_bias):
- * the MLP's gate and up projections and their activation, without writing either. */
-static void linear_tiles(const float *x, long M, long K, const float *wp, long N,
-                         const float *bias, const float *up, const float *up_bias, float *y,
+ * x [M, K] and y [M, N] row-major and contiguous; N % 16 == 0, and K % 32 == 0 for a coded
+ * weight. With `up` (packed in the same form as w, with its bias up_bias), y [M, N] =
+ * silu(x W^T + bias) * (x Wup^T + up_bias): the MLP's gate and up projections and their
+ * activation, without writing either. */
+static void linear_tiles(const float *x, long M, long K, const Weight *w, long N,
+                         const float *bias, const Weight *up, const float *up_bias, float *y,
                          int accumulate) {
-    const long tile_cols = up ? LANES : TILE_COLS;
+    const int gated = up != 0;
+    const long tile_cols = gated ? LANES : TILE_COLS;
     long num_tiles = (N + tile_cols - 1) / tile_cols; /* the last may be half wide */
     long block = ROW_BLOCK_FLOATS / K / ROWS * ROWS;
     if (block < ROWS) block = ROWS;
     for (long m0 = 0; m0 < M; m0 += block) {
         long m1 = m0 + block < M ? m0 + block : M;
+        int few_rows = m1 - m0 <= DECODE_IN_REGISTERS_ROWS;
+        int coded = w->codes && (few_rows || !w->strips);
+        int use_panel = coded && !few_rows;
 #pragma omp for schedule(static) nowait
         for (long p = 0; p < num_tiles; p++) {
             long col = p * tile_cols;
-            long vecs = N - col >= TILE_COLS ? 2 : 1;
+            long vecs = gated || N - col >= TILE_COLS ? 2 : 1;
+            Tile t = {.bias = bias ? bias + col : 0, .up_bias = up_bias ? up_bias + col : 0,
+                      .K = K, .N = N, .accumulate = accumulate};
+            if (!coded) {
+                t.w = strip_column(w->strips, K, col);
+                t.up = gated ? strip_column(up->strips, K, col) : 0;
+            } else {
+                long strip = col / STRIP, lane = col % STRIP;
+                t.codes = w->codes + strip * K * STRIP + lane;
+                t.scales = w->scales + strip * (K / CODE_BLOCK) * 2 * STRIP + lane;
+                if (gated) {
+                    t.up_codes = up->codes + strip * K * STRIP + lane;
+                    t.up_scales = up->scales + strip * (K / CODE_BLOCK) * 2 * STRIP + lane;
+                }
+                float *panel = use_panel ? thread_panel(2 * K * STRIP) : 0;
+                if (panel) {
+                    Tile decoded = t;
+                    decoded.codes = decoded.up_codes = 0;
+                    decoded.w = panel;
+                    decoded.up = gated ? panel + K * STRIP : 0;
+                    decode_tile(&t, vecs, gated, &decoded);
+                    t = decoded;
+                }
+            }
             for (long m = m0; m < m1; m += ROWS) {
-                Tile t = {x + m * K, strip_column(wp, K, col),
-                          up ? strip_column(up, K, col) : 0, bias ? bias + col : 0,
-                          up_bias ? up_bias + col : 0, y + m * N + col, K, N, accumulate};
+                t.x = x + m * K;
+                t.y = y + m * N + col;
                 run_tile(t, m1 - m < ROWS ? m1 - m : ROWS, vecs);
             }
         }
@@ -223,10 +349,38 @@ static void linear_tiles(const float *x, long M, long K, const float *wp, long N
 }
 
 /* y = x @ W^T + bias, or y += x @ W^T + bias when accumulate is set. */
-void packed_linear(const float *x, long M, long K, const float *wp, long N, const float *bias,
+void packed_linear(const float *x, long M, long K, const Weight *w, long N, const float *bias,
                    float *y, int accumulate, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    linear_tiles(x, M, K, wp, N, bias, 0, 0, y, accumulate);
+    linear_tiles(x, M, K, w, N, bias, 0, 0, y, accumulate);
+}
+
+/* The codes of `runs` runs of CODE_BLOCK weights under a scale and an offset per run (see Weight):
+ * each code the integer nearest (w - offset) / scale, in [-128, 127]; fits[r] = 1 where the codes
+ * rebuild run r bit for bit as the linears decode them (code * scale + offset, with code *
+ * scale exact: a scale of at most 16 significant bits). The loader's check, in one pass: torch
+ * took ten over the weights, a second at start for 135M weights. */
+void code_runs(const float *w, long runs, const float *scale, const float *offset,
+               signed char *codes, unsigned char *fits, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (long r = 0; r < runs; r++) {
+        const float s = scale[r], o = offset[r], divisor = s == 0.0f ? 1.0f : s;
+        unsigned bits;
+        memcpy(&bits, &s, sizeof bits);
+        int fit = (bits & 0xFF) == 0;
+        for (long i = r * CODE_BLOCK; i < (r + 1) * CODE_BLOCK; i++) {
+            float code = rintf((w[i] - o) / divisor); /* to even on ties, as torch.round */
+            code = code >= -128.0f ? (code <= 127.0f ? code : 127.0f) : -128.0f; /* NaN too */
+            codes[i] = (signed char)code;
+            /* From the stored byte, as the linears decode it: a code of -0.0 becomes +0.0. */
+            const float rebuilt = (float)codes[i] * s + o;
+            unsigned a, b;
+            memcpy(&a, &rebuilt, sizeof a);
+            memcpy(&b, &w[i], sizeof b);
+            fit &= a == b;
+        }
+        fits[r] = (unsigned char)fit;
+    }
 }
 
 /* ------------------------------------------------------------------ paged decode attention
@@ -745,7 +899,7 @@ typedef struct {
     float eps, scale, softcap; /* softcap: of the attention scores, see soft_cap */
     const float *input_norm, *post_norm; /* [hidden] */
     const float *q_norm, *k_norm;        /* [head_dim], or both NULL */
-    const float *q, *k, *v, *o, *gate, *up, *down;                             /* packed */
+    Weight q, k, v, o, gate, up, down;
     const float *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias; /* or NULL */
 } DecoderLayer;
 
@@ -791,9 +945,9 @@ static void decoder_layer(const DecoderLayer *l, float *x, long B, const float *
     rms_norm(x, B, H, l->input_norm, l->eps, h, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
-        linear_tiles(h, B, H, l->q, qn, l->q_bias, 0, 0, q, 0);
-        linear_tiles(h, B, H, l->k, kvn, l->k_bias, 0, 0, k, 0);
-        linear_tiles(h, B, H, l->v, kvn, l->v_bias, 0, 0, v, 0);
+        linear_tiles(h, B, H, &l->q, qn, l->q_bias, 0, 0, q, 0);
+        linear_tiles(h, B, H, &l->k, kvn, l->k_bias, 0, 0, k, 0);
+        linear_tiles(h, B, H, &l->v, kvn, l->v_bias, 0, 0, v, 0);
     }
     if (l->q_norm) {
         rms_norm(q, B * l->heads, D, l->q_norm, l->eps, q, num_threads);
@@ -810,12 +964,12 @@ static void decoder_layer(const DecoderLayer *l, float *x, long B, const float *
         paged_prefill_attention(q, cache, tables, table_width, query_start, seq_lens,
                                 num_decodes, num_reqs, l->heads, l->kv_heads, D, block_size,
                                 l->window, l->scale, l->softcap, attn, num_threads);
-    packed_linear(attn, B, qn, l->o, H, l->o_bias, x, 1, num_threads);
+    packed_linear(attn, B, qn, &l->o, H, l->o_bias, x, 1, num_threads);
 
     rms_norm(x, B, H, l->post_norm, l->eps, h, num_threads);
 #pragma omp parallel num_threads(num_threads)
-    linear_tiles(h, B, H, l->gate, I, l->gate_bias, l->up, l->up_bias, act, 0);
-    packed_linear(act, B, I, l->down, H, l->down_bias, x, 1, num_threads);
+    linear_tiles(h, B, H, &l->gate, I, l->gate_bias, &l->up, l->up_bias, act, 0);
+    packed_linear(act, B, I, &l->down, H, l->down_bias, x, 1, num_threads);
 }
 
 /* The decoder layers layers[0 .. num_layers) in turn, layer i with its own cache caches[i] and
@@ -1173,7 +1327,7 @@ static long rescore_row(const float *x, long K, const float *y, const float *wp,
         if (!keep) continue;
         if (++strips > max_strips) return -1;
         float logits[STRIP]; /* packed_linear's own tile over this strip: the same FMAs */
-        run_tile((Tile){x, strip_column(wp, K, v), 0, 0, 0, logits, K, STRIP, 0}, 1, 1);
+        run_tile((Tile){.x = x, .w = strip_column(wp, K, v), .y = logits, .K = K, .N = STRIP}, 1, 1);
         for (long j = 0; j < STRIP; j++)
             if (best < 0 || logits[j] > best_logit) {
                 best = v + j;

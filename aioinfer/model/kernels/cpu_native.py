@@ -24,6 +24,15 @@ from typing import Any
 
 import torch
 
+from aioinfer.model.kernels.packed_weights import (
+    CODE_BLOCK,
+    CodedWeight,
+    PackedWeight,
+    WeightStruct,
+    check_float32,
+    packed_shape,
+    weight_struct,
+)
 from aioinfer.model.loader.gguf_cache import cache_root
 
 logger = logging.getLogger(__name__)
@@ -50,7 +59,7 @@ class NativeKernels:
         # I int, F float, W the layer's weights (DecoderLayerWeights).
         P, L, I, F = _c_float_p, ctypes.c_long, ctypes.c_int, ctypes.c_float  # noqa: E741
         V, W = ctypes.c_void_p, ctypes.POINTER(DecoderLayerWeights)
-        self._packed_linear = _bind(lib.packed_linear, P, L, L, P, L, P, P, I, I)
+        self._packed_linear = _bind(lib.packed_linear, P, L, L, V, L, P, P, I, I)
         self._paged_decode = _bind(
             lib.paged_decode_attention, P, P, P, L, P, L, L, L, L, L, L, F, F, P, I
         )
@@ -67,6 +76,7 @@ class NativeKernels:
             lib.decoder_layers, V, V, L, P, L, P, P, V, V, L, V, V, L, L, L, P, I
         )
         self._decoder_layer_work = _bind(lib.decoder_layer_work_floats, W, L, restype=L)
+        self._code_runs = _bind(lib.code_runs, P, L, P, P, V, V, I)
         # The exact greedy LM head (model/kernels/greedy_head.py) needs AVX512-BF16.
         self.has_greedy_head = bool(_bind(lib.greedy_head_available, restype=I)())
         if self.has_greedy_head:
@@ -78,19 +88,23 @@ class NativeKernels:
         self._scratch = threading.local()
 
     def packed_linear(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+        self, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x [M, K] contiguous float32 @ W^T + bias, W packed by `pack_weight` -> [M, N]."""
-        _check(x, packed)
+        """x [M, K] contiguous float32 @ W^T + bias -> [M, N]; W packed by `pack_weight`, or
+        coded by `code_weight`."""
+        check_float32(x)
         m, k = x.shape
-        n = packed.shape[0] * STRIP
+        weight = weight_struct(packed)
+        n, in_features = packed_shape(packed)
+        if k != in_features:
+            raise ValueError(f"x must have {in_features} columns, got {k}")
         out = torch.empty(m, n, dtype=torch.float32)
         if m > 0:
             self._packed_linear(
                 x.data_ptr(),
                 m,
                 k,
-                packed.data_ptr(),
+                ctypes.byref(weight),
                 n,
                 None if bias is None else bias.data_ptr(),
                 out.data_ptr(),
@@ -98,6 +112,24 @@ class NativeKernels:
                 torch.get_num_threads(),
             )
         return out
+
+    def code_runs(
+        self, runs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes [R, 32] (int8) of runs [R, 32] (float32) under scale and offset [R], and
+        whether each run's codes rebuild it bit for bit ([R], bool); see packed_weights."""
+        runs, scale, offset = runs.contiguous(), scale.contiguous(), offset.contiguous()
+        check_float32(runs, scale, offset)
+        count = runs.shape[0]
+        if tuple(runs.shape) != (count, CODE_BLOCK) or {scale.shape, offset.shape} != {(count,)}:
+            raise ValueError(f"runs must be [R, {CODE_BLOCK}] with scale and offset [R]")
+        codes = torch.empty(count, CODE_BLOCK, dtype=torch.int8)
+        fits = torch.empty(count, dtype=torch.bool)
+        self._code_runs(
+            runs.data_ptr(), count, scale.data_ptr(), offset.data_ptr(), codes.data_ptr(),
+            fits.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return codes, fits
 
     def paged_decode_attention(
         self,
@@ -115,7 +147,7 @@ class NativeKernels:
         float32; D a multiple of 16."""
         b, h, d = query.shape
         query = query.contiguous()
-        _check(query, kv_cache)
+        check_float32(query, kv_cache)
         block_tables = block_tables.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
         out = torch.empty_like(query)
@@ -156,7 +188,7 @@ class NativeKernels:
         through block_tables [R, W] (int32) -> [T, H, D]; `softcap` as paged_decode_attention."""
         t, h, d = query.shape
         query = query.contiguous()
-        _check(query, kv_cache)
+        check_float32(query, kv_cache)
         _check_requests(t, block_tables, query_start_loc, seq_lens)
         out = torch.empty_like(query)
         self._paged_prefill(
@@ -170,7 +202,7 @@ class NativeKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim (a multiple of 16) of float32 x; weight [dim]."""
         x = x.contiguous()
-        _check(x, weight)
+        check_float32(x, weight)
         dim = x.shape[-1]
         out = torch.empty_like(x)
         rows = x.numel() // dim
@@ -185,7 +217,7 @@ class NativeKernels:
         activation)."""
         up = up.contiguous()
         out = gate if gate.is_contiguous() else gate.contiguous()
-        _check(out, up)
+        check_float32(out, up)
         self._silu_mul(
             out.data_ptr(), up.data_ptr(), out.numel(), out.data_ptr(), torch.get_num_threads()
         )
@@ -194,7 +226,7 @@ class NativeKernels:
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`apply_rotary` for float32 x [T, heads, D] (D a multiple of 32), cos/sin [T, D / 2]."""
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        _check(x, cos, sin)
+        check_float32(x, cos, sin)
         tokens, heads, dim = x.shape
         out = torch.empty_like(x)
         self._rotary(
@@ -210,7 +242,7 @@ class NativeKernels:
         top_p >= 1). Float32 on the CPU."""
         logits = logits.contiguous()
         top_p = top_p.to(torch.float32).reshape(-1).contiguous()
-        _check(logits, top_p)
+        check_float32(logits, top_p)
         rows, vocab = logits.shape
         if top_p.shape[0] != rows:
             raise ValueError(f"top_p must have {rows} rows, got {top_p.shape[0]}")
@@ -226,7 +258,7 @@ class NativeKernels:
         removed): the exponential race with noise hashed from keys[r] (64 bits) and each
         token's index, so a row's draw depends on its key and logits only. -> [B] int64."""
         logits = logits.contiguous()
-        _check(logits)
+        check_float32(logits)
         rows, vocab = logits.shape
         if len(keys) != rows:
             raise ValueError(f"need one key per row: {rows} rows, {len(keys)} keys")
@@ -245,7 +277,7 @@ class NativeKernels:
     ) -> None:
         """In place: -inf in row rows[r] of logits [B, V] (float32) at each token that the
         int32 bitmask masks[r] ([R, ceil(V / 32)]) leaves out."""
-        _check(logits)
+        check_float32(logits)
         _check_indices(rows, torch.int64)
         masks = masks.contiguous()
         batch, vocab = logits.shape
@@ -286,7 +318,7 @@ class NativeKernels:
             )
         out = x.clone(memory_format=torch.contiguous_format)  # updated in place by the kernel
         cos, sin = cos.contiguous(), sin.contiguous()
-        _check(out, cos, sin, *kv_caches)
+        check_float32(out, cos, sin, *kv_caches)
         _check_indices(slot_mapping, torch.int64)
         b = out.shape[0]
         _check_requests(b, block_tables, query_start_loc, seq_lens)
@@ -327,23 +359,25 @@ class NativeKernels:
 
 
 # The C struct DecoderLayer's tensors, after its sizes; a None tensor is passed as NULL.
+_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 _LAYER_TENSORS = (
-    "input_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o", "gate", "up", "down",
+    "input_norm", "post_norm", "q_norm", "k_norm", *_LINEARS,
     "q_bias", "k_bias", "v_bias", "o_bias", "gate_bias", "up_bias", "down_bias",
 )  # fmt: skip
 
 
 class DecoderLayerWeights(ctypes.Structure):
     """The weights of one decoder layer as the C `DecoderLayer` holds them: norms [hidden]
-    (q_norm and k_norm [head_dim], or both None), linear weights packed by `pack_weight`,
-    biases [out_features] or None. Holds raw pointers, and the tensors to keep them alive: the
-    tensors must keep their storage (load into them in place, never replace them)."""
+    (q_norm and k_norm [head_dim], or both None), linear weights packed by `pack_weight` or
+    coded by `code_weight`, biases [out_features] or None. Holds raw pointers, and the tensors
+    to keep them alive: the tensors must keep their storage (load into them in place, never
+    replace them)."""
 
     _fields_ = [
         ("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
         ("head_dim", ctypes.c_long), ("intermediate", ctypes.c_long), ("window", ctypes.c_long),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
-        *((name, ctypes.c_void_p) for name in _LAYER_TENSORS),
+        *((name, WeightStruct if name in _LINEARS else ctypes.c_void_p) for name in _LAYER_TENSORS),
     ]  # fmt: skip
 
     @classmethod
@@ -355,41 +389,55 @@ class DecoderLayerWeights(ctypes.Structure):
         head_dim: int,
         eps: float,
         scale: float,
-        tensors: dict[str, torch.Tensor | None],
+        tensors: dict[str, PackedWeight | None],
         window: int = 0,
         softcap: float = 0.0,
     ) -> DecoderLayerWeights:
         if set(tensors) != set(_LAYER_TENSORS):
             raise ValueError(f"tensors must name exactly {_LAYER_TENSORS}, got {sorted(tensors)}")
-        hidden = tensors["input_norm"].shape[0]  # type: ignore[union-attr]
-        intermediate = tensors["gate"].shape[0] * STRIP  # type: ignore[union-attr]
+        linears = {name: tensors[name] for name in _LINEARS}
+        if any(w is None for w in linears.values()):
+            raise ValueError(f"every linear weight must be given: {_LINEARS}")
+        plain = {name: t for name, t in tensors.items() if name not in _LINEARS}
+        if any(isinstance(t, CodedWeight) for t in plain.values()):
+            raise ValueError("only linear weights may be coded")
+        hidden = plain["input_norm"].shape[0]  # type: ignore[union-attr]
+        intermediate = packed_shape(linears["gate"])[0]  # type: ignore[arg-type]
         widths = (hidden, heads * head_dim, kv_heads * head_dim, intermediate)
         if head_dim % (2 * STRIP) or any(w % STRIP for w in widths):
             raise ValueError(
                 f"head_dim must be a multiple of {2 * STRIP} and every width of {STRIP}, got "
                 f"head_dim {head_dim}, widths {widths}"
             )
-        if (tensors["q_norm"] is None) != (tensors["k_norm"] is None):
+        if (plain["q_norm"] is None) != (plain["k_norm"] is None):
             raise ValueError("q_norm and k_norm must be given together")
+        if isinstance(linears["gate"], CodedWeight) != isinstance(linears["up"], CodedWeight):
+            raise ValueError("gate and up must be packed alike (the kernel runs them as one)")
         # The kernel reads raw memory at these sizes: any other shape would be misread.
         q_out, kv_out = heads * head_dim, kv_heads * head_dim
         packed = {"q": (q_out, hidden), "k": (kv_out, hidden), "v": (kv_out, hidden),
                   "o": (hidden, q_out), "gate": (intermediate, hidden),
                   "up": (intermediate, hidden), "down": (hidden, intermediate)}  # fmt: skip
+        for name, weight in linears.items():
+            got = packed_shape(weight)  # type: ignore[arg-type]
+            if got != packed[name]:
+                raise ValueError(f"{name} must have shape {packed[name]} unpacked, got {got}")
         shapes: dict[str, tuple[int, ...]] = {
             "input_norm": (hidden,), "post_norm": (hidden,), "q_norm": (head_dim,),
-            "k_norm": (head_dim,),
-            **{name: (n // STRIP, k, STRIP) for name, (n, k) in packed.items()},
-            **{f"{name}_bias": (n,) for name, (n, _) in packed.items()},
+            "k_norm": (head_dim,), **{f"{name}_bias": (n,) for name, (n, _) in packed.items()},
         }  # fmt: skip
-        for name, t in tensors.items():
+        for name, t in plain.items():
             if t is not None:
-                _check(t)
-                if tuple(t.shape) != shapes[name]:
-                    raise ValueError(f"{name} must have shape {shapes[name]}, got {tuple(t.shape)}")
-        pointers = (None if tensors[n] is None else tensors[n].data_ptr() for n in _LAYER_TENSORS)  # type: ignore[union-attr]
+                check_float32(t)  # type: ignore[arg-type]
+                if tuple(t.shape) != shapes[name]:  # type: ignore[union-attr]
+                    raise ValueError(f"{name} must have shape {shapes[name]}, got {tuple(t.shape)}")  # type: ignore[union-attr]
+        fields = (
+            weight_struct(tensors[n]) if n in _LINEARS  # type: ignore[arg-type]
+            else None if tensors[n] is None else tensors[n].data_ptr()  # type: ignore[union-attr]
+            for n in _LAYER_TENSORS
+        )  # fmt: skip
         layer = cls(
-            hidden, heads, kv_heads, head_dim, intermediate, window, eps, scale, softcap, *pointers
+            hidden, heads, kv_heads, head_dim, intermediate, window, eps, scale, softcap, *fields
         )
         layer.tensors = tensors  # keeps the pointed-to storage alive
         return layer
@@ -435,16 +483,6 @@ def _check_indices(t: torch.Tensor, dtype: torch.dtype) -> None:
             f"native CPU kernels take contiguous {dtype} CPU index tensors, got {t.dtype} on "
             f"{t.device}, contiguous={t.is_contiguous()}"
         )
-
-
-def _check(*tensors: torch.Tensor) -> None:
-    """The kernels read raw float32 memory: refuse anything else rather than misread it."""
-    for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(
-                f"native CPU kernels take contiguous float32 CPU tensors, got {t.dtype} on "
-                f"{t.device}, contiguous={t.is_contiguous()}"
-            )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

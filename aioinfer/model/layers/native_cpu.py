@@ -29,6 +29,7 @@ from aioinfer.model.kernels.cpu_native import (
     unpack_weight,
 )
 from aioinfer.model.kernels.greedy_head import GreedyHead
+from aioinfer.model.kernels.packed_weights import CodedWeight, PackedWeight, code_weight
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
@@ -39,13 +40,25 @@ logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
-    """`y = x @ W^T + b` by the native kernel, with the inputs and outputs of nn.Linear."""
+    """`y = x @ W^T + b` by the native kernel, with the inputs and outputs of nn.Linear. W is
+    packed as float32 strips; with `code` "auto" or "coded", also or only held as byte codes
+    where they rebuild every weight bit for bit (GGUF's simple quantizations; see
+    packed_weights.py)."""
 
-    def __init__(self, linear: nn.Linear, kernels: NativeKernels) -> None:
+    def __init__(self, linear: nn.Linear, kernels: NativeKernels, *, code: str = "float32") -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.packed = nn.Parameter(pack_weight(linear.weight), requires_grad=False)
+        wanted = code in ("auto", "coded")
+        coded = code_weight(linear.weight, kernels.code_runs) if wanted else None
+        self.packed: nn.Parameter | None = None
+        if coded is None or code == "auto":
+            self.packed = nn.Parameter(pack_weight(linear.weight), requires_grad=False)
+        self.codes: nn.Parameter | None = None
+        self.scales: nn.Parameter | None = None
+        if coded is not None:  # parameters, so that the model's weight memory counts them
+            self.codes = nn.Parameter(coded.codes, requires_grad=False)
+            self.scales = nn.Parameter(coded.scales, requires_grad=False)
         self.bias = linear.bias
         self.kernels = kernels
         # On a model's LM head: its rows' argmax without every logit (set by use_native_kernels).
@@ -53,20 +66,34 @@ class PackedLinear(nn.Module):
         # State dicts keep Hugging Face's names and layout: `weight` [N, K], not the strips.
         self._register_state_dict_hook(_unpacked_state)
 
+    @property
+    def weight_form(self) -> PackedWeight:
+        """The weight as the kernels take it: the strips, or the codes."""
+        if self.codes is None or self.scales is None:
+            assert self.packed is not None
+            return self.packed
+        return CodedWeight(self.codes, self.scales, self.packed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).contiguous()
-        out = self.kernels.packed_linear(rows, self.packed, self.bias)
+        out = self.kernels.packed_linear(rows, self.weight_form, self.bias)
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        form = ", ".join(n for n in ("packed", "codes") if getattr(self, n) is not None)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {form}"
 
 
 def _unpacked_state(
     module: nn.Module, state: dict[str, torch.Tensor], prefix: str, _meta: object
 ) -> None:
-    state[prefix + "weight"] = unpack_weight(state.pop(prefix + "packed"))
+    packed = state.pop(prefix + "packed", None)
+    if packed is not None:
+        state[prefix + "weight"] = unpack_weight(packed)
+    if prefix + "codes" in state:
+        coded = CodedWeight(state.pop(prefix + "codes"), state.pop(prefix + "scales"))
+        state.setdefault(prefix + "weight", coded.decode())
 
 
 class PackedEmbedding(nn.Module):
@@ -215,14 +242,14 @@ def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | No
     )
     if not native:
         return None
-    tensors: dict[str, torch.Tensor | None] = {
+    tensors: dict[str, PackedWeight | None] = {
         "input_norm": layer.input_layernorm.weight,
         "post_norm": layer.post_attention_layernorm.weight,
         "q_norm": qk_norms[0].weight if qk_norms else None,
         "k_norm": qk_norms[1].weight if qk_norms else None,
     }
     for name, linear in linears.items():
-        tensors[name] = linear.packed
+        tensors[name] = linear.weight_form
         tensors[f"{name}_bias"] = linear.bias
     return DecoderLayerWeights.build(
         heads=attn.num_heads,
@@ -236,11 +263,12 @@ def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | No
     )
 
 
-def _native_twin(module: nn.Module, kernels: NativeKernels) -> nn.Module | None:
+def _native_twin(module: nn.Module, kernels: NativeKernels, *, code: str) -> nn.Module | None:
     """The native replacement of one module, or None to keep it."""
     if type(module) is nn.Linear:  # not subclasses, which may read .weight themselves
         fits = module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
-        return PackedLinear(module, kernels) if fits and module.out_features % STRIP == 0 else None
+        fits = fits and module.out_features % STRIP == 0
+        return PackedLinear(module, kernels, code=code) if fits else None
     if type(module) is RMSNorm:
         fits = module.weight.dtype == torch.float32 and module.weight.shape[0] % STRIP == 0
         return NativeRMSNorm(module, kernels) if fits else None
@@ -251,20 +279,29 @@ def _native_twin(module: nn.Module, kernels: NativeKernels) -> nn.Module | None:
     return None
 
 
-def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
+def use_native_kernels(
+    model: nn.Module, kernels: NativeKernels, *, weight_format: str = "auto"
+) -> int:
     """Swap the model's modules for their native twins in place; returns how many were swapped.
     The model must be float32 on the CPU. An embedding tied to a linear that gets packed reads
-    the packed weight, so tied weights stay one tensor."""
+    the packed weight, so tied weights stay one tensor. `weight_format` ("auto", "coded" or
+    "float32", see ModelConfig.cpu_weight_format): whether linears whose weights are exact byte
+    codes (packed_weights.py) hold them too, or only them, except the LM head and weights tied
+    to an embedding, which the greedy head and the lookups read as floats."""
     packed_by_weight: dict[int, nn.Parameter] = {}
     embeddings: list[tuple[nn.Module, str, nn.Embedding]] = []
+    head = getattr(model, "lm_head", None)
+    float_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    float_weights |= {id(head.weight)} if isinstance(head, nn.Linear) else set()
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Embedding):
                 embeddings.append((parent, name, child))
-            twin = _native_twin(child, kernels)
+            tied = id(getattr(child, "weight", None)) in float_weights
+            twin = _native_twin(child, kernels, code="float32" if tied else weight_format)
             if twin is not None:
-                if isinstance(twin, PackedLinear):
+                if isinstance(twin, PackedLinear) and twin.packed is not None:
                     packed_by_weight[id(child.weight)] = twin.packed
                 setattr(parent, name, twin)
                 swapped += 1
@@ -273,8 +310,9 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
         if packed is not None:
             setattr(parent, name, PackedEmbedding(embedding, packed))
             swapped += 1
+    _log_coded(model, weight_format)
     head = getattr(model, "lm_head", None)
-    if isinstance(head, PackedLinear) and head.bias is None:
+    if isinstance(head, PackedLinear) and head.packed is not None and head.bias is None:
         head.greedy = GreedyHead.build(head.packed, kernels)
         if head.greedy is not None:
             logger.info(
@@ -300,3 +338,18 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
                 setattr(parent, name, NativeLlamaModel(child, kernels))
                 swapped += 1
     return swapped
+
+
+def _log_coded(model: nn.Module, weight_format: str) -> None:
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    coded = [m.weight_form for m in linears if m.codes is not None]
+    if coded:
+        logger.info(
+            "%d of %d linear weights are exact byte codes (%.3f GiB%s); steps of few rows "
+            "read them (--cpu-weight-format %s)",
+            len(coded),
+            len(linears),
+            sum(w.nbytes for w in coded) / 2**30,
+            " beside their float32 strips" if weight_format == "auto" else "",
+            weight_format,
+        )

@@ -1,0 +1,240 @@
+"""Byte-coded linear weights (packed_weights.py): found exactly where GGUF's simple quantizations
+made the weights, and run by the native kernels with the float32 strips' results, bit for bit.
+
+Skipped, with the reason, where the native kernels cannot build."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from torch import nn
+
+from aioinfer import LLM, SamplingParams
+from aioinfer.model.kernels import cpu_native
+from aioinfer.model.kernels.packed_weights import CodedWeight, code_weight
+from aioinfer.model.layers.native_cpu import PackedLinear, use_native_kernels
+from tests.model.tiny_models import make_hf_model
+from tests.tokenizer_fixtures import make_tokenizer
+
+SIMPLE_QUANTS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+def ggml_round_trip(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """`weight` quantized and dequantized by gguf-py (ggml's reference quantizers), float32."""
+    kind = GGMLQuantizationType[qtype]
+    blocks = quantize(weight.numpy().astype(np.float32), kind)
+    return torch.from_numpy(dequantize(blocks, kind).astype(np.float32)).reshape(weight.shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", SIMPLE_QUANTS)
+def test_ggml_blocks_are_coded_exactly(kernels: cpu_native.NativeKernels, qtype: str) -> None:
+    gen = torch.Generator().manual_seed(len(qtype) + ord(qtype[1]))
+    weight = torch.randn(48, 160, generator=gen) * torch.logspace(-3, 1, 48).unsqueeze(1)
+    weight[3, 32:64] = 0.0  # a run of zeros: scale 0
+    weight[5, 64:96] = 0.25  # a run of one value
+    weight = ggml_round_trip(weight, qtype)
+    coded = code_weight(weight, kernels.code_runs)
+    assert coded is not None
+    assert coded.codes.dtype == torch.int8 and coded.codes.shape == (3, 160, 16)
+    assert coded.scales.shape == (3, 5, 2, 16)
+    assert coded.nbytes * 4 == weight.nbytes * 1.25  # 1.25 bytes a weight instead of 4
+    assert same_bits(coded.decode(), weight)
+
+
+def test_other_weights_stay_float(kernels: cpu_native.NativeKernels) -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(32, 64, generator=gen)
+    q4 = ggml_round_trip(weight, "Q4_1")
+    assert code_weight(q4, kernels.code_runs) is not None
+    nudged = q4.clone()
+    nudged[20, 7] = torch.nextafter(
+        nudged[20, 7], torch.tensor(1e9)
+    )  # one ulp off, past the sample
+    with_nan = q4.clone()
+    with_nan[31, 63] = float("nan")
+    for other in (
+        weight,  # trained float32
+        weight.bfloat16().float(),  # bfloat16 values: not runs of codes
+        nudged,
+        with_nan,
+        q4[:, :48],  # K not a multiple of 32
+        q4[:24],  # N not a multiple of 16
+        q4.double(),
+    ):
+        assert code_weight(other, kernels.code_runs) is None
+    assert code_weight(q4[:, :32].contiguous(), kernels.code_runs) is not None
+
+
+def test_zero_weights_keep_their_sign(kernels: cpu_native.NativeKernels) -> None:
+    """Q4_0's d * (q - 8) is -0.0 where d < 0 and q = 8: the offset -0.0 keeps it so (an
+    offset of +0.0, or a code of -0.0, would make it +0.0); a run of -0.0 alone too."""
+    gen = torch.Generator().manual_seed(4)
+    weight = ggml_round_trip(torch.randn(16, 96, generator=gen), "Q4_0")
+    weight[9, 32:64] = -0.0
+    negative_zeros = weight.view(torch.int32) == torch.tensor(-0.0).view(torch.int32)
+    assert negative_zeros.sum() > 32
+    coded = code_weight(weight, kernels.code_runs)
+    assert coded is not None
+    assert same_bits(coded.decode(), weight)
+    weight[9, 40] = 0.0  # +0.0 among the -0.0: a run no candidate rebuilds
+    assert code_weight(weight, kernels.code_runs) is None
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    # Rows around the micro-tile and DECODE_IN_REGISTERS_ROWS (28 with AVX-512, 12 with AVX2),
+    # odd and even strip counts, several row blocks (85 rows each at K = 1536).
+    [(1, 16, 32), (2, 48, 96), (6, 32, 576), (13, 96, 64), (14, 16, 1536), (15, 48, 32),
+     (28, 64, 576), (29, 80, 96), (64, 192, 576), (200, 48, 1536)],
+)  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_coded_linears_give_the_float_strips_results_bit_for_bit(
+    kernels: cpu_native.NativeKernels, m: int, n: int, k: int, bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    weight = ggml_round_trip(torch.randn(n, k, generator=gen) * 0.1, "Q4_1")
+    coded = code_weight(weight, kernels.code_runs)
+    assert coded is not None
+    strips = cpu_native.pack_weight(weight)
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(m, k, generator=gen)
+    expected = kernels.packed_linear(x, strips, b)
+    torch.testing.assert_close(
+        expected, x @ weight.T + (0 if b is None else b), rtol=1e-4, atol=1e-4
+    )
+    both = CodedWeight(coded.codes, coded.scales, strips)
+    assert same_bits(kernels.packed_linear(x, coded, b), expected)
+    assert same_bits(kernels.packed_linear(x, both, b), expected)
+
+
+def test_coded_weights_are_checked_before_the_kernel_reads_them(
+    kernels: cpu_native.NativeKernels,
+) -> None:
+    weight = ggml_round_trip(torch.randn(32, 64), "Q8_0")
+    coded = code_weight(weight, kernels.code_runs)
+    assert coded is not None
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="x must have 64 columns"):
+        kernels.packed_linear(torch.randn(2, 96), coded, None)
+    with pytest.raises(ValueError, match="scales"):
+        kernels.packed_linear(x, CodedWeight(coded.codes, coded.scales[:, :1].contiguous()), None)
+    with pytest.raises(ValueError, match="int8"):
+        kernels.packed_linear(x, CodedWeight(coded.codes.int(), coded.scales), None)
+    wrong_strips = cpu_native.pack_weight(torch.randn(32, 96))
+    with pytest.raises(ValueError, match="differ"):
+        kernels.packed_linear(x, CodedWeight(coded.codes, coded.scales, wrong_strips), None)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40, 300])
+def test_decoder_layers_with_coded_weights_give_the_float_results_bit_for_bit(
+    kernels: cpu_native.NativeKernels, tokens: int
+) -> None:
+    """The one-call decoder layer, gated MLP included, with every linear coded (alone or
+    beside its strips) against the same layer from strips, in each build: a prompt step of
+    `tokens` rows, below and above the rows that decode in registers."""
+    from tests.model.test_cpu_native import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, small_layer_tensors
+
+    gen = torch.Generator().manual_seed(tokens)
+    tensors = small_layer_tensors(gen)
+    linears = ("q", "k", "v", "o", "gate", "up", "down")
+    kinds = iter(SIMPLE_QUANTS * 2)
+    for name in linears:
+        weight = ggml_round_trip(cpu_native.unpack_weight(tensors[name]), next(kinds))
+        tensors[name] = cpu_native.pack_weight(weight)
+    coded = {name: code_weight(cpu_native.unpack_weight(tensors[name]), kernels.code_runs)
+             for name in linears}  # fmt: skip
+    assert all(c is not None for c in coded.values())
+    both = {name: CodedWeight(c.codes, c.scales, tensors[name]) for name, c in coded.items()}
+    block_size = 8
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    cos, sin = torch.rand(2, tokens, HEAD_DIM // 2, generator=gen)
+    slots = torch.arange(block_size, block_size + tokens)
+    tables = torch.arange(1, tokens // block_size + 2, dtype=torch.int32)[None]
+    starts = torch.tensor([0, tokens], dtype=torch.int32)
+    lens = torch.tensor([tokens], dtype=torch.int32)
+    results = []
+    for form in ({}, coded, both):
+        layer = cpu_native.DecoderLayerWeights.build(
+            heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, eps=1e-6, scale=0.1,
+            tensors={**tensors, **form},
+        )  # fmt: skip
+        cache = torch.zeros(tokens // block_size + 2, 2, block_size, KV_HEADS, HEAD_DIM)
+        out = kernels.decoder_layers([layer], x, cos, sin, [cache], slots, tables, starts, lens, 0)
+        results.append((out, cache))
+    for out, cache in results[1:]:
+        assert same_bits(out, results[0][0]) and same_bits(cache, results[0][1])
+
+
+def _quantized_tiny_model(path) -> None:
+    """A tiny Llama (head_dim 32, so its layers run as one native call) whose linears hold
+    ggml round-tripped weights, several kinds per layer; its LM head stays trained floats."""
+    hf = make_hf_model("llama", seed=4, hidden_size=128, intermediate_size=192)
+    kinds = iter(SIMPLE_QUANTS * 20)
+    with torch.no_grad():
+        for module in hf.model.layers.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(ggml_round_trip(module.weight, next(kinds)))
+    hf.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+
+
+@pytest.mark.parametrize("weight_format", ["auto", "coded"])
+def test_an_engine_with_coded_weights_gives_the_float_engines_outputs(
+    kernels: cpu_native.NativeKernels, tmp_path, weight_format: str
+) -> None:
+    """Greedy and sampled tokens and their logprobs, over decode steps and prompt steps past
+    the rows that decode in registers, equal an engine's without codes, bit for bit."""
+    if kernels is not cpu_native.load():
+        pytest.skip("the engine runs this machine's build")
+    _quantized_tiny_model(tmp_path)
+    prompts = [[7 + i, 19, 300 + i, 42] * (1 + 12 * (i % 2)) for i in range(6)]  # 4 and 52 tokens
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, logprobs=0),
+    ]
+    outputs = {}
+    for fmt in ("float32", weight_format):
+        with LLM(
+            str(tmp_path), dtype="float32", kv_cache_memory=0.01, max_model_len=128,
+            cpu_weight_format=fmt,
+        ) as llm:  # fmt: skip
+            model = llm.engine.gpu.runner.model
+            linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+            coded = [m for m in linears if m.codes is not None]
+            if fmt == "float32":
+                assert not coded
+            else:  # every linear of the two layers; the LM head and embedding stay float32
+                assert len(coded) == 14 and model.lm_head.codes is None
+                assert all((m.packed is not None) == (fmt == "auto") for m in coded)
+            outputs[fmt] = [
+                [(c.token_ids, c.logprobs) for c in out.outputs]
+                for p in params
+                for out in llm.generate(prompts, p, use_tqdm=False)
+            ]
+    assert outputs[weight_format] == outputs["float32"]
+
+
+def test_state_dicts_give_back_the_float_weights(kernels: cpu_native.NativeKernels) -> None:
+    gen = torch.Generator().manual_seed(8)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 48), nn.Linear(64, 16, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(ggml_round_trip(model[0].weight, "Q5_1"))
+        model[2].weight.copy_(torch.randn(16, 64, generator=gen))  # not coded
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for fmt in ("auto", "coded", "float32"):
+        swapped = copy.deepcopy(model)
+        use_native_kernels(swapped, kernels, weight_format=fmt)
+        assert (swapped[0].codes is not None) == (fmt != "float32")
+        assert swapped[2].codes is None  # random floats
+        after = swapped.state_dict()
+        assert sorted(after) == sorted(before)
+        assert all(same_bits(after[k], before[k]) for k in before)
