@@ -71,12 +71,17 @@ class LatencyResult:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of parameters one batch-1 decode step reads. Each parameter counts once (tied
-    weights are one object); a table used only by embedding layers counts one row."""
+    weights are one object); a table used only by embedding layers counts one row; a linear
+    held in both forms (packed_weights.py) counts its codes."""
     from torch import nn
 
     users: dict[int, tuple[Any, bool]] = {}
     for module in model.modules():
+        # A native linear with byte codes beside its float32 strips reads the codes at batch 1.
+        coded = getattr(module, "codes", None) is not None
         for param in module.parameters(recurse=False):
+            if coded and param is getattr(module, "packed", None):
+                continue
             _, only_embeddings = users.get(id(param), (param, True))
             users[id(param)] = (param, only_embeddings and isinstance(module, nn.Embedding))
     total = 0

@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 from torch import nn
 
 from aioinfer import LLM, SamplingParams
+from aioinfer.bench import latency
 from aioinfer.model.kernels import cpu_native
 from aioinfer.model.kernels.packed_weights import CodedWeight, code_weight
 from aioinfer.model.layers.native_cpu import PackedLinear, use_native_kernels
@@ -91,7 +92,8 @@ def test_zero_weights_keep_their_sign(kernels: cpu_native.NativeKernels) -> None
 
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    # Rows around the micro-tile and DECODE_IN_REGISTERS_ROWS (28 with AVX-512, 12 with AVX2),
+    # Rows around the micro-tile (14 with AVX-512, 6 with AVX2: codes or strips when a weight
+    # has both) and DECODE_IN_REGISTERS_ROWS (28, 12: registers or a panel with codes alone),
     # odd and even strip counts, several row blocks (85 rows each at K = 1536).
     [(1, 16, 32), (2, 48, 96), (6, 32, 576), (13, 96, 64), (14, 16, 1536), (15, 48, 32),
      (28, 64, 576), (29, 80, 96), (64, 192, 576), (200, 48, 1536)],
@@ -235,6 +237,9 @@ def test_state_dicts_give_back_the_float_weights(kernels: cpu_native.NativeKerne
         use_native_kernels(swapped, kernels, weight_format=fmt)
         assert (swapped[0].codes is not None) == (fmt != "float32")
         assert swapped[2].codes is None  # random floats
+        every = sum(p.numel() * p.element_size() for p in swapped.parameters())
+        strips = swapped[0].packed.nbytes if fmt == "auto" else 0  # not read at batch 1
+        assert latency.weight_bytes(swapped) == every - strips
         after = swapped.state_dict()
         assert sorted(after) == sorted(before)
         assert all(same_bits(after[k], before[k]) for k in before)

@@ -137,9 +137,9 @@ typedef struct {
  *   blocks of GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0), and code * scale is exact, so the FMAs
  *   below see the same floats as from strips: the same results, from 1.25 bytes a weight
  *   instead of 4. Decoding costs a convert and an FMA per weight vector: where a step's rows
- *   are few the memory it saves wins (batch-1 linears 2.2-2.7x faster), from about 32 rows
- *   the FMA units are the limit and strips are faster by 5-10 %; with both forms each step
- *   takes the faster. */
+ *   are few the memory it saves wins (batch-1 linears 1.8-2.7x faster, 8 rows 1.1-1.3x), at
+ *   16 to 20 rows the two forms are even, and from about 32 rows the FMA units are the limit
+ *   and strips are faster by 5-10 %; with both forms each step takes the faster. */
 typedef struct {
     const float *strips;
     const signed char *codes;
@@ -261,11 +261,13 @@ static void run_tile(const Tile t, long rows, long vecs) {
  * L3 once per 32 columns (about 10 % slower at 2048 rows); decode steps fit in one block. */
 #define ROW_BLOCK_FLOATS (128 * 1024)
 
-/* Row blocks of at most this many rows read a weight's codes where it has them, decoding them in
- * registers in every row tile; larger blocks read its strips, or, with codes only, decode each
- * tile's weights once into a float32 panel that their row tiles then read as strips (decoded
- * in registers, the linears of a 128-row prefill ran 7-12 % slower than from strips; through
- * the panel, 1-10 %; a 16-row decode step through the panel about 20 %). */
+/* A weight with both forms is read from its codes where a row block is one row tile (each
+ * weight decoded once), else from its strips: at 16 to 20 rows the two measured the same, the
+ * second row tile decoding every weight again. A weight with codes alone decodes them in
+ * registers, in every row tile, for row blocks of at most DECODE_IN_REGISTERS_ROWS rows, and
+ * larger blocks decode each tile's weights once into a float32 panel that their row tiles then
+ * read as strips (in registers, the linears of a 128-row prefill ran 7-12 % slower than from
+ * strips; through the panel, 1-10 %; a 16-row decode step through the panel about 20 %). */
 #define DECODE_IN_REGISTERS_ROWS (2 * ROWS)
 
 /* This thread's panel of at least `floats` floats, grown as needed; NULL if out of memory. */
@@ -309,9 +311,8 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
     if (block < ROWS) block = ROWS;
     for (long m0 = 0; m0 < M; m0 += block) {
         long m1 = m0 + block < M ? m0 + block : M;
-        int few_rows = m1 - m0 <= DECODE_IN_REGISTERS_ROWS;
-        int coded = w->codes && (few_rows || !w->strips);
-        int use_panel = coded && !few_rows;
+        int coded = w->codes && (!w->strips || m1 - m0 <= ROWS);
+        int use_panel = coded && m1 - m0 > DECODE_IN_REGISTERS_ROWS;
 #pragma omp for schedule(static) nowait
         for (long p = 0; p < num_tiles; p++) {
             long col = p * tile_cols;
