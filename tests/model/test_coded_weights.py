@@ -178,12 +178,14 @@ def test_decoder_layers_with_coded_weights_give_the_float_results_bit_for_bit(
 
 def _quantized_tiny_model(path) -> None:
     """A tiny Llama (head_dim 32, so its layers run as one native call) whose linears hold
-    ggml round-tripped weights, several kinds per layer; its LM head stays trained floats."""
+    ggml round-tripped weights, several kinds per layer, but for one up projection; its LM head
+    stays trained floats."""
     hf = make_hf_model("llama", seed=4, hidden_size=128, intermediate_size=192)
     kinds = iter(SIMPLE_QUANTS * 20)
+    float_up = hf.model.layers[1].mlp.up_proj  # as a K-quant would stay: its gate drops codes
     with torch.no_grad():
         for module in hf.model.layers.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and module is not float_up:
                 module.weight.copy_(ggml_round_trip(module.weight, next(kinds)))
     hf.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
@@ -214,8 +216,10 @@ def test_an_engine_with_coded_weights_gives_the_float_engines_outputs(
             coded = [m for m in linears if m.codes is not None]
             if fmt == "float32":
                 assert not coded
-            else:  # every linear of the two layers; the LM head and embedding stay float32
-                assert len(coded) == 14 and model.lm_head.codes is None
+            else:  # the linears of the two layers but one MLP's; the LM head stays float32
+                assert len(coded) == 12 and model.lm_head.codes is None
+                mlp = model.model.layers[1].mlp
+                assert mlp.gate_proj.codes is mlp.up_proj.codes is None
                 assert all((m.packed is not None) == (fmt == "auto") for m in coded)
             outputs[fmt] = [
                 [(c.token_ids, c.logprobs) for c in out.outputs]

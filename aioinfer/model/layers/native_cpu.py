@@ -74,6 +74,13 @@ class PackedLinear(nn.Module):
             return self.packed
         return CodedWeight(self.codes, self.scales, self.packed)
 
+    def drop_codes(self) -> None:
+        """Keep the weight as float32 strips only (the same floats)."""
+        if self.packed is None:
+            weight = self.weight_form.decode()  # type: ignore[union-attr]
+            self.packed = nn.Parameter(pack_weight(weight), requires_grad=False)
+        self.codes = self.scales = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).contiguous()
@@ -242,6 +249,9 @@ def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | No
     )
     if not native:
         return None
+    gate, up = linears["gate"], linears["up"]
+    if (gate.codes is None) != (up.codes is None):  # one gated pass reads both alike
+        (up if gate.codes is None else gate).drop_codes()
     tensors: dict[str, PackedWeight | None] = {
         "input_norm": layer.input_layernorm.weight,
         "post_norm": layer.post_attention_layernorm.weight,
