@@ -333,20 +333,30 @@ _CODED_GGUF_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
 def coded_weight_bytes(resolved: Any, weight_format: str) -> int:
     """Bytes the byte codes of a GGUF's decoder linears add to its float32 weights on the CPU
     (negative where they replace them): 1.25 a weight beside them ("auto"), 1.25 - 4 instead
-    ("coded"), for the tensors whose type makes them codes."""
+    ("coded"), for the tensors whose type makes them codes. The engine finds codes from the
+    weights' values: blocks a tuned quantizer made (imatrix) may not be codes it finds, and a
+    float checkpoint whose values happen to be codes gets them, so there the plan is an
+    estimate; it also assumes the native kernels build."""
     gguf_file = resolved.gguf_file or resolved.converted_from  # or the file of a cache entry
     if gguf_file is None or weight_format == "float32":
         return 0
     from aioinfer.model.loader.resolve import open_gguf
 
     reader = resolved.gguf_reader or open_gguf(gguf_file)
-    elements = sum(
-        int(t.n_elements)
+    coded = {
+        t.name: int(t.n_elements)
         for t in reader.tensors
         if t.name.startswith("blk.")
         and len(t.shape) == 2
         and t.tensor_type.name in _CODED_GGUF_TYPES
         and int(t.shape[1]) % 16 == 0  # output features: whole strips
+    }
+    # A layer's gate and up run as one pass, from codes only if both have them.
+    partner = {".ffn_gate.": ".ffn_up.", ".ffn_up.": ".ffn_gate."}
+    elements = sum(
+        n
+        for name, n in coded.items()
+        if not any(a in name and name.replace(a, b) not in coded for a, b in partner.items())
     )
     per_weight = 1.25 if weight_format == "auto" else 1.25 - 4
     return int(elements * per_weight)

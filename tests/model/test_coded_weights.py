@@ -6,6 +6,7 @@ Skipped, with the reason, where the native kernels cannot build."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import numpy as np
 import pytest
@@ -247,3 +248,83 @@ def test_state_dicts_give_back_the_float_weights(kernels: cpu_native.NativeKerne
         after = swapped.state_dict()
         assert sorted(after) == sorted(before)
         assert all(same_bits(after[k], before[k]) for k in before)
+
+
+def test_decoder_layer_weights_refuse_a_gate_and_up_of_different_forms(
+    kernels: cpu_native.NativeKernels,
+) -> None:
+    from tests.model.test_cpu_native import HEAD_DIM, HEADS, KV_HEADS, small_layer_tensors
+
+    tensors = small_layer_tensors(torch.Generator().manual_seed(2))
+    coded = {}
+    for name in ("gate", "up"):
+        weight = ggml_round_trip(cpu_native.unpack_weight(tensors[name]), "Q4_1")
+        tensors[name] = cpu_native.pack_weight(weight)
+        coded[name] = code_weight(weight, kernels.code_runs)
+    gate, up = coded["gate"], coded["up"]
+    for pair in (
+        {"gate": gate},
+        {"gate": CodedWeight(gate.codes, gate.scales, tensors["gate"]), "up": up},
+    ):
+        with pytest.raises(ValueError, match="gate and up must be packed alike"):
+            cpu_native.DecoderLayerWeights.build(
+                heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, eps=1e-6, scale=0.1,
+                tensors={**tensors, **pair},
+            )  # fmt: skip
+
+
+def test_q4_0_blocks_off_the_reference_form_are_coded(kernels: cpu_native.NativeKernels) -> None:
+    """Q4_0 blocks as a tuned quantizer (llama.cpp's with an importance matrix) may write them:
+    each run's largest weight on code +7 (ggml's reference puts it on -8), the rest in [-5, 7],
+    read back by gguf-py."""
+    rng = np.random.default_rng(3)
+    rows, runs = 32, 4
+    d = (np.abs(rng.standard_normal((rows, runs, 1))) * 0.01 + 0.001).astype(np.float16)
+    codes = rng.integers(-5, 8, size=(rows, runs, 32))
+    codes[..., 0] = 7
+    nibbles = (codes + 8).astype(np.uint8)
+    packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # ggml: q[i] low, q[i + 16] high
+    blocks = np.concatenate([d.view(np.uint8), packed], axis=-1).reshape(rows, -1)
+    weight = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q4_0).astype(np.float32))
+    assert weight.shape == (rows, runs * 32)
+    coded = code_weight(weight, kernels.code_runs)
+    assert coded is not None and same_bits(coded.decode(), weight)
+
+
+@pytest.mark.parametrize("weight_format", ["auto", "coded"])
+def test_plan_predicts_the_weights_of_a_gguf_with_mixed_tensor_types(
+    kernels: cpu_native.NativeKernels, tmp_path, weight_format: str, caplog
+) -> None:
+    """Layer 1's up projection stays float32 (as a K-quant would), so its gate keeps no codes
+    either; layer 0's q projection is Q4_0, the rest Q4_1."""
+    from aioinfer.plan import build_plan_configs, make_plan
+    from tests.model.test_loader import write_gguf
+
+    if kernels is not cpu_native.load():
+        pytest.skip("the engine runs this machine's build")
+    hf = make_hf_model("llama", seed=6, hidden_size=128, intermediate_size=192)
+
+    def kind(name: str) -> GGMLQuantizationType | None:
+        if name == "model.layers.1.mlp.up_proj.weight":
+            return None
+        if name == "model.layers.0.self_attn.q_proj.weight":
+            return GGMLQuantizationType.Q4_0
+        return GGMLQuantizationType.Q4_1 if name.startswith("model.layers.") else None
+
+    path = write_gguf(hf, tmp_path / "Mixed.gguf", "llama", qtype=kind)
+    make_tokenizer().save_pretrained(tmp_path / "tok")
+    configs = build_plan_configs(
+        {"model": str(path), "device": "cpu", "cpu_weight_format": weight_format}
+    )
+    planned = make_plan(*configs).weights_bytes
+    with caplog.at_level(logging.INFO), LLM(
+        str(path), tokenizer=str(tmp_path / "tok"), dtype="float32", kv_cache_memory=0.01,
+        max_model_len=64, cpu_weight_format=weight_format,
+    ) as llm:  # fmt: skip
+        model = llm.engine.gpu.runner.model
+        coded = [m for m in model.modules() if isinstance(m, PackedLinear) and m.codes is not None]
+        assert len(coded) == 12  # 14 linears, less layer 1's up and its gate
+        assert model.model.layers[0].self_attn.q_proj.codes is not None
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert planned == held
+    assert "12 of 15 linear weights are exact byte codes" in caplog.text

@@ -288,12 +288,14 @@ def write_gguf(
     hf: PreTrainedModel,
     path: Path,
     arch: str,
-    qtype: gguf.GGMLQuantizationType | None = None,
+    qtype: gguf.GGMLQuantizationType
+    | Callable[[str], gguf.GGMLQuantizationType | None]
+    | None = None,
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """A GGUF of `hf` laid out the way llama.cpp's converter writes it: float32, or with the
-    2-D weights quantized to `qtype` (norms stay float32, as llama.cpp keeps them). `extra`
-    adds metadata or tensors first."""
+    2-D weights quantized to `qtype` (norms stay float32, as llama.cpp keeps them), or to
+    qtype(HF name) where that is not None. `extra` adds metadata or tensors first."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
     if extra is not None:
@@ -323,8 +325,9 @@ def write_gguf(
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
-        if qtype is not None and array.ndim == 2:
-            writer.add_tensor(_gguf_name(name), gguf.quantize(array, qtype), raw_dtype=qtype)
+        kind = qtype(name) if callable(qtype) else qtype
+        if kind is not None and array.ndim == 2:
+            writer.add_tensor(_gguf_name(name), gguf.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(_gguf_name(name), array)
     writer.write_header_to_file()

@@ -270,19 +270,6 @@ static void run_tile(const Tile t, long rows, long vecs) {
  * strips; through the panel, 1-10 %; a 16-row decode step through the panel about 20 %). */
 #define DECODE_IN_REGISTERS_ROWS (2 * ROWS)
 
-/* This thread's panel of at least `floats` floats, grown as needed; NULL if out of memory. */
-static float *thread_panel(long floats) {
-    static __thread float *panel;
-    static __thread long capacity;
-    if (capacity < floats) {
-        free(panel);
-        capacity = (floats + 15) / 16 * 16;
-        panel = aligned_alloc(64, capacity * sizeof(float));
-        if (!panel) capacity = 0;
-    }
-    return panel;
-}
-
 /* The float32 weights of a coded tile, written where the same tile from strips reads them. */
 static void decode_tile(const Tile *coded, long vecs, int gated, const Tile *panel) {
     for (long j = 0; j < vecs; j++) {
@@ -309,6 +296,10 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
     long num_tiles = (N + tile_cols - 1) / tile_cols; /* the last may be half wide */
     long block = ROW_BLOCK_FLOATS / K / ROWS * ROWS;
     if (block < ROWS) block = ROWS;
+    /* This thread's panel (2 K x 16 floats), allocated on first use, freed at the end; without
+     * one (out of memory) the tiles decode in registers. */
+    float *panel = 0;
+    int panel_tried = 0;
     for (long m0 = 0; m0 < M; m0 += block) {
         long m1 = m0 + block < M ? m0 + block : M;
         int coded = w->codes && (!w->strips || m1 - m0 <= ROWS);
@@ -330,8 +321,11 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
                     t.up_codes = up->codes + strip * K * STRIP + lane;
                     t.up_scales = up->scales + strip * (K / CODE_BLOCK) * 2 * STRIP + lane;
                 }
-                float *panel = use_panel ? thread_panel(2 * K * STRIP) : 0;
-                if (panel) {
+                if (use_panel && !panel_tried) {
+                    panel = aligned_alloc(64, 2 * K * STRIP * sizeof(float)); /* K % 32 == 0 */
+                    panel_tried = 1;
+                }
+                if (use_panel && panel) {
                     Tile decoded = t;
                     decoded.codes = decoded.up_codes = 0;
                     decoded.w = panel;
@@ -347,6 +341,7 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
             }
         }
     }
+    free(panel);
 }
 
 /* y = x @ W^T + bias, or y += x @ W^T + bias when accumulate is set. */

@@ -411,7 +411,7 @@ class DecoderLayerWeights(ctypes.Structure):
             )
         if (plain["q_norm"] is None) != (plain["k_norm"] is None):
             raise ValueError("q_norm and k_norm must be given together")
-        if isinstance(linears["gate"], CodedWeight) != isinstance(linears["up"], CodedWeight):
+        if _form(linears["gate"]) != _form(linears["up"]):  # type: ignore[arg-type]
             raise ValueError("gate and up must be packed alike (the kernel runs them as one)")
         # The kernel reads raw memory at these sizes: any other shape would be misread.
         q_out, kv_out = heads * head_dim, kv_heads * head_dim
@@ -441,6 +441,13 @@ class DecoderLayerWeights(ctypes.Structure):
         )
         layer.tensors = tensors  # keeps the pointed-to storage alive
         return layer
+
+
+def _form(weight: PackedWeight) -> tuple[bool, bool]:
+    """(has strips, has codes)."""
+    if isinstance(weight, CodedWeight):
+        return weight.strips is not None, True
+    return True, False
 
 
 def _bind(function: Any, *argtypes: Any, restype: Any = None) -> Any:

@@ -122,6 +122,9 @@ _CANDIDATES = [
     lambda r: _offset_is_minimum(r, 31),
     lambda r: _symmetric(r, -16),
     _constant,
+    # Tuned quantizers (llama.cpp's with an importance matrix) may put a run's largest weight
+    # on another code.
+    *(lambda r, code=code: _symmetric(r, code) for code in (7, -7, 6, -6, 15, -15)),
 ]
 
 

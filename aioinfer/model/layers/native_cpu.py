@@ -249,9 +249,6 @@ def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | No
     )
     if not native:
         return None
-    gate, up = linears["gate"], linears["up"]
-    if (gate.codes is None) != (up.codes is None):  # one gated pass reads both alike
-        (up if gate.codes is None else gate).drop_codes()
     tensors: dict[str, PackedWeight | None] = {
         "input_norm": layer.input_layernorm.weight,
         "post_norm": layer.post_attention_layernorm.weight,
@@ -320,7 +317,14 @@ def use_native_kernels(
         if packed is not None:
             setattr(parent, name, PackedEmbedding(embedding, packed))
             swapped += 1
-    _log_coded(model, weight_format)
+    for mlp in model.modules():  # a layer's gate and up run as one pass, from one form
+        gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+        if (
+            isinstance(gate, PackedLinear)
+            and isinstance(up, PackedLinear)
+            and (gate.codes is None) != (up.codes is None)
+        ):
+            (up if gate.codes is None else gate).drop_codes()
     head = getattr(model, "lm_head", None)
     if isinstance(head, PackedLinear) and head.packed is not None and head.bias is None:
         head.greedy = GreedyHead.build(head.packed, kernels)
@@ -347,6 +351,7 @@ def use_native_kernels(
             ):
                 setattr(parent, name, NativeLlamaModel(child, kernels))
                 swapped += 1
+    _log_coded(model, weight_format)
     return swapped
 
 
