@@ -452,8 +452,9 @@ async def test_a_stuck_step_kills_the_engine_after_the_watchdog_timeout(serve):
 
 async def test_the_watchdog_times_each_piece_of_gpu_work_from_its_start(serve):
     """Work queued on the GPU thread ahead of a step (a LoRA adapter loading, say) does not
-    count against the step: a 0.4 s load, then a 0.2 s step, under a 0.5 s watchdog."""
-    engine = await build_engine(step_delay=0.2, step_timeout=0.5)
+    count against the step: a 0.8 s load, then a 0.4 s step, under a 1 s watchdog (margins of
+    0.2 s and more, so that a loaded machine's scheduling does not trip it)."""
+    engine = await build_engine(step_delay=0.4, step_timeout=1.0)
     fatal: list[BaseException] = []
     server = await serve(engine, on_fatal=fatal.append)
     body = {"prompt": [5], "max_tokens": 6}
@@ -461,7 +462,7 @@ async def test_the_watchdog_times_each_piece_of_gpu_work_from_its_start(serve):
         url = f"{server.url}/v1/completions"
         answer = asyncio.create_task(post(session, url, body))
         await asyncio.sleep(0.1)
-        await asyncio.wrap_future(engine.gpu.call(lambda: time.sleep(0.4)))
+        await asyncio.wrap_future(engine.gpu.call(lambda: time.sleep(0.8)))
         status, _, raw = await asyncio.wait_for(answer, 10)
     assert status == 200 and orjson.loads(raw)["choices"][0]["finish_reason"] == "length"
     assert fatal == [] and engine.dead_error is None
