@@ -75,9 +75,7 @@ def code_weight(weight: torch.Tensor, code_runs: CodeRuns) -> CodedWeight | None
     if sample is None:
         return None
     # Usually the sample's candidates fit every run (and trying the rest costs a pass each).
-    found = _fit(runs, sorted(set(sample[3]), key=_CANDIDATES.index), code_runs) or _fit(
-        runs, _CANDIDATES, code_runs
-    )
+    found = _fit(runs, sample[3], code_runs) or _fit(runs, _CANDIDATES, code_runs)
     if found is None:
         return None
     codes, scale, offset, _ = found

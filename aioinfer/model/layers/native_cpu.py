@@ -100,7 +100,8 @@ def _unpacked_state(
         state[prefix + "weight"] = unpack_weight(packed)
     if prefix + "codes" in state:
         coded = CodedWeight(state.pop(prefix + "codes"), state.pop(prefix + "scales"))
-        state.setdefault(prefix + "weight", coded.decode())
+        if packed is None:  # codes alone
+            state[prefix + "weight"] = coded.decode()
 
 
 class PackedEmbedding(nn.Module):
@@ -297,9 +298,10 @@ def use_native_kernels(
     to an embedding, which the greedy head and the lookups read as floats."""
     packed_by_weight: dict[int, nn.Parameter] = {}
     embeddings: list[tuple[nn.Module, str, nn.Embedding]] = []
-    head = getattr(model, "lm_head", None)
     float_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    float_weights |= {id(head.weight)} if isinstance(head, nn.Linear) else set()
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, nn.Linear):
+        float_weights.add(id(lm_head.weight))
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
