@@ -326,10 +326,6 @@ def _local_gpu() -> GpuTarget | None:
     return GpuTarget(int(total), int(non_torch), measured=True)
 
 
-# GGUF tensor types whose blocks dequantize to exact byte codes (model/kernels/packed_weights.py).
-_CODED_GGUF_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
-
-
 def coded_weight_bytes(resolved: Any, weight_format: str) -> int:
     """Bytes the byte codes of a GGUF's decoder linears add to its float32 weights on the CPU
     (negative where they replace them): 1.25 a weight beside them ("auto"), 1.25 - 4 instead
@@ -340,6 +336,11 @@ def coded_weight_bytes(resolved: Any, weight_format: str) -> int:
     gguf_file = resolved.gguf_file or resolved.converted_from  # or the file of a cache entry
     if gguf_file is None or weight_format == "float32":
         return 0
+    from aioinfer.model.kernels.packed_weights import (
+        CODED_BYTES_PER_WEIGHT,
+        CODED_GGUF_TYPES,
+        STRIP,
+    )
     from aioinfer.model.loader.resolve import open_gguf
 
     reader = resolved.gguf_reader or open_gguf(gguf_file)
@@ -348,8 +349,8 @@ def coded_weight_bytes(resolved: Any, weight_format: str) -> int:
         for t in reader.tensors
         if t.name.startswith("blk.")
         and len(t.shape) == 2
-        and t.tensor_type.name in _CODED_GGUF_TYPES
-        and int(t.shape[1]) % 16 == 0  # output features: whole strips
+        and t.tensor_type.name in CODED_GGUF_TYPES
+        and int(t.shape[1]) % STRIP == 0  # output features: whole strips
     }
     # A layer's gate and up run as one pass, from codes only if both have them.
     partner = {".ffn_gate.": ".ffn_up.", ".ffn_up.": ".ffn_gate."}
@@ -358,7 +359,7 @@ def coded_weight_bytes(resolved: Any, weight_format: str) -> int:
         for name, n in coded.items()
         if not any(a in name and name.replace(a, b) not in coded for a, b in partner.items())
     )
-    per_weight = 1.25 if weight_format == "auto" else 1.25 - 4
+    per_weight = CODED_BYTES_PER_WEIGHT - (0 if weight_format == "auto" else 4)
     return int(elements * per_weight)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from aioinfer.model.kernels.packed_weights import (
     CODE_BLOCK,
+    STRIP,
     CodedWeight,
     PackedWeight,
     WeightStruct,
@@ -41,8 +42,6 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # The instruction set to compile for: the build machine's own by default. Setting
 # AIOINFER_CPU_MARCH=haswell builds the AVX2 + FMA variant (tests run both where they can).
 MARCH_ENV = "AIOINFER_CPU_MARCH"
-# Output columns per packed strip; must match STRIP in cpu_kernels.c.
-STRIP = 16
 BUILD_TIMEOUT_S = 120
 _MASK64 = (1 << 64) - 1
 

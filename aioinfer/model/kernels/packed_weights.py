@@ -25,6 +25,10 @@ import torch
 
 STRIP = 16  # output columns per strip, as pack_weight's; must match STRIP in cpu_kernels.c
 CODE_BLOCK = 32  # weights per scale and offset along a row; must match CODE_BLOCK in cpu_kernels.c
+# Bytes a coded weight takes: its code, and its share of a float32 scale and offset.
+CODED_BYTES_PER_WEIGHT = 1 + 2 * 4 / CODE_BLOCK
+# GGUF tensor types whose blocks (from ggml's quantizers) dequantize to such codes.
+CODED_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 # (runs [R, 32], scale [R], offset [R]) -> (codes [R, 32] int8, whether each run fits [R]).
 CodeRuns = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # Rows tried first: a tensor whose first rows do not code is left alone without coding it all.
