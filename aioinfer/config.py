@@ -211,7 +211,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = _opt(16, "Tokens per KV-cache block.")
     gpu_memory_utilization: float = _opt(
-        0.92, "Fraction of GPU memory for weights, activations and the KV cache."
+        0.92,
+        "Fraction of the GPU's memory for weights, activations and the KV cache; it must be "
+        "free at start (other processes' memory is outside it, as in vLLM).",
     )
     kv_cache_memory: float = _opt(4.0, "KV-cache size in GiB on the CPU (no memory to profile).")
     num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV blocks.")

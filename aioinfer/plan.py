@@ -17,7 +17,9 @@ the numbers of the startup log:
 On the CPU every number is exact. On CUDA the server measures the activation peak of one dummy
 forward pass at the full token budget; the plan estimates it from the tensors that are alive at
 the three candidate peaks of that pass (see `estimate_activation_bytes`), and the non-torch memory
-(CUDA context, other processes) is measured on the local GPU or taken as `DEFAULT_NON_TORCH_GIB`.
+the engine adds (cuBLAS, kernel modules) is measured on the local GPU or taken as
+`DEFAULT_NON_TORCH_GIB`. On the local GPU, the share `gpu_memory_utilization` asks for must be
+free, as `serve` checks.
 """
 
 from __future__ import annotations
@@ -37,14 +39,17 @@ from aioinfer.sizing import (
     kv_cache_too_small,
     kv_capacity_tokens,
     max_model_len,
+    requested_bytes,
+    short_of_free_memory,
 )
 
 if TYPE_CHECKING:
     from aioinfer.model.llama import DecoderConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# CUDA context, cuBLAS and kernel modules outside torch's allocator: about 0.5 GiB on recent
-# data-centre GPUs. Used when the plan is for a GPU that is not the local one.
+# cuBLAS workspaces, kernel modules and the like, which the engine adds outside torch's allocator
+# after it starts (its CUDA context, created before, is outside its share, as other processes
+# are): a margin, used when the plan is for a GPU that is not the local one.
 DEFAULT_NON_TORCH_GIB = 0.5
 # The sampler's widest moment in the profiling pass (top-k and top-p rows): five float32 [R, V]
 # buffers (the logits, their working copy, the sorted copy, its softmax and the mass before each
@@ -76,6 +81,7 @@ class MemoryPlan:
     activation_bytes: int | None = None
     non_torch_bytes: int | None = None
     non_torch_measured: bool = False
+    free_bytes: int | None = None  # the local GPU's, with this process's CUDA context
 
     @property
     def weights_gib(self) -> float:
@@ -96,6 +102,12 @@ class MemoryPlan:
     @property
     def problem(self) -> str | None:
         """Why `serve` would refuse to start with these settings; None when it would start."""
+        if self.free_bytes is not None and self.total_bytes is not None:
+            short = short_of_free_memory(
+                self.free_bytes, self.total_bytes, self.gpu_memory_utilization or 0.0
+            )
+            if short is not None:
+                return short
         if self.available_kv_bytes <= 0:
             return (
                 f"No memory is left for the KV cache: {self.available_kv_gib:.2f} GiB. Increase "
@@ -195,11 +207,13 @@ def estimate_activation_bytes(
 
 @dataclass(frozen=True)
 class GpuTarget:
-    """The GPU to plan for: its total memory and the memory outside torch's allocator."""
+    """The GPU to plan for: its total memory, the memory the engine would add outside torch's
+    allocator, and for the local GPU what is free now (a GPU planned by size is assumed free)."""
 
     total_bytes: int
     non_torch_bytes: int
     measured: bool
+    free_bytes: int | None = None
 
 
 def make_plan(
@@ -251,12 +265,8 @@ def make_plan(
             device,
             rows_per_request=0 if pooling else sampled_rows_per_request(scheduler_config),
         )
-        available = int(
-            gpu.total_bytes * cache_config.gpu_memory_utilization
-            - weights
-            - activations
-            - gpu.non_torch_bytes
-        )
+        requested = requested_bytes(gpu.total_bytes, cache_config.gpu_memory_utilization)
+        available = requested - weights - activations - gpu.non_torch_bytes
         num_blocks = max(available, 0) // per_block
     else:
         available = int(cache_config.kv_cache_memory * GiB)
@@ -282,6 +292,7 @@ def make_plan(
         activation_bytes=activations,
         non_torch_bytes=gpu.non_torch_bytes if gpu else None,
         non_torch_measured=bool(gpu and gpu.measured),
+        free_bytes=gpu.free_bytes if gpu else None,
     )
 
 
@@ -305,25 +316,27 @@ def _gpu_target(
             raise ValueError("device is 'cuda' but no CUDA device is available: pass gpu_memory")
         return None
     if non_torch_gib is not None:
-        return GpuTarget(local.total_bytes, int(non_torch_gib * GiB), measured=False)
+        return dataclasses.replace(local, non_torch_bytes=int(non_torch_gib * GiB), measured=False)
     return local
 
 
 def _local_gpu() -> GpuTarget | None:
-    """The local GPU's total memory and what is used outside torch once CUDA and cuBLAS are up
-    (the CUDA context and other processes), as the server's profiling sees it."""
+    """The local GPU's total and free memory once this process's CUDA context exists (as the
+    server's start sees them), and what loading cuBLAS then adds outside torch, as the server's
+    first forward pass would."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     device = torch.device("cuda")
+    free_at_start, total = torch.cuda.mem_get_info(device)  # creates the context
     a = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
-    (a @ a).sum().item()  # loads cuBLAS into the context, as the first forward pass would
+    (a @ a).sum().item()
     del a
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
-    return GpuTarget(int(total), int(non_torch), measured=True)
+    free, _ = torch.cuda.mem_get_info(device)
+    non_torch = max(0, (free_at_start - free) - torch.cuda.memory_reserved(device))
+    return GpuTarget(int(total), int(non_torch), measured=True, free_bytes=int(free_at_start))
 
 
 def coded_weight_bytes(resolved: Any, weight_format: str) -> int:
@@ -404,9 +417,12 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.total_bytes is not None and plan.activation_bytes is not None:
         non_torch = plan.non_torch_bytes or 0
         source = "measured" if plan.non_torch_measured else "assumed"
+        utilization = plan.gpu_memory_utilization or 0.0
+        share = requested_bytes(plan.total_bytes, utilization)
         lines.append(
             f"Memory profiling (estimated): total {plan.total_bytes / GiB:.2f} GiB x "
-            f"utilization {plan.gpu_memory_utilization}, weights {plan.weights_gib:.2f} GiB, "
+            f"utilization {utilization:g} = {share / GiB:.2f} GiB, weights "
+            f"{plan.weights_gib:.2f} GiB, "
             f"peak activations {plan.activation_bytes / GiB:.2f} GiB, "
             f"non-torch {non_torch / GiB:.2f} GiB ({source})"
         )

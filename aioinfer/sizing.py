@@ -6,6 +6,7 @@ The runner (gpu/runner.py, gpu/memory.py) applies them to the loaded model; the 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 GiB = 1 << 30
@@ -97,3 +98,48 @@ def kv_cache_too_small(max_model_len: int, num_blocks: int, block_size: int) -> 
         f"The model's max model len ({max_model_len}) is larger than the KV cache can hold "
         f"({capacity} tokens in {blocks}). {advice}."
     )
+
+
+# ----------------------------------------------------------------------------- GPU memory
+# vLLM's rule: the engine's share of the device, ceil(total x gpu_memory_utilization), must be
+# free when it starts; what other processes hold is outside it, so two servers at 0.45 each
+# fit on one GPU. The KV cache gets what the weights, activations and the rest leave of it.
+
+
+def requested_bytes(total: int, utilization: float) -> int:
+    """The engine's share of the device: weights, activations, KV cache and CUDA graphs."""
+    return math.ceil(total * utilization)
+
+
+def short_of_free_memory(free: int, total: int, utilization: float) -> str | None:
+    """Why the engine may not start with `free` bytes free (vLLM's check and wording: its KV
+    cache would otherwise be sized into memory others hold); None when the share is free."""
+    requested = requested_bytes(total, utilization)
+    if free >= requested:
+        return None
+    return (
+        f"Free memory on device ({free / GiB:.2f}/{total / GiB:.2f} GiB) on startup is less "
+        f"than desired GPU memory utilization ({utilization}, {requested / GiB:.2f} GiB). "
+        f"Decrease GPU memory utilization (--gpu-memory-utilization) or reduce GPU memory used "
+        f"by other processes."
+    )
+
+
+def check_free_at_start(free: int, total: int, utilization: float) -> None:
+    problem = short_of_free_memory(free, total, utilization)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def kv_bytes_left(requested: int, consumed: int, activations: int, utilization: float) -> int:
+    """What the KV cache gets of the engine's share; a ValueError when nothing is left."""
+    available = requested - consumed - activations
+    if available <= 0:
+        raise ValueError(
+            f"No memory is left for the KV cache: the share of gpu_memory_utilization "
+            f"{utilization} ({requested / GiB:.2f} GiB) minus what the engine holds "
+            f"({consumed / GiB:.2f} GiB: weights and the rest) and its peak activations "
+            f"({activations / GiB:.2f} GiB) is {available / GiB:.2f} GiB. Increase "
+            f"--gpu-memory-utilization or lower --max-num-batched-tokens."
+        )
+    return available

@@ -1,10 +1,13 @@
 """Memory profiling and KV-cache sizing.
 
-On CUDA: after the weights are loaded, one dummy forward pass at the full token budget shows the
-peak activation memory; what is left of `total * gpu_memory_utilization` becomes KV blocks:
+On CUDA, vLLM's rule: the engine may use `requested = ceil(total * gpu_memory_utilization)`
+bytes, which must be free when it starts (what other processes hold is outside its share, so
+two servers at 0.45 each fit on one GPU). After the weights are loaded, one dummy forward pass
+at the full token budget shows the peak activation memory; what is left of the share becomes
+KV blocks:
 
-    available_kv = total * utilization - allocated before (the weights) - peak activations
-                   - non-torch memory
+    available_kv = requested - consumed since the start (the weights, cuBLAS, kernel modules)
+                   - peak activations
 
 On the CPU there is nothing to profile; the KV size is a flag (--kv-cache-memory, GiB).
 """
@@ -12,6 +15,7 @@ On the CPU there is nothing to profile; the KV size is a flag (--kv-cache-memory
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,25 +36,40 @@ def default_token_budget(device: torch.device, offline: bool) -> int:
     return sizing.default_token_budget(device.type, total, offline)
 
 
-def device_memory_used(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
+@dataclass(frozen=True)
+class StartMemory:
+    """The device's memory when the engine starts, before its weights load."""
+
+    free: int
+    total: int
+    reserved: int  # by torch's allocator in this process
+
+
+def start_memory(device: torch.device) -> StartMemory:
+    """The CUDA device's memory now (this creates the CUDA context, which stays outside the
+    engine's share, as in vLLM)."""
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return total - free
+    return StartMemory(int(free), int(total), torch.cuda.memory_reserved(device))
 
 
 def profile_available_kv_bytes(
-    runner: ModelRunner, num_tokens: int, utilization: float, weights_bytes: int
+    runner: ModelRunner,
+    num_tokens: int,
+    utilization: float,
+    weights_bytes: int,
+    start: StartMemory,
 ) -> int:
     """Run one dummy forward of `num_tokens` tokens (and the sampler at max_num_seqs rows, times
-    1 + the drafts each may check) and return the bytes left for the KV cache."""
+    1 + the drafts each may check) and return the bytes left for the KV cache of the engine's
+    share, which `start` (the memory before the weights loaded) must have had free."""
     from aioinfer.core.sampling_params import SamplingParams
     from aioinfer.core.step import ScheduledChunk, StepPlan
 
     device = runner.device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    _, total = torch.cuda.mem_get_info(device)
+    requested = sizing.requested_bytes(start.total, utilization)
     # The weights, and whatever else this process holds on the device.
     allocated_before = torch.cuda.memory_allocated(device)
     block_size = runner.block_size
@@ -92,18 +111,15 @@ def profile_available_kv_bytes(
     torch.cuda.empty_cache()
     free_after, _ = torch.cuda.mem_get_info(device)
     activations = max(0, peak - allocated_before - cache_bytes)
-    non_torch = max(0, (total - free_after) - torch.cuda.memory_reserved(device))
-    available = int(total * utilization - allocated_before - activations - non_torch)
+    # Everything the device lost since the start is this engine's (others are outside its
+    # share); what torch did not reserve is cuBLAS, kernel modules and the like.
+    consumed = max(0, start.free - free_after)
+    non_torch = max(0, consumed - (torch.cuda.memory_reserved(device) - start.reserved))
     logger.info(
-        "Memory profiling: total %.2f GiB, weights %.2f GiB (all allocated %.2f GiB), peak "
-        "activations %.2f GiB, non-torch %.2f GiB",
-        total / GiB, weights_bytes / GiB, allocated_before / GiB, activations / GiB,
-        non_torch / GiB,
+        "Memory profiling: total %.2f GiB x utilization %g = %.2f GiB (free at start %.2f GiB), "
+        "weights %.2f GiB (all allocated %.2f GiB), peak activations %.2f GiB, non-torch "
+        "%.2f GiB",
+        start.total / GiB, utilization, requested / GiB, start.free / GiB, weights_bytes / GiB,
+        allocated_before / GiB, activations / GiB, non_torch / GiB,
     )  # fmt: skip
-    if available <= 0:
-        raise ValueError(
-            f"No memory is left for the KV cache: {total / GiB:.1f} GiB x utilization "
-            f"{utilization} minus weights and activations is {available / GiB:.2f} GiB. "
-            f"Increase --gpu-memory-utilization or lower --max-num-batched-tokens."
-        )
-    return available
+    return sizing.kv_bytes_left(requested, consumed, activations, utilization)

@@ -132,8 +132,13 @@ class ModelRunner:
         # A config-only check: it must not wait for minutes of weight loading.
         self.max_model_len = sizing.max_model_len(hf_config, model_config.max_model_len)
 
+        profiling = self.device.type == "cuda" and cache_config.num_gpu_blocks_override is None
+        start_memory = memory.start_memory(self.device) if profiling else None
+        if start_memory is not None:  # before minutes of weight loading
+            sizing.check_free_at_start(
+                start_memory.free, start_memory.total, cache_config.gpu_memory_utilization
+            )
         start = time.perf_counter()
-        mem_before = memory.device_memory_used(self.device)
         self.model = load_model(
             resolved, self.dtype, self.device, seed, pooling=self.pooler is not None
         )
@@ -152,7 +157,6 @@ class ModelRunner:
         )
         load_seconds = time.perf_counter() - start
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.debug("memory used before weights: %.2f GiB", mem_before / GiB)
 
         self.vocab_size = int(hf_config.vocab_size)
         longrope_original = sizing.longrope_original(hf_config)
@@ -202,9 +206,9 @@ class ModelRunner:
         if cache_config.num_gpu_blocks_override is not None:
             num_blocks = cache_config.num_gpu_blocks_override
             available_kv = num_blocks * bytes_per_block
-        elif self.device.type == "cuda":
+        elif start_memory is not None:
             available_kv = memory.profile_available_kv_bytes(
-                self, budget, cache_config.gpu_memory_utilization, weights_bytes
+                self, budget, cache_config.gpu_memory_utilization, weights_bytes, start_memory
             )
             num_blocks = available_kv // bytes_per_block
         else:

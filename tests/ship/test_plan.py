@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from aioinfer import plan as plan_module
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk, StepPlan
@@ -311,6 +312,103 @@ def test_a_gpu_plan_needs_no_gpu(tmp_path, capsys):
     assert "device=cuda, dtype=bfloat16" in out
     assert "non-torch 0.25 GiB (assumed)" in out
     assert "max_num_batched_tokens=2048" in out
+
+
+def local_gpu(monkeypatch, total_gib: float, free_gib: float) -> None:
+    """The local GPU as the plan measures it: its total, what is free with this process's CUDA
+    context, 0.25 GiB of cuBLAS."""
+    target = plan_module.GpuTarget(
+        int(total_gib * GiB), GiB // 4, measured=True, free_bytes=int(free_gib * GiB)
+    )
+    monkeypatch.setattr(plan_module, "_local_gpu", lambda: target)
+
+
+def test_memory_other_processes_hold_is_outside_the_share(tmp_path, monkeypatch):
+    """vLLM's --gpu-memory-utilization: the same KV cache whether the GPU is idle or another
+    server holds 9 GiB of it, as long as the share (12 GiB of 24) is free."""
+    folder = config_dir(tmp_path, variant_config("qwen2"))
+    configs = build_plan_configs({"model": str(folder), "gpu_memory_utilization": 0.5})
+    local_gpu(monkeypatch, 24, 23.5)
+    idle = make_plan(*configs)
+    local_gpu(monkeypatch, 24, 14.5)
+    shared = make_plan(*configs)
+    assert shared.problem is None and shared.free_bytes == int(14.5 * GiB)
+    assert shared.available_kv_bytes == idle.available_kv_bytes
+    assert shared.available_kv_bytes == (
+        12 * GiB - shared.weights_bytes - (shared.activation_bytes or 0) - GiB // 4
+    )
+
+
+def test_a_share_that_is_not_free_is_why_serve_would_not_start(tmp_path, monkeypatch, capsys):
+    folder = config_dir(tmp_path, variant_config("qwen2"))
+    local_gpu(monkeypatch, 24, 11.5)
+    assert plan_main(str(folder), gpu_memory_utilization=0.5) == 1
+    out = capsys.readouterr().out
+    assert (
+        "serve would not start: Free memory on device (11.50/24.00 GiB) on startup is less "
+        "than desired GPU memory utilization (0.5, 12.00 GiB)"
+    ) in out
+    assert "total 24.00 GiB x utilization 0.5 = 12.00 GiB" in out
+    assert plan_main(str(folder), gpu_memory_utilization=0.45) == 0
+
+
+class FakeDevice:
+    """torch.cuda's memory counters for a device where others hold `others` bytes; the engine's
+    process holds its context, then its weights (torch) and `extra` bytes of cuBLAS and kernel
+    modules; its profiling pass peaks `activations` bytes above the weights and its own KV."""
+
+    def __init__(self, total: int, others: int, weights: int, extra: int, activations: int):
+        self.total, self.weights, self.extra, self.activations = total, weights, extra, activations
+        self.free = total - others - CONTEXT
+        self.cache_bytes = 0
+
+    def install(self, monkeypatch) -> None:
+        cuda = torch.cuda
+        for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+            monkeypatch.setattr(cuda, name, lambda *a, **k: None)
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (self.free, self.total))
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.weights)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.weights)
+        peak = lambda device=None: self.weights + self.cache_bytes + self.activations  # noqa: E731
+        monkeypatch.setattr(cuda, "max_memory_allocated", peak)
+
+    def load_weights(self) -> None:
+        self.free -= self.weights + self.extra
+
+
+CONTEXT = GiB // 2
+
+
+@pytest.mark.parametrize("others_gib", [0, 30])
+def test_the_profile_sizes_the_kv_cache_from_the_share_not_from_what_others_leave(
+    tmp_path, monkeypatch, others_gib
+):
+    """gpu/memory.py's accounting on a simulated 80 GiB device, with the real profiling pass on
+    the CPU: the KV cache is the share (0.5) minus the weights, cuBLAS and the activation peak,
+    whatever another process holds."""
+    folder = config_dir(tmp_path, variant_config("llama"))
+    model_config = ModelConfig(model=str(folder), load_format="dummy", device="cpu",
+                               max_model_len=256, cpu_kernels="torch")  # fmt: skip
+    runner = ModelRunner(
+        ModelRunner.resolve(model_config), model_config, CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+    )  # fmt: skip
+    device = FakeDevice(80 * GiB, others_gib * GiB, 3 * GiB, GiB // 4, GiB)
+    allocate = runner._allocate_kv_cache
+
+    def allocate_and_count(num_blocks):
+        caches = allocate(num_blocks)
+        device.cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+        return caches
+
+    monkeypatch.setattr(runner, "_allocate_kv_cache", allocate_and_count)
+    device.install(monkeypatch)
+    start = memory.start_memory(torch.device("cuda"))
+    device.load_weights()
+    with torch.inference_mode():
+        available = memory.profile_available_kv_bytes(runner, 256, 0.5, 3 * GiB, start)
+    assert device.cache_bytes > 0  # the pass ran with a KV cache of its own
+    assert available == 40 * GiB - 3 * GiB - GiB // 4 - GiB
 
 
 # ----------------------------------------------------------------------------- CUDA
