@@ -34,6 +34,7 @@ from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import memory
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
 from aioinfer.gpu.forward_context import forward_context
+from aioinfer.gpu.kv_prefault import KVPagePrefaulter
 from aioinfer.gpu.sampler import (
     Sampler,
     SamplerOutput,
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+# How far past the highest block used the CPU cache's pages are faulted in ahead of use (see
+# gpu/kv_prefault.py): a step of new prompts takes up to its token budget of fresh blocks.
+PREFAULT_LOOKAHEAD_BYTES = 512 << 20
 
 
 @dataclass
@@ -227,6 +231,11 @@ class ModelRunner:
         if too_small is not None:
             raise ValueError(too_small)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self.kv_prefaulter: KVPagePrefaulter | None = None
+        if self.device.type == "cpu":
+            lookahead = max(1, PREFAULT_LOOKAHEAD_BYTES // bytes_per_block)
+            self.kv_prefaulter = KVPagePrefaulter(self.kv_caches, lookahead)
+            self.kv_prefaulter.start()
         graph_seconds = graph_bytes = None
         graphs_off = _graphs_off_reason(model_config, self.device, self.attn_backend, self.pooler)
         if graphs_off is None:
@@ -277,6 +286,11 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
 
+    def close(self) -> None:
+        """Stop the background work that holds the KV cache (the page prefaulter)."""
+        if self.kv_prefaulter is not None:
+            self.kv_prefaulter.stop()
+
     def load_lora(self, request: LoRARequest) -> int:
         """The slot of a LoRA adapter, loaded on first use (on this thread, between steps)."""
         if self.lora is None:
@@ -293,6 +307,9 @@ class ModelRunner:
         # Decodes first: the attention backend batches the leading one-token requests.
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
         input_ids, positions, metadata = self.prepare_inputs(chunks)
+        if self.kv_prefaulter is not None:
+            tails = (c.block_table[-1] for c in chunks if c.block_table)
+            self.kv_prefaulter.advance(max(tails, default=0))
         graphs = self.graph_runner
         lora = None
         if self.lora is not None and any(c.lora_slot for c in chunks):

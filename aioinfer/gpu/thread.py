@@ -108,6 +108,9 @@ class GpuThread:
     def _release_runner(self) -> None:
         """Drop the runner so its weights, KV cache and CUDA graphs are freed, and hand the
         cached blocks back to the device: a second engine in this process needs the memory."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
         self.runner = None
         gc.collect()  # reference cycles among the model's modules would keep its tensors alive
         if torch.cuda.is_initialized():
