@@ -235,7 +235,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             lookahead = max(1, PREFAULT_LOOKAHEAD_BYTES // bytes_per_block)
             self.kv_prefaulter = KVPagePrefaulter(self.kv_caches, lookahead)
-            self.kv_prefaulter.start()
         graph_seconds = graph_bytes = None
         graphs_off = _graphs_off_reason(model_config, self.device, self.attn_backend, self.pooler)
         if graphs_off is None:
@@ -277,6 +276,8 @@ class ModelRunner:
             hidden_size=int(hf_config.hidden_size),
             longrope_original=longrope_original,
         )
+        if self.kv_prefaulter is not None:  # last: a failed start leaves no thread behind
+            self.kv_prefaulter.start()
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
