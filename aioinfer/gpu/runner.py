@@ -50,9 +50,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-# How far past the highest block used the CPU cache's pages are faulted in ahead of use (see
-# gpu/kv_prefault.py): a step of new prompts takes up to its token budget of fresh blocks.
-PREFAULT_LOOKAHEAD_BYTES = 512 << 20
+# The most of the CPU cache faulted in ahead of use (see gpu/kv_prefault.py).
+PREFAULT_MAX_BYTES = 1 << 30
 
 
 @dataclass
@@ -233,7 +232,10 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.kv_prefaulter: KVPagePrefaulter | None = None
         if self.device.type == "cpu":
-            lookahead = max(1, PREFAULT_LOOKAHEAD_BYTES // bytes_per_block)
+            # Two steps' worth: a step takes at most its token budget of fresh blocks, and one
+            # more for each running request that crosses into a new block.
+            lookahead = 2 * (budget // self.block_size + self.max_num_seqs)
+            lookahead = min(lookahead, max(1, PREFAULT_MAX_BYTES // bytes_per_block))
             self.kv_prefaulter = KVPagePrefaulter(self.kv_caches, lookahead)
         graph_seconds = graph_bytes = None
         graphs_off = _graphs_off_reason(model_config, self.device, self.attn_backend, self.pooler)

@@ -19,7 +19,7 @@ def prefault_threads() -> list[threading.Thread]:
 def test_the_prefaulter_keeps_a_lookahead_past_the_blocks_used_until_shutdown(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(runner_module, "PREFAULT_LOOKAHEAD_BYTES", 1 << 20)  # 1 MiB here
+    monkeypatch.setattr(runner_module, "PREFAULT_MAX_BYTES", 1 << 20)  # 1 MiB at most here
     make_variant("llama").save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
     before = len(prefault_threads())
@@ -28,7 +28,10 @@ def test_the_prefaulter_keeps_a_lookahead_past_the_blocks_used_until_shutdown(
         runner = llm.engine.gpu.runner
         prefaulter = runner.kv_prefaulter
         bytes_per_block = runner.kv_caches[0][0].nbytes * len(runner.kv_caches)
-        lookahead = (1 << 20) // bytes_per_block
+        two_steps = 2 * (
+            runner.info.max_num_batched_tokens // runner.block_size + runner.max_num_seqs
+        )
+        lookahead = min(two_steps, (1 << 20) // bytes_per_block)
         assert prefaulter.lookahead_blocks == lookahead < prefaulter.num_blocks
         prompts = [[5 + i, 17, 300 + i] * 30 for i in range(8)]  # 90 tokens: 6 blocks each
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
