@@ -232,9 +232,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.kv_prefaulter: KVPagePrefaulter | None = None
         if self.device.type == "cpu":
-            # Two steps' worth: a step takes at most its token budget of fresh blocks, and one
+            # Four steps' worth: a step takes at most its token budget of fresh blocks, and one
             # more for each running request that crosses into a new block.
-            lookahead = 2 * (budget // self.block_size + self.max_num_seqs)
+            lookahead = 4 * (budget // self.block_size + self.max_num_seqs)
             lookahead = min(lookahead, max(1, PREFAULT_MAX_BYTES // bytes_per_block))
             self.kv_prefaulter = KVPagePrefaulter(self.kv_caches, lookahead)
         graph_seconds = graph_bytes = None

@@ -28,10 +28,10 @@ def test_the_prefaulter_keeps_a_lookahead_past_the_blocks_used_until_shutdown(
         runner = llm.engine.gpu.runner
         prefaulter = runner.kv_prefaulter
         bytes_per_block = runner.kv_caches[0][0].nbytes * len(runner.kv_caches)
-        two_steps = 2 * (
+        four_steps = 4 * (
             runner.info.max_num_batched_tokens // runner.block_size + runner.max_num_seqs
         )
-        lookahead = min(two_steps, (1 << 20) // bytes_per_block)
+        lookahead = min(four_steps, (1 << 20) // bytes_per_block)
         assert prefaulter.lookahead_blocks == lookahead < prefaulter.num_blocks
         prompts = [[5 + i, 17, 300 + i] * 30 for i in range(8)]  # 90 tokens: 6 blocks each
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
