@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -62,7 +63,7 @@ class KVPagePrefaulter:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        madvise = _madvise()
+        madvise = _madvise() if sys.platform == "linux" else None  # advice 23 is Linux's
         if madvise is None or self.block_bytes == 0:
             return
         self._thread = threading.Thread(
