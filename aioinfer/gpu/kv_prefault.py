@@ -92,6 +92,10 @@ class KVPagePrefaulter:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def _busy_for(self) -> float:
+        """Seconds until the engine counts as idle (<= 0: it is)."""
+        return self._last_step + IDLE_SECONDS - time.monotonic()
+
     def _run(self, madvise: Any) -> None:
         try:  # this thread only: Linux schedules threads one by one
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -104,7 +108,7 @@ class KVPagePrefaulter:
                     if self.faulted_blocks >= self._target:
                         self._wake.wait()
                         continue
-                    busy_for = self._last_step + IDLE_SECONDS - time.monotonic()
+                    busy_for = self._busy_for()
                     if busy_for <= 0:
                         break
                     self._wake.wait(busy_for)
@@ -112,7 +116,7 @@ class KVPagePrefaulter:
                     return
                 end = min(self._target, self.faulted_blocks + per_chunk)
             for cache in self.caches:
-                if time.monotonic() - self._last_step < IDLE_SECONDS:
+                if self._busy_for() > 0:
                     break  # a step started: wait for the next idle spell, then redo the chunk
                 start = cache.data_ptr() + self.faulted_blocks * self.block_bytes
                 stop = cache.data_ptr() + end * self.block_bytes

@@ -13,6 +13,7 @@ import mmap
 import os
 import secrets
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -280,6 +281,8 @@ class ModelRunner:
         )
         if self.kv_prefaulter is not None:  # last: a failed start leaves no thread behind
             self.kv_prefaulter.start()
+            # The thread holds the KV cache: a runner dropped without close() must end it.
+            weakref.finalize(self, self.kv_prefaulter.stop, 0)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

@@ -3,10 +3,12 @@ block the steps use, and the engine's shutdown stops it."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
 from aioinfer import LLM, SamplingParams
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.gpu import runner as runner_module
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
@@ -46,3 +48,21 @@ def test_the_prefaulter_keeps_a_lookahead_past_the_blocks_used_until_shutdown(
         llm.shutdown()
     assert not prefaulter.running
     assert len(prefault_threads()) == before
+
+
+def test_a_runner_dropped_without_close_ends_its_prefaulter(tmp_path):
+    """The thread holds the KV cache: it must not outlive its runner and keep the cache."""
+    make_variant("llama").save_pretrained(tmp_path)
+    config = ModelConfig(model=str(tmp_path), dtype="float32", max_model_len=128)
+    runner = runner_module.ModelRunner(
+        runner_module.ModelRunner.resolve(config), config, CacheConfig(kv_cache_memory=0.01),
+        SchedulerConfig(),
+    )  # fmt: skip
+    prefaulter = runner.kv_prefaulter
+    assert prefaulter is not None and prefaulter.running
+    del runner
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while prefaulter.running:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
