@@ -7,20 +7,23 @@ block once (it hands them out from block 1 up), steps store their K/V into fresh
 sequences. This thread faults in the pages of the blocks just past the highest block a step has
 used (madvise MADV_POPULATE_WRITE, about 2 us a page where a store's fault took 3-5), keeping
 the resident cache within `lookahead` blocks of what requests have used. It works only while
-no step has started for IDLE_SECONDS, and at SCHED_IDLE: it never competes with a step for a
-core, and never holds the interpreter lock while steps run (a thread at idle priority holding
-it while busy threads fill both cores would stall the event loop).
+no step runs and none has ended for IDLE_SECONDS, and at SCHED_IDLE: it never competes with a
+step for a core, and never holds the interpreter lock while steps run (a thread at idle priority
+holding it while busy threads fill both cores would stall the event loop). A prefill step can
+take half a second: a rule on steps' starts alone let the thread fault hundreds of MiB into
+them, 0.35 s of CPU a serving benchmark run, more where the kernels' threads left a core idle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +34,7 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14 and later; older kernels answer EINVAL
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # Bytes faulted in between two looks at the clock (about 1 ms, all layers together).
 CHUNK_BYTES = 2 << 20
-# The engine counts as idle once no step has started for this long.
+# The engine counts as idle once no step has run for this long.
 IDLE_SECONDS = 0.05
 
 
@@ -57,7 +60,8 @@ class KVPagePrefaulter:
         self.lookahead_blocks = lookahead_blocks
         self.faulted_blocks = 1  # blocks [0, faulted_blocks) are done (block 0: padding only)
         self._target = min(self.num_blocks, 1 + lookahead_blocks)
-        self._last_step = 0.0
+        self._last_step = 0.0  # when the last step ended
+        self._stepping = False
         self._wake = threading.Condition()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -71,15 +75,21 @@ class KVPagePrefaulter:
         )
         self._thread.start()
 
-    def advance(self, highest_block: int) -> None:
-        """A step starts and uses blocks up to `highest_block`: keep `lookahead` blocks past it
+    @contextlib.contextmanager
+    def step(self, highest_block: int) -> Iterator[None]:
+        """A step runs, using blocks up to `highest_block`: keep `lookahead` blocks past it
         faulted in, once the engine is idle again."""
-        self._last_step = time.monotonic()
+        self._stepping = True
         target = min(self.num_blocks, highest_block + 1 + self.lookahead_blocks)
         if target > self._target:
             with self._wake:
                 self._target = target
                 self._wake.notify()
+        try:
+            yield
+        finally:
+            self._last_step = time.monotonic()
+            self._stepping = False
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._wake:
@@ -94,6 +104,8 @@ class KVPagePrefaulter:
 
     def _busy_for(self) -> float:
         """Seconds until the engine counts as idle (<= 0: it is)."""
+        if self._stepping:
+            return IDLE_SECONDS
         return self._last_step + IDLE_SECONDS - time.monotonic()
 
     def _run(self, madvise: Any) -> None:

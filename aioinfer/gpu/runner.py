@@ -5,6 +5,7 @@ Everything here runs on the GPU thread (also when the device is the CPU).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import logging
@@ -313,23 +314,23 @@ class ModelRunner:
         # Decodes first: the attention backend batches the leading one-token requests.
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
         input_ids, positions, metadata = self.prepare_inputs(chunks)
-        if self.kv_prefaulter is not None:
-            tails = (c.block_table[-1] for c in chunks if c.block_table)
-            self.kv_prefaulter.advance(max(tails, default=0))
-        graphs = self.graph_runner
-        lora = None
-        if self.lora is not None and any(c.lora_slot for c in chunks):
-            lora = LoRAMapping.build([(c.lora_slot, c.num_tokens) for c in chunks], self.device)
-        if graphs is not None and metadata.decode_only and graphs.can_run(len(chunks)):
-            hidden = graphs.replay(input_ids, positions, metadata)
-        else:
-            with forward_context(metadata, self.kv_caches, self.attn_backend, lora):
-                hidden = self.model(input_ids, positions)
-        result = StepResult(plan.step_id)
-        self._sample(chunks, hidden, metadata, result)
-        self._prompt_logprobs(chunks, hidden, metadata, result)
-        self._pool(chunks, hidden, metadata, result)
-        return result
+        tails = (c.block_table[-1] for c in chunks if c.block_table)
+        prefaulter = self.kv_prefaulter
+        with prefaulter.step(max(tails, default=0)) if prefaulter else contextlib.nullcontext():
+            graphs = self.graph_runner
+            lora = None
+            if self.lora is not None and any(c.lora_slot for c in chunks):
+                lora = LoRAMapping.build([(c.lora_slot, c.num_tokens) for c in chunks], self.device)
+            if graphs is not None and metadata.decode_only and graphs.can_run(len(chunks)):
+                hidden = graphs.replay(input_ids, positions, metadata)
+            else:
+                with forward_context(metadata, self.kv_caches, self.attn_backend, lora):
+                    hidden = self.model(input_ids, positions)
+            result = StepResult(plan.step_id)
+            self._sample(chunks, hidden, metadata, result)
+            self._prompt_logprobs(chunks, hidden, metadata, result)
+            self._pool(chunks, hidden, metadata, result)
+            return result
 
     def prepare_inputs(
         self, chunks: Sequence[ScheduledChunk]

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from aioinfer.gpu.kv_prefault import PAGE, KVPagePrefaulter
+from aioinfer.gpu.kv_prefault import IDLE_SECONDS, PAGE, KVPagePrefaulter
 from aioinfer.gpu.runner import _lazy_zeros
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="madvise and mincore: Linux")
@@ -50,14 +50,16 @@ def test_pages_are_faulted_a_lookahead_past_the_highest_block_used_and_no_furthe
         for cache in caches:
             resident = resident_blocks(cache)
             assert all(resident[1:9]) and not any(resident[9:])
-        prefaulter.advance(20)  # a step used blocks up to 20
+        with prefaulter.step(20):  # a step uses blocks up to 20
+            pass
         wait_for(prefaulter, 29)
         time.sleep(0.05)
         assert prefaulter.faulted_blocks == 29
         for cache in caches:
             resident = resident_blocks(cache)
             assert all(resident[1:29]) and not any(resident[29:])
-        prefaulter.advance(200)  # past the end: up to the last block
+        with prefaulter.step(200):  # past the end: up to the last block
+            pass
         wait_for(prefaulter, 64)
         assert all(resident_blocks(caches[1])[1:])
     finally:
@@ -98,9 +100,23 @@ def test_nothing_is_faulted_while_steps_keep_starting():
         wait_for(prefaulter, 9)
         busy_until = time.monotonic() + 0.4
         while time.monotonic() < busy_until:  # a step every 10 ms
-            prefaulter.advance(20)
-            time.sleep(0.01)
+            with prefaulter.step(20):
+                time.sleep(0.002)
+            time.sleep(0.008)
             assert prefaulter.faulted_blocks == 9
         wait_for(prefaulter, 29)  # then the engine idles
+    finally:
+        prefaulter.stop()
+
+
+def test_nothing_is_faulted_during_a_step_longer_than_the_idle_spell():
+    prefaulter = KVPagePrefaulter(layers(), lookahead_blocks=8)
+    prefaulter.start()
+    try:
+        wait_for(prefaulter, 9)
+        with prefaulter.step(20):  # a long prefill step
+            time.sleep(8 * IDLE_SECONDS)
+            assert prefaulter.faulted_blocks == 9
+        wait_for(prefaulter, 29)  # it ended: the engine idles
     finally:
         prefaulter.stop()
