@@ -264,6 +264,20 @@ _GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # Mixtures of experts: the router, each projection's experts stacked in one tensor (as
+    # stacked_experts names them), and Qwen2-MoE's shared expert and its gate.
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+    "block_sparse_moe.experts.w1": "ffn_gate_exps",
+    "block_sparse_moe.experts.w3": "ffn_up_exps",
+    "block_sparse_moe.experts.w2": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -292,10 +306,12 @@ def write_gguf(
     | Callable[[str], gguf.GGMLQuantizationType | None]
     | None = None,
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """A GGUF of `hf` laid out the way llama.cpp's converter writes it: float32, or with the
-    2-D weights quantized to `qtype` (norms stay float32, as llama.cpp keeps them), or to
-    qtype(HF name) where that is not None. `extra` adds metadata or tensors first."""
+    weights quantized to `qtype` (norms stay float32, as llama.cpp keeps them), or to
+    qtype(HF name) where that is not None. `extra` adds metadata or tensors first; `state`
+    replaces hf's state dict (a mixture of experts': see stacked_experts)."""
     cfg = hf.config
     writer = gguf.GGUFWriter(str(path), arch)
     if extra is not None:
@@ -313,20 +329,22 @@ def write_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     if arch == "llama":
-        writer.add_rope_dimension_count(cfg.head_dim)
-    if arch == "qwen3":
+        writer.add_rope_dimension_count(cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
+    if arch in ("qwen3", "qwen3moe"):
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
-    for name, tensor in hf.state_dict().items():
+    for name, tensor in (hf.state_dict() if state is None else state).items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         array = tensor.numpy().copy()
+        if name.endswith("shared_expert_gate.weight"):
+            array = array.reshape(-1)  # llama.cpp's is a vector
         if arch == "llama" and ".q_proj." in name:
             array = _llama_cpp_permute(array, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = _llama_cpp_permute(array, cfg.num_key_value_heads)
         kind = qtype(name) if callable(qtype) else qtype
-        if kind is not None and array.ndim == 2:
+        if kind is not None and array.ndim >= 2:
             writer.add_tensor(_gguf_name(name), gguf.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(_gguf_name(name), array)

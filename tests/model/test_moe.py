@@ -3,18 +3,23 @@ transformers in float32, and the loading of their experts from per-expert checkp
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from aioinfer import LLM
 from aioinfer.model.kernels import cpu_native
-from aioinfer.model.loader import checkpoint_keys
+from aioinfer.model.loader import checkpoint_keys, resolve_model
+from aioinfer.model.loader.gguf_loader import iter_gguf
 from aioinfer.model.registry import get_model_class
 from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
-from tests.model.tiny_models import make_variant
+from tests.model.test_loader import write_gguf
+from tests.model.tiny_models import make_hf_model, make_variant
 from tests.tokenizer_fixtures import make_tokenizer
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": 128}
@@ -83,8 +88,6 @@ def test_the_in_memory_layout_loads_too(tmp_path):
 
 
 def _resave_without(path: Path, drop: str) -> None:
-    from safetensors.torch import load_file
-
     state = load_file(path / "model.safetensors")
     del state[drop]
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
@@ -100,8 +103,6 @@ def test_a_missing_expert_is_named(tmp_path):
 def test_an_expert_of_the_wrong_shape_is_named(tmp_path):
     hf = make_variant("qwen3-moe")
     save(hf, tmp_path)
-    from safetensors.torch import load_file
-
     state = load_file(tmp_path / "model.safetensors")
     key = "model.layers.0.mlp.experts.5.down_proj.weight"
     state[key] = state[key][:, :-1].contiguous()
@@ -156,21 +157,128 @@ def test_embeddings_of_a_mixture_of_experts(tmp_path):
         assert abs(output.outputs.data - expected).max() < 1e-4
 
 
-def test_a_mixture_of_experts_gguf_is_refused(tmp_path):
-    """llama.cpp writes Mixtral as a "llama" GGUF with an expert count: refused, not read as a
-    dense Llama."""
+# -- GGUF files, as llama.cpp writes mixtures of experts ----------------------------------------
+
+
+def stacked_experts(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A saved checkpoint's weights with each layer's experts stacked per projection, under the
+    name without the expert ("model.layers.0.mlp.experts.gate_proj.weight"), as llama.cpp's
+    converter stacks them."""
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    state = {}
+    for key, tensor in load_file(checkpoint / "model.safetensors").items():
+        expert = re.fullmatch(r"(.+\.experts)\.(\d+)\.(\w+\.weight)", key)
+        if expert is None:
+            state[key] = tensor
+        else:
+            experts.setdefault(f"{expert[1]}.{expert[3]}", {})[int(expert[2])] = tensor
+    for key, by_index in experts.items():
+        state[key] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return state
+
+
+def _expert_keys(hf: torch.nn.Module, norm: bool | None) -> Callable[[Any], None]:
+    cfg = hf.config
+
+    def add(writer: Any) -> None:
+        writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if hasattr(cfg, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        if norm is not None:
+            writer.add_expert_weights_norm(norm)
+
+    return add
+
+
+# (GGUF architecture, the HF model, expert_weights_norm in the file). llama.cpp writes Mixtral
+# as "llama"; its MoE layers are all sparse; a top-1 router whose weight is not renormalized
+# (a file's key overriding qwen3moe's default) scales the expert's output.
+GGUF_MOES = {
+    "mixtral": ("llama", lambda: make_variant("mixtral"), None),
+    "qwen2-moe": ("qwen2moe", lambda: make_variant("qwen2-moe"), None),
+    "qwen3-moe": ("qwen3moe", lambda: make_hf_model("qwen3_moe", mlp_only_layers=[]), None),
+    "qwen3-moe-top1": (
+        "qwen3moe",
+        lambda: make_hf_model(
+            "qwen3_moe",
+            num_experts=16,
+            num_experts_per_tok=1,
+            norm_topk_prob=False,
+            mlp_only_layers=[],
+        ),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_MOES))
+def test_a_mixture_of_experts_gguf_equals_transformers(name, tmp_path):
+    arch, make, norm = GGUF_MOES[name]
+    hf = make()
+    save(hf, tmp_path / "hf")
+    path = write_gguf(
+        hf,
+        tmp_path / f"Tiny-{name}-F32.gguf",
+        arch,
+        extra=_expert_keys(hf, norm),
+        state=stacked_experts(tmp_path / "hf"),
+    )
+    prompts = make_prompts(7, hf.config.vocab_size, lengths=(11, 23))
+    config = resolve_model(str(path), gguf_cache=False).hf_config
+    assert config.architectures == hf.config.architectures
+    with LLM(str(path), tokenizer=str(tmp_path / "hf"), **OPTIONS) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_quantized_stacked_experts_load_expert_by_expert(tmp_path, monkeypatch):
+    """Q8_0 experts, read straight from the file (no cache): each expert's weight is its slice
+    of the stacked tensor, dequantized; the shared expert's gate, a vector in the file, is
+    transformers' [1, hidden]."""
     import gguf
+    from gguf.quants import dequantize
 
-    from aioinfer.model.loader import resolve_model
+    from aioinfer.model.loader import load_model
 
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_expert_count(8)
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        resolve_model(str(path), gguf_cache=False)
+    monkeypatch.setenv("AIOINFER_GGUF_CACHE", "0")
+    hf = make_variant("qwen2-moe")
+    save(hf, tmp_path / "hf")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path = write_gguf(
+        hf,
+        tmp_path / "Tiny-Q8_0.gguf",
+        "qwen2moe",
+        qtype=lambda name: q8 if ".experts." in name and "down" not in name else None,
+        extra=_expert_keys(hf, None),
+        state=stacked_experts(tmp_path / "hf"),
+    )
+    resolved = resolve_model(str(path))
+    assert resolved.kind == "gguf"
+    stacked = next(t for t in resolved.gguf_reader.tensors if t.name == "blk.1.ffn_up_exps.weight")
+    assert stacked.tensor_type == q8
+    expected = torch.from_numpy(dequantize(stacked.data, q8).copy())
+    keys = checkpoint_keys(hf.config)
+    loaded = dict(iter_gguf(resolved.gguf_reader, resolved.hf_config, keys))
+    assert set(loaded) == keys
+    for e in range(hf.config.num_experts):
+        assert torch.equal(loaded[f"model.layers.1.mlp.experts.{e}.up_proj.weight"], expected[e])
+    gate = loaded["model.layers.0.mlp.shared_expert_gate.weight"]
+    assert torch.equal(gate, hf.model.layers[0].mlp.shared_expert_gate.weight.detach())
+    model = load_model(resolved, torch.float32, torch.device("cpu"))
+    assert model is not None
+
+
+def test_a_gguf_whose_experts_are_not_stacked_as_the_config_says_is_refused(tmp_path):
+    """A stacked tensor with fewer experts than the file's expert count names itself."""
+    hf = make_variant("mixtral")
+    save(hf, tmp_path / "hf")
+    state = stacked_experts(tmp_path / "hf")
+    key = "model.layers.1.block_sparse_moe.experts.w2.weight"
+    state[key] = state[key][:-1]
+    path = write_gguf(hf, tmp_path / "bad.gguf", "llama", extra=_expert_keys(hf, None), state=state)
+    resolved = resolve_model(str(path), gguf_cache=False)
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down_exps\.weight has shape \(3, "):
+        list(iter_gguf(resolved.gguf_reader, resolved.hf_config, checkpoint_keys(hf.config)))

@@ -281,7 +281,7 @@ def _write_entry(path: Path, reader: GGUFReader, folder: Path, progress: bool) -
 
     hf_config = gguf_hf_config(reader)
     wanted = checkpoint_keys(hf_config)
-    num_tensors = len(gguf_names(reader, hf_config, wanted))
+    num_tensors = sum(map(len, gguf_names(reader, hf_config, wanted).values()))
     with _progress_bar(f"Converting {path.name}", num_tensors + 1, progress) as advance:
         _write_weights(iter_gguf(reader, hf_config, wanted), folder, advance)
         hf_config.save_pretrained(folder)

@@ -3,11 +3,14 @@
 llama.cpp names tensors `token_embd.weight`, `blk.N.attn_q.weight`, `output_norm.weight`, ...;
 gguf-py's own name table maps HF module names to those, so the mapping is read from it rather than
 written out here. For the "llama" architecture llama.cpp also reorders the rows of each Q and K
-head (it rotates interleaved pairs, HF rotates halves); that reordering is undone here.
+head (it rotates interleaved pairs, HF rotates halves); that reordering is undone here. A mixture
+of experts keeps each layer's experts stacked in one tensor per projection
+(`blk.N.ffn_gate_exps.weight`, [experts, out, in]), which fills one HF key per expert.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -21,25 +24,35 @@ _PERMUTED_QK_ARCHS = ("llama",)
 # Tensors a model may carry that its config accounts for otherwise (resolve.gguf_hf_config
 # reads Llama 3's RoPE factors from rope_freqs).
 _READ_ELSEWHERE = ("rope_freqs.weight",)
+# An HF module of one expert, "model.layers.0.mlp.experts.3.gate_proj": gguf-py names the
+# stacked tensor after the module without the index.
+_EXPERT_MODULE = re.compile(r"(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)")
+# Qwen2-MoE's shared-expert gate: [1, hidden] in HF, a vector in llama.cpp's files.
+_VECTOR_IN_GGUF = (".ffn_gate_inp_shexp.",)
 
 
 def gguf_architecture(reader: GGUFReader) -> str:
     return str(reader.fields["general.architecture"].contents())
 
 
-def gguf_to_hf_names(arch: str, num_layers: int, hf_names: Iterable[str]) -> dict[str, str]:
-    """{gguf tensor name: HF key} for each HF key gguf-py knows how to name."""
+def gguf_to_hf_names(arch: str, num_layers: int, hf_names: Iterable[str]) -> dict[str, list[str]]:
+    """{gguf tensor name: the HF keys it fills} for each HF key gguf-py knows how to name: one
+    key, or a stacked expert tensor's keys in expert order (one per expert)."""
     model_arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
     if model_arch is None:
         raise ValueError(f"GGUF architecture {arch!r} is unknown to the installed gguf package")
     name_map = get_tensor_name_map(model_arch, num_layers)
-    out: dict[str, str] = {}
+    out: dict[str, dict[int, str]] = {}
     for hf_name in hf_names:
         module, _, suffix = hf_name.rpartition(".")
+        expert = _EXPERT_MODULE.fullmatch(module)
+        if expert is not None:
+            module = f"{expert['experts']}.{expert['proj']}"
         gguf_module = name_map.get_name(module)
         if gguf_module is not None:
-            out[f"{gguf_module}.{suffix}"] = hf_name
-    return out
+            index = int(expert["index"]) if expert is not None else 0
+            out.setdefault(f"{gguf_module}.{suffix}", {})[index] = hf_name
+    return {name: [keys[i] for i in sorted(keys)] for name, keys in out.items()}
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -49,8 +62,9 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_head.transpose(1, 2).reshape(weight.shape)
 
 
-def gguf_names(reader: GGUFReader, hf_config: Any, wanted: Iterable[str]) -> dict[str, str]:
-    """{gguf tensor name: HF key} for the tensors of `reader` that fill a key in `wanted`.
+def gguf_names(reader: GGUFReader, hf_config: Any, wanted: Iterable[str]) -> dict[str, list[str]]:
+    """{gguf tensor name: the HF keys it fills} for the tensors of `reader` that fill keys in
+    `wanted` (several: a stacked expert tensor, see gguf_to_hf_names).
 
     A tensor the model has no place for (a variant of the architecture it does not know) or of
     a type that cannot be dequantized is a ValueError naming it, before any tensor is read."""
@@ -73,7 +87,7 @@ def gguf_names(reader: GGUFReader, hf_config: Any, wanted: Iterable[str]) -> dic
             raise ValueError(
                 f"GGUF tensor {name} is of type {kind.name}, which cannot be dequantized"
             )
-    return {name: hf_name for name, hf_name in names.items() if name in present}
+    return {name: keys for name, keys in names.items() if name in present}
 
 
 def _dequantizable(kind: GGMLQuantizationType) -> bool:
@@ -86,21 +100,37 @@ def _dequantizable(kind: GGMLQuantizationType) -> bool:
 def iter_gguf(
     reader: GGUFReader, hf_config: Any, wanted: Iterable[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF key, float32 CPU tensor) for each GGUF tensor that maps to a key in `wanted`."""
+    """(HF key, float32 CPU tensor) for each key in `wanted` a GGUF tensor fills, a stacked
+    expert tensor's one expert at a time."""
     arch = gguf_architecture(reader)
     names = gguf_names(reader, hf_config, wanted)
     num_heads = int(hf_config.num_attention_heads)
     num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
     for tensor in reader.tensors:
-        hf_name = names.get(tensor.name)
-        if hf_name is None:
+        keys = names.get(tensor.name)
+        if keys is None:
             continue
         weight = _to_torch(dequantize(tensor.data, tensor.tensor_type))
         if arch in _PERMUTED_QK_ARCHS and ".attn_q." in tensor.name:
             weight = unpermute_qk(weight, num_heads)
         elif arch in _PERMUTED_QK_ARCHS and ".attn_k." in tensor.name:
             weight = unpermute_qk(weight, num_kv_heads)
-        yield hf_name, weight
+        elif any(part in tensor.name for part in _VECTOR_IN_GGUF):
+            weight = weight.reshape(1, -1)
+        if not _is_expert_key(keys[0]):
+            yield keys[0], weight
+            continue
+        if weight.ndim != 3 or weight.shape[0] != len(keys):
+            raise ValueError(
+                f"GGUF tensor {tensor.name} has shape {tuple(weight.shape)}: expected the "
+                f"model's {len(keys)} experts stacked along its first dimension"
+            )
+        for key, expert in zip(keys, weight, strict=True):
+            yield key, expert.clone()  # its own storage: a cache shard may not share memory
+
+
+def _is_expert_key(hf_name: str) -> bool:
+    return _EXPERT_MODULE.fullmatch(hf_name.rpartition(".")[0]) is not None
 
 
 def _to_torch(array: np.ndarray) -> torch.Tensor:

@@ -73,7 +73,11 @@ _GGUF_CONFIG_KEYS = {
     "vocab_size": "vocab_size",
 }
 # Where each architecture keeps its head size (qwen2 derives it from hidden / heads).
-_GGUF_HEAD_DIM_KEY = {"llama": "rope.dimension_count", "qwen3": "attention.key_length"}
+_GGUF_HEAD_DIM_KEY = {
+    "llama": "rope.dimension_count",
+    "qwen3": "attention.key_length",
+    "qwen3moe": "attention.key_length",
+}
 _GGUF_TOKEN_KEYS = {
     "bos_token_id": "tokenizer.ggml.bos_token_id",
     "eos_token_id": "tokenizer.ggml.eos_token_id",
@@ -84,7 +88,21 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# The HF model type of a GGUF architecture where the names differ. llama.cpp writes Mixtral as
+# "llama" with an expert count.
+_GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_EXPERT_KEYS = {
+    "expert_count": "num_experts",  # Mixtral's config: num_local_experts
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+# Whether llama.cpp renormalizes the weights of a token's chosen experts, for files without an
+# `expert_weights_norm` key (Mixtral's always are).
+_GGUF_RENORMALIZES_EXPERTS = {"qwen2moe": False, "qwen3moe": True}
 # An embedding GGUF declares `<arch>.pooling_type` (llama.cpp's enum): it runs as the bare
 # decoder with that pooling (core/pooling.py). 4 (rank, a reranker's head) is not supported.
 GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
@@ -343,18 +361,18 @@ def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
         )
-    if _gguf_value(reader, f"{arch}.expert_count"):  # llama.cpp keeps Mixtral under "llama"
-        raise ValueError(
-            "GGUF files of mixture-of-experts models are not supported; serve the model's "
-            "safetensors checkpoint instead"
-        )
+    model_type, architecture = _GGUF_MODEL_TYPES.get(arch, arch), GGUF_ARCHITECTURES[arch]
+    experts = _gguf_experts(reader, arch)
+    if arch == "llama" and experts:
+        model_type, architecture = "mixtral", "MixtralForCausalLM"
     tensor_names = {t.name for t in reader.tensors}
     kwargs: dict[str, Any] = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "architectures": [architecture],
         # llama.cpp drops output.weight when the head shares the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
+        **experts,
     }
-    if arch == "llama":  # llama.cpp loads these biases where a llama file has them
+    if model_type == "llama":  # llama.cpp loads these biases where a llama file has them
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
     pooling = _gguf_value(reader, f"{arch}.pooling_type")
@@ -363,7 +381,7 @@ def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
             raise ValueError(
                 f"GGUF pooling_type {pooling} is not supported (mean 1, cls 2 and last 3 are)"
             )
-        kwargs["architectures"] = [GGUF_ARCHITECTURES[arch].replace("ForCausalLM", "Model")]
+        kwargs["architectures"] = [architecture.replace("ForCausalLM", "Model")]
         kwargs[GGUF_POOLING_KEY] = GGUF_POOLING_TYPES[int(pooling)]
     keys = {**_GGUF_CONFIG_KEYS}
     if arch in _GGUF_HEAD_DIM_KEY:
@@ -388,7 +406,31 @@ def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
     rope_scaling = _gguf_rope_scaling(reader, arch, tensor_names)
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
-    return AutoConfig.for_model(arch, **kwargs)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _gguf_experts(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """The HF config keys of a mixture of experts' GGUF ({} for a dense model). llama.cpp's
+    MoE layers are all sparse, and have no window (Mixtral's HF default had one)."""
+    config = {
+        attr: value
+        for key, attr in _GGUF_EXPERT_KEYS.items()
+        if (value := _gguf_value(reader, f"{arch}.{key}")) is not None
+    }
+    if not config.get("num_experts"):
+        return {}
+    if arch == "llama":
+        config["num_local_experts"] = config.pop("num_experts")
+        return {**config, "sliding_window": None}
+    renormalize = _gguf_value(reader, f"{arch}.expert_weights_norm")
+    if renormalize is None:
+        renormalize = _GGUF_RENORMALIZES_EXPERTS[arch]
+    return {
+        **config,
+        "norm_topk_prob": bool(renormalize),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
 
 def _gguf_vocab_size(reader: GGUFReader) -> int:
