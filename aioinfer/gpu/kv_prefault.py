@@ -10,8 +10,9 @@ the resident cache within `lookahead` blocks of what requests have used. It work
 no step runs and none has ended for IDLE_SECONDS, and at SCHED_IDLE: it never competes with a
 step for a core, and never holds the interpreter lock while steps run (a thread at idle priority
 holding it while busy threads fill both cores would stall the event loop). A prefill step can
-take half a second: a rule on steps' starts alone let the thread fault hundreds of MiB into
-them, 0.35 s of CPU a serving benchmark run, more where the kernels' threads left a core idle.
+take half a second: a rule on steps' starts alone let the thread fault into such steps wherever
+a core idled in them (with OpenMP's workers sleeping early, 3.2-3.7 s of CPU in a serving
+benchmark run).
 """
 
 from __future__ import annotations
