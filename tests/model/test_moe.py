@@ -177,53 +177,49 @@ def stacked_experts(checkpoint: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _expert_keys(hf: torch.nn.Module, norm: bool | None) -> Callable[[Any], None]:
+def _expert_keys(hf: torch.nn.Module, widths: bool = True) -> Callable[[Any], None]:
+    """The experts' metadata llama.cpp's converter writes (early qwen2moe files: no widths)."""
     cfg = hf.config
 
     def add(writer: Any) -> None:
         writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        if hasattr(cfg, "moe_intermediate_size"):
+        if widths and hasattr(cfg, "moe_intermediate_size"):
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-        if getattr(cfg, "shared_expert_intermediate_size", None):
+        if widths and getattr(cfg, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-        if norm is not None:
-            writer.add_expert_weights_norm(norm)
 
     return add
 
 
-# (GGUF architecture, the HF model, expert_weights_norm in the file). llama.cpp writes Mixtral
-# as "llama"; its MoE layers are all sparse; a top-1 router whose weight is not renormalized
-# (a file's key overriding qwen3moe's default) scales the expert's output.
+# (GGUF architecture, the HF model, whether the file gives the experts' widths). llama.cpp
+# writes Mixtral as "llama"; its MoE layers are all sparse; it renormalizes the chosen experts'
+# weights for qwen3moe and Mixtral, not for qwen2moe, whatever a file says.
 GGUF_MOES = {
-    "mixtral": ("llama", lambda: make_variant("mixtral"), None),
-    "qwen2-moe": ("qwen2moe", lambda: make_variant("qwen2-moe"), None),
-    "qwen3-moe": ("qwen3moe", lambda: make_hf_model("qwen3_moe", mlp_only_layers=[]), None),
+    "mixtral": ("llama", lambda: make_variant("mixtral"), True),
+    "qwen2-moe": ("qwen2moe", lambda: make_variant("qwen2-moe"), True),
+    "qwen2-moe-no-widths": ("qwen2moe", lambda: make_variant("qwen2-moe"), False),
+    "qwen3-moe": ("qwen3moe", lambda: make_hf_model("qwen3_moe", mlp_only_layers=[]), True),
     "qwen3-moe-top1": (
         "qwen3moe",
         lambda: make_hf_model(
-            "qwen3_moe",
-            num_experts=16,
-            num_experts_per_tok=1,
-            norm_topk_prob=False,
-            mlp_only_layers=[],
+            "qwen3_moe", num_experts=16, num_experts_per_tok=1, mlp_only_layers=[]
         ),
-        False,
+        True,
     ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(GGUF_MOES))
 def test_a_mixture_of_experts_gguf_equals_transformers(name, tmp_path):
-    arch, make, norm = GGUF_MOES[name]
+    arch, make, widths = GGUF_MOES[name]
     hf = make()
     save(hf, tmp_path / "hf")
     path = write_gguf(
         hf,
         tmp_path / f"Tiny-{name}-F32.gguf",
         arch,
-        extra=_expert_keys(hf, norm),
+        extra=_expert_keys(hf, widths),
         state=stacked_experts(tmp_path / "hf"),
     )
     prompts = make_prompts(7, hf.config.vocab_size, lengths=(11, 23))
@@ -252,7 +248,7 @@ def test_quantized_stacked_experts_load_expert_by_expert(tmp_path, monkeypatch):
         tmp_path / "Tiny-Q8_0.gguf",
         "qwen2moe",
         qtype=lambda name: q8 if ".experts." in name and "down" not in name else None,
-        extra=_expert_keys(hf, None),
+        extra=_expert_keys(hf),
         state=stacked_experts(tmp_path / "hf"),
     )
     resolved = resolve_model(str(path))
@@ -278,7 +274,7 @@ def test_a_gguf_whose_experts_are_not_stacked_as_the_config_says_is_refused(tmp_
     state = stacked_experts(tmp_path / "hf")
     key = "model.layers.1.block_sparse_moe.experts.w2.weight"
     state[key] = state[key][:-1]
-    path = write_gguf(hf, tmp_path / "bad.gguf", "llama", extra=_expert_keys(hf, None), state=state)
+    path = write_gguf(hf, tmp_path / "bad.gguf", "llama", extra=_expert_keys(hf), state=state)
     resolved = resolve_model(str(path), gguf_cache=False)
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_down_exps\.weight has shape \(3, "):
         list(iter_gguf(resolved.gguf_reader, resolved.hf_config, checkpoint_keys(hf.config)))

@@ -97,11 +97,18 @@ _GGUF_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _GGUF_EXPERT_KEYS = {
     "expert_count": "num_experts",  # Mixtral's config: num_local_experts
     "expert_used_count": "num_experts_per_tok",
-    "expert_feed_forward_length": "moe_intermediate_size",
-    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
-# Whether llama.cpp renormalizes the weights of a token's chosen experts, for files without an
-# `expert_weights_norm` key (Mixtral's always are).
+# The experts' widths: a file's key, else the width of a tensor that has it (llama.cpp's early
+# qwen2moe files lack the keys), as (ggml shape: [in, out, ...]) dimension 1.
+_GGUF_EXPERT_WIDTHS = {
+    "moe_intermediate_size": ("expert_feed_forward_length", "blk.0.ffn_gate_exps.weight"),
+    "shared_expert_intermediate_size": (
+        "expert_shared_feed_forward_length",
+        "blk.0.ffn_gate_shexp.weight",
+    ),
+}
+# Whether llama.cpp renormalizes the weights of a token's chosen experts: fixed per
+# architecture in its graphs (Mixtral's always are), whatever a file's expert_weights_norm says.
 _GGUF_RENORMALIZES_EXPERTS = {"qwen2moe": False, "qwen3moe": True}
 # An embedding GGUF declares `<arch>.pooling_type` (llama.cpp's enum): it runs as the bare
 # decoder with that pooling (core/pooling.py). 4 (rank, a reranker's head) is not supported.
@@ -372,6 +379,8 @@ def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         **experts,
     }
+    if model_type == "qwen2_moe":
+        kwargs["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
     if model_type == "llama":  # llama.cpp loads these biases where a llama file has them
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
@@ -412,6 +421,8 @@ def gguf_hf_config(reader: GGUFReader) -> PretrainedConfig:
 def _gguf_experts(reader: GGUFReader, arch: str) -> dict[str, Any]:
     """The HF config keys of a mixture of experts' GGUF ({} for a dense model). llama.cpp's
     MoE layers are all sparse, and have no window (Mixtral's HF default had one)."""
+    if arch != "llama" and arch not in _GGUF_RENORMALIZES_EXPERTS:
+        return {}
     config = {
         attr: value
         for key, attr in _GGUF_EXPERT_KEYS.items()
@@ -419,15 +430,19 @@ def _gguf_experts(reader: GGUFReader, arch: str) -> dict[str, Any]:
     }
     if not config.get("num_experts"):
         return {}
-    if arch == "llama":
+    if arch == "llama":  # the experts' width is feed_forward_length
         config["num_local_experts"] = config.pop("num_experts")
         return {**config, "sliding_window": None}
-    renormalize = _gguf_value(reader, f"{arch}.expert_weights_norm")
-    if renormalize is None:
-        renormalize = _GGUF_RENORMALIZES_EXPERTS[arch]
+    shapes = {t.name: t.shape for t in reader.tensors}
+    for attr, (key, tensor) in _GGUF_EXPERT_WIDTHS.items():
+        width = _gguf_value(reader, f"{arch}.{key}")
+        if width is None and tensor in shapes:
+            width = int(shapes[tensor][1])
+        if width is not None:
+            config[attr] = width
     return {
         **config,
-        "norm_topk_prob": bool(renormalize),
+        "norm_topk_prob": _GGUF_RENORMALIZES_EXPERTS[arch],
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
