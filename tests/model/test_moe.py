@@ -198,7 +198,8 @@ def _expert_keys(hf: torch.nn.Module, widths: bool = True) -> Callable[[Any], No
 GGUF_MOES = {
     "mixtral": ("llama", lambda: make_variant("mixtral"), True),
     "qwen2-moe": ("qwen2moe", lambda: make_variant("qwen2-moe"), True),
-    "qwen2-moe-no-widths": ("qwen2moe", lambda: make_variant("qwen2-moe"), False),
+    # Without the keys of the experts' widths, and without q/k/v biases.
+    "qwen2-moe-early": ("qwen2moe", lambda: make_hf_model("qwen2_moe", qkv_bias=False), False),
     "qwen3-moe": ("qwen3moe", lambda: make_hf_model("qwen3_moe", mlp_only_layers=[]), True),
     "qwen3-moe-top1": (
         "qwen3moe",
