@@ -504,15 +504,6 @@ def test_dummy_weights_on_tiny_config(tmp_path: Path) -> None:
     assert a.lm_head.weight is a.model.embed_tokens.weight
 
 
-@pytest.mark.slow
-def test_dummy_qwen_materialises_in_bf16() -> None:
-    resolved = resolve_model("Qwen/Qwen2.5-1.5B-Instruct", load_format="dummy")
-    model = load_model(resolved, torch.bfloat16, CPU)
-    params = list(model.parameters())
-    assert all(p.device == CPU and p.dtype == torch.bfloat16 for p in params)
-    assert sum(p.numel() for p in params) == _expected_param_count(resolved.hf_config)
-
-
 # -- resolve ----------------------------------------------------------------------------------
 
 
