@@ -5,6 +5,7 @@ the session ends (a converted SmolLM2 is about 500 MB, so a folder left per run 
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -29,6 +30,17 @@ def _cuda_available() -> bool:
 # kernel module is imported, by whichever test module comes first.
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # What the collection imported lives to the end of the session: keep it out of every later
+    # garbage collection. An engine that shuts down collects (it frees the model's reference
+    # cycles), and over the whole heap that took 0.5-1 s each, a third of the suite's time.
+    gc.freeze()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    gc.unfreeze()  # so that extension types freed at exit are not reported as leaked
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

