@@ -88,6 +88,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs of each sampled token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's field for slow tokenizers; fast ones (the only kind here, as in vLLM's fast
+    # detokenizer) write special tokens as they decode, whatever it says.
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only, no text (and no stop strings)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # sample only among these
@@ -101,6 +104,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._check_types()
         self._check_ranges()
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         # As vLLM's: scripts append to these lists.
         self.stop = self.stop_strings
         if self.stop_token_ids is None:
@@ -171,7 +176,13 @@ class SamplingParams:
             "frequency_penalty",
             "repetition_penalty",
         )
-        bools = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize")
+        bools = (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "detokenize",
+        )
         for name in ints:
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")

@@ -109,7 +109,7 @@ class LLM:
             raise ValueError(
                 f"priority must have one entry per prompt ({len(encoded)}), got {len(priority)}"
             )
-        loras = _per_prompt(lora_request, len(encoded), "lora_request")
+        loras = _per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
         return self._run(encoded, sampling_params, use_tqdm, priority, loras)
 
     def chat(
@@ -131,7 +131,11 @@ class LLM:
         `chat_template_content_format` says: text parts are joined for every template).
         `tools` (OpenAI function tools) are the template's to show, as in vLLM; the calls stay
         in the output text."""
-        from aioinfer.engine.tokenizer import chat_prompt_text, encode_rendered_chat
+        from aioinfer.engine.tokenizer import (
+            chat_prompt_text,
+            encode_rendered_chat,
+            template_message,
+        )
 
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError(
@@ -145,7 +149,7 @@ class LLM:
         for conversation in conversations:
             text = chat_prompt_text(
                 self.engine.tokenizer,
-                [_template_message(m) for m in cast(list[Message], conversation)],
+                [template_message(m) for m in cast(list[Message], conversation)],
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template or self.engine.model_config.chat_template,
                 continue_final_message=continue_final_message,
@@ -208,7 +212,9 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         batch = self._normalise_prompts(prompts)
         encoded = [self._encode(p) for p in batch]
-        params_list = _per_prompt(pooling_params or PoolingParams(), len(encoded), "pooling_params")
+        params_list = _per_prompt(
+            pooling_params or PoolingParams(), len(encoded), "pooling_params", PoolingParams
+        )
         if truncate_prompt_tokens is not None:
             params_list = [
                 dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -314,6 +320,8 @@ class LLM:
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             prompt = cast(dict[str, Any], prompt)
+            if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
+                raise ValueError("multi_modal_data: the models served here take text only")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
             if not isinstance(prompt.get("prompt"), str):
@@ -337,7 +345,7 @@ class LLM:
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = _per_prompt(sampling_params, len(encoded), "sampling_params")
+        params_list = _per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams)
         priorities = list(priority) if priority is not None else [0] * len(encoded)
         loras = loras or [None] * len(encoded)
         return self._run_task(self._generate_all(encoded, params_list, use_tqdm, priorities, loras))
@@ -522,13 +530,17 @@ class LLM:
         return text
 
 
-def _per_prompt(value: _P | Sequence[_P], count: int, name: str) -> list[_P]:
-    """One params object for every prompt, or a list of one per prompt."""
-    if not isinstance(value, Sequence):
-        return [value] * count
-    values = list(value)
+def _per_prompt(
+    value: _P | Sequence[_P], count: int, name: str, kind: type, optional: bool = False
+) -> list[_P]:
+    """One params object (a `kind`, or None where optional) for every prompt, or a list of one
+    per prompt."""
+    values = list(value) if isinstance(value, Sequence) else [value] * count
     if len(values) != count:
         raise ValueError(f"{name} must be one or one per prompt ({count}), got {len(values)}")
+    for item in values:
+        if not (isinstance(item, kind) or (optional and item is None)):
+            raise TypeError(f"{name} must be {kind.__name__} or a list of them, got {item!r:.80}")
     return values
 
 
@@ -541,19 +553,6 @@ def _token_ids(value: Any) -> list[int]:
             f"'prompt_token_ids'; got {value!r:.80}"
         )
     return list(value)
-
-
-def _template_message(message: Message) -> Message:
-    """A message with its list of text parts joined (as the server does), for the template."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text"):
-            raise ValueError(f"only text content parts are supported, got {part!r:.80}")
-        texts.append(str(part.get("text", "")))
-    return {**message, "content": "\n".join(texts)}
 
 
 class _Progress:

@@ -260,6 +260,47 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
 
 
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI chat message as the server hands it to the chat template: content None (an
+    assistant turn that only called tools) as "", a list of text parts joined, and each tool
+    call's arguments as the object that templates write with `tojson`."""
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise ValueError(f"only text content parts are supported, got {part!r:.80}")
+            texts.append(str(part.get("text", "")))
+        content = "\n".join(texts)
+    templated = {**message, "content": content}
+    if message.get("tool_calls"):
+        templated["tool_calls"] = [_template_tool_call(call) for call in message["tool_calls"]]
+    return templated
+
+
+def _template_tool_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = template_arguments(function.get("arguments"))
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def template_arguments(arguments: Any) -> Any:
+    """A tool call's arguments for the template: the object parsed from OpenAI's JSON text
+    (text that is not JSON stays text), {} for none."""
+    if not arguments:
+        return {}
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except (ValueError, RecursionError):  # a model can write a thousand "["
+        return arguments
+
+
 def chat_prompt_text(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],

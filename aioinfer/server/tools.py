@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from aioinfer.core.sampling_params import StructuredOutputsParams
+from aioinfer.engine.tokenizer import template_arguments
 from aioinfer.server.formats import StrictModel
 from aioinfer.server.responses import ToolCallJson
 
@@ -66,11 +67,7 @@ class AssistantToolCall(StrictModel):
     function: CalledFunction
 
     def to_template(self) -> dict[str, Any]:
-        # Templates write the arguments with `tojson`: they want the object, not its text.
-        arguments: Any = self.function.arguments or {}
-        if isinstance(arguments, str):
-            parsed = loads_or_none(arguments)
-            arguments = parsed if parsed is not None else arguments
+        arguments = template_arguments(self.function.arguments)
         return {
             "id": self.id,
             "type": "function",

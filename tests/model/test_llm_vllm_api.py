@@ -18,6 +18,8 @@ from aioinfer import (
     TokensPrompt,
 )
 from aioinfer.core.step import Logprob
+from aioinfer.engine.tokenizer import template_message
+from aioinfer.server.protocol import ChatCompletionRequest
 from tests.tokenizer_fixtures import make_tokenizer
 
 
@@ -97,6 +99,47 @@ def test_chat_text_parts_template_kwargs_and_the_rendered_prompt(tiny):
     assert out.prompt == "[get_time]Time?"
     with pytest.raises(ValueError, match="text content parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], params)
+
+
+def test_chat_renders_a_tool_call_history_as_the_server_does(tiny):
+    """An assistant turn that only called a tool (content None, the arguments OpenAI's JSON
+    text) reaches the template as the server hands it over: content "", the arguments the
+    object that templates write with `tojson`."""
+    llm, _ = tiny
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %};{% endfor %}"
+    )
+    params = SamplingParams(max_tokens=1)
+    out = llm.chat(
+        messages, params, use_tqdm=False, chat_template=template, add_generation_prompt=False
+    )[0]
+    assert out.prompt == 'user:Weather?;assistant:get_weather{"city": "Paris"};tool:sunny;'
+    served = ChatCompletionRequest.model_validate({"messages": messages})
+    assert [m.to_template() for m in served.messages] == [template_message(m) for m in messages]
+
+
+def test_params_of_another_type_and_images_are_refused_by_name(tiny):
+    llm, _ = tiny
+    for params in ({"max_tokens": 2}, [None]):
+        with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
+            llm.generate([[5, 6]], params, use_tqdm=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="lora_request must be LoRARequest"):
+        llm.generate([[5, 6]], use_tqdm=False, lora_request={"lora_name": "x"})  # type: ignore[arg-type]
+    image = {"prompt": "Describe:", "multi_modal_data": {"image": object()}}
+    with pytest.raises(ValueError, match="multi_modal_data: the models served here take text"):
+        llm.generate(image, use_tqdm=False)  # type: ignore[arg-type]
+    assert llm.engine.num_unfinished == 0 and llm.engine.scheduler.kv.usage == 0.0
 
 
 @pytest.mark.parametrize(

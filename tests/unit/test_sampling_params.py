@@ -28,6 +28,11 @@ def test_stop_string_becomes_a_list_and_top_k_minus_one_disables():
     assert p.stop_strings == ["###"] and p.top_k == 0
 
 
+def test_seed_minus_one_means_no_seed_as_in_vllm():
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+
+
 @pytest.mark.parametrize(
     ("field", "value", "fragment"),
     [
@@ -49,6 +54,7 @@ def test_stop_string_becomes_a_list_and_top_k_minus_one_disables():
         ("n", True, "integer"),
         ("top_p", "0.5", "number"),
         ("ignore_eos", 1, "boolean"),
+        ("spaces_between_special_tokens", 0, "boolean"),
         ("stop", [1, 2], "list of strings"),
         ("stop", [""], "empty"),
         ("stop", ["x"] * (MAX_STOP_STRINGS + 1), "at most"),
