@@ -35,8 +35,16 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's switch against free whitespace in JSON. JSON here never has any (a model cannot
+    # loop on it), whatever it says.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be a boolean, got "
+                f"{self.disable_any_whitespace!r}"
+            )
         given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(

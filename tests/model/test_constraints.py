@@ -191,6 +191,14 @@ def test_structured_outputs_need_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["b"])
 
 
+def test_vllm_s_whitespace_switch_is_taken_and_checked():
+    """JSON never has free whitespace here; vLLM's switch for that is accepted, a bool."""
+    spec = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    assert spec.kind == "json_object"
+    with pytest.raises(ValueError, match="disable_any_whitespace must be a boolean"):
+        StructuredOutputsParams(json_object=True, disable_any_whitespace="yes")  # type: ignore[arg-type]
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny):
     llm: LLM = tiny[0]
     prompt = random_prompts(7, 1)[0] + [5, 6, 7, 8]
