@@ -97,8 +97,9 @@ def build_configs(
     if values.get("model") is None:
         values["model"] = ""
     keys = list(values.get("api_key") or [])
-    env_keys = os.environ.get(API_KEY_ENV, os.environ.get(VLLM_API_KEY_ENV, ""))
-    keys += [k.strip() for k in env_keys.split(",") if k.strip()]
+    if not keys:  # --api-key wins over the variables, as in vLLM; an empty one is not set
+        env_keys = os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV) or ""
+        keys = [k.strip() for k in env_keys.split(",") if k.strip()]
     values["api_key"] = keys
     for _cls, f, tp in _config_fields():  # repeatable flags come as lists
         if typing.get_origin(tp) is tuple and isinstance(values.get(f.name), list):

@@ -109,7 +109,13 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
                 i += 1
         else:
             out.append(arg)
-            has_value = not eq and kind(flag) not in ("switch", "negatable") and value is not None
+            # A flag not ours may be a switch: the next flag is never its value.
+            has_value = (
+                not eq
+                and kind(flag) not in ("switch", "negatable")
+                and value is not None
+                and not (kind(flag) is None and value.startswith("--"))
+            )
             if has_value:
                 out.append(value)  # type: ignore[arg-type]
             i += 2 if has_value else 1
@@ -150,10 +156,12 @@ def _expand_config(argv: list[str], kind: FlagKind) -> list[str]:
     if not path or path.startswith("-"):
         raise ValueError("--config needs a YAML file")
     rest = argv[:i] + argv[i + (1 if eq else 2) :]
-    return _config_flags(Path(path), kind) + rest
+    # A flag of several values on the command line replaces the file's values, not adds to them.
+    replaced = {a.partition("=")[0] for a in rest} & set(MULTI_VALUE_FLAGS)
+    return _config_flags(Path(path), kind, replaced) + rest
 
 
-def _config_flags(path: Path, kind: FlagKind) -> list[str]:
+def _config_flags(path: Path, kind: FlagKind, replaced: set[str]) -> list[str]:
     import yaml
 
     try:
@@ -165,7 +173,7 @@ def _config_flags(path: Path, kind: FlagKind) -> list[str]:
     flags: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")
-        if value is None:  # unset, as vLLM reads it
+        if value is None or flag in replaced:  # unset, as vLLM reads it; or given again
             continue
         if key == "model":
             flags.append(str(value))

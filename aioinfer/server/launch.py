@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -211,6 +212,8 @@ async def _serve(
         logger.error("Cannot listen on %s: %s", server_address(server_config), exc.strerror or exc)
         await runner.cleanup()
         return 1
+    if not server_config.uds and server_config.port == 0:  # the log names the port bound
+        server_config = dataclasses.replace(server_config, port=runner.addresses[0][1])
     loop = asyncio.get_running_loop()
     draining: asyncio.Future[int] | None = None
     forced = asyncio.Event()

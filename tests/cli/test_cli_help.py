@@ -46,8 +46,10 @@ def test_subprocess_help_version_and_errors():
 
 def test_api_keys_from_flags_and_environment(monkeypatch):
     monkeypatch.setenv("AIOINFER_API_KEY", "k2, k3")
-    _, _, _, server = build_configs({"api_key": ["k1"], "port": 9000})
-    assert server.api_key == ("k1", "k2", "k3") and server.port == 9000
+    _, _, _, server = build_configs({"port": 9000})
+    assert server.api_key == ("k2", "k3") and server.port == 9000
+    # The flag wins over the variable, as vLLM's does.
+    assert build_configs({"api_key": ["k1"]})[3].api_key == ("k1",)
 
 
 def test_repeated_flags_become_tuples():

@@ -40,12 +40,14 @@ def grab(lines: list[str], pattern: str) -> re.Match[str]:
 
 @pytest.fixture(scope="module")
 def tcp_server(tiny_model_dir):
-    port = free_port()
+    # Port 0: the system picks a free one, and the log names it.
     proc, lines = start_server(
-        [str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
+        [str(tiny_model_dir), "--host", "127.0.0.1", "--port", "0",
          "--kv-cache-memory", "0.01", "--max-model-len", "200", "--block-size", "16",
          "--served-model-name", "tiny"]
     )  # fmt: skip
+    port = int(grab(lines, r"Listening on http://127\.0\.0\.1:(\d+);").group(1))
+    assert port != 0
     yield port, lines
     assert stop_server(proc) == 0
 

@@ -59,8 +59,12 @@ def test_several_values_after_one_flag_repeat_it_and_lengths_read_as_vllm_reads_
     for value, tokens in (("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("auto", -1), ("-1", -1)):
         assert ours("M", "--max-model-len", value) == ["M", "--max-model-len", str(tokens)]
     assert ours("M", "--enable-log-requests") == ["M", "--log-requests"]
-    # An unknown flag keeps its value, so that the parser can name it.
+    # An unknown flag keeps its value, so that the parser can name it; one followed by a flag
+    # is a switch (it used to take the flag, and the flag's value became a second model).
     assert ours("--max-modle-len", "4096", "M") == ["M", "--max-modle-len", "4096"]
+    assert ours("M", "--async-scheduling", "--max-model-len", "4096") == [
+        "M", "--async-scheduling", "--max-model-len", "4096"
+    ]  # fmt: skip
 
 
 def test_a_config_file_holds_flags_that_the_command_line_overrides(tmp_path: Path):
@@ -75,6 +79,10 @@ def test_a_config_file_holds_flags_that_the_command_line_overrides(tmp_path: Pat
         "--api-key", "k2", "--override-generation-config", '{"temperature": 0.5}', "--port", "9000",
     ]  # fmt: skip
     assert notes and "--trust-remote-code" in notes[0]
+    # A flag of several values on the command line replaces the file's list.
+    for new_key in (["--api-key", "new"], ["--api-key=new"]):
+        args, _ = translate(["--config", str(config), *new_key], _flag_kind)
+        assert "k1" not in args and "k2" not in args and args[-1].endswith("new")
     with pytest.raises(ValueError, match="--config"):
         ours("--config", str(tmp_path / "missing.yaml"))
 
@@ -85,6 +93,10 @@ def test_vllm_s_key_variable_is_read_when_ours_is_not_set(monkeypatch):
     assert build_configs({})[3].api_key == ("vk",)
     monkeypatch.setenv("AIOINFER_API_KEY", "ak")
     assert build_configs({})[3].api_key == ("ak",)
+    # --api-key wins over both, as in vLLM; an empty variable is one not set.
+    assert build_configs({"api_key": ["flag"]})[3].api_key == ("flag",)
+    monkeypatch.setenv("AIOINFER_API_KEY", "")
+    assert build_configs({})[3].api_key == ("vk",)
 
 
 def test_repeatable_flags_left_at_their_default_are_tuples_so_not_reported_as_changed():
