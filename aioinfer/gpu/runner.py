@@ -593,4 +593,6 @@ def _default_sampling(
         defaults = {
             k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if k in generation_config
         }
+        if type(cap := generation_config.get("max_new_tokens")) is int and cap > 0:
+            defaults["max_tokens"] = cap  # a cap on a request's max_tokens, as in vLLM
     return {**defaults, **model_config.generation_overrides}

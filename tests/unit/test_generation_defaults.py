@@ -13,6 +13,8 @@ FILE = {"temperature": 0.7, "top_p": 0.8, "eos_token_id": 2, "do_sample": True}
 
 def test_defaults_from_the_file_under_the_overrides():
     assert _default_sampling(FILE, ModelConfig()) == {"temperature": 0.7, "top_p": 0.8}
+    capped = {**FILE, "max_new_tokens": 7}  # vLLM's cap on max_tokens
+    assert _default_sampling(capped, ModelConfig())["max_tokens"] == 7
     config = ModelConfig(override_generation_config='{"temperature": 0.2, "max_new_tokens": 64}')
     assert _default_sampling(FILE, config) == {"temperature": 0.2, "top_p": 0.8, "max_tokens": 64}
     ignored = ModelConfig(generation_config="vllm", override_generation_config='{"top_k": 5}')
