@@ -537,6 +537,10 @@ def main() -> None:
         for note in notes:
             print(f"Note: {note}", file=sys.stderr)
         argv = ["serve", *serve_args]
+    elif argv and argv[0] == "plan":
+        from aioinfer.vllm_args import max_model_len_args
+
+        argv = ["plan", *max_model_len_args(argv[1:])]
     app(args=argv)
 
 

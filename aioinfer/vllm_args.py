@@ -133,6 +133,19 @@ def _check_fixed(option: str, flag: str, value: str | None) -> None:
         raise ValueError(f"{flag} {must} here ({why}), got {value}")
 
 
+def max_model_len_args(argv: list[str]) -> list[str]:
+    """argv with --max-model-len's value in tokens (32k, auto -> -1), as `translate` writes it;
+    for `plan`, which takes no other vLLM spelling."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        flag, eq, inline = arg.partition("=")
+        if flag == "--max-model-len" and eq:
+            out[i] = f"{flag}={_max_model_len(inline)}"
+        elif flag == "--max-model-len" and i + 1 < len(out):
+            out[i + 1] = _max_model_len(out[i + 1])
+    return out
+
+
 def _max_model_len(value: str) -> str:
     """vLLM's forms: 32k (1000s) and 32K (1024s), 1m/1M, and auto (-1: the model's, lowered
     to what the KV cache holds)."""

@@ -9,7 +9,7 @@ import pytest
 
 from aioinfer.cli import _flag_kind, build_configs, serve_help
 from aioinfer.config import ModelConfig
-from aioinfer.vllm_args import translate
+from aioinfer.vllm_args import max_model_len_args, translate
 from tests.cli.test_cli_help import run_cli
 
 
@@ -179,3 +179,11 @@ def test_lora_modules_without_enable_lora_are_refused_before_anything_loads():
         build_configs({"lora_modules": ["a=/p"]})
     model, _, _, server = build_configs({"lora_modules": ["a=/p"], "enable_lora": True})
     assert model.enable_lora and server.lora_modules == ("a=/p",)
+
+
+def test_plan_reads_the_length_as_serve_does():
+    assert max_model_len_args(["M", "--max-model-len", "32k", "--json"]) == [
+        "M", "--max-model-len", "32000", "--json"
+    ]  # fmt: skip
+    assert max_model_len_args(["--max-model-len=auto", "M"]) == ["--max-model-len=-1", "M"]
+    assert max_model_len_args(["M", "--max-model-len"]) == ["M", "--max-model-len"]

@@ -50,7 +50,10 @@ def test_plan_command_prints_what_make_plan_computes(live_server: LiveServer):
 @command("plan")
 def test_plan_command_exit_codes(live_server: LiveServer):
     folder = str(live_server.model_dir)
-    refused = aioinfer("plan", folder, "--device", "cpu", "--kv-cache-memory", "0.00002")
+    # vLLM's spelling of the length is taken, as by serve (it was "not a valid integer").
+    refused = aioinfer(
+        "plan", folder, "--device", "cpu", "--kv-cache-memory", "0.00002", "--max-model-len", "0.2k"
+    )
     assert refused.returncode == 1 and "serve would not start" in refused.stdout
     bad = aioinfer("plan", folder, "--dtype", "float64")
     assert bad.returncode == 2 and "dtype must be one of" in bad.stderr
