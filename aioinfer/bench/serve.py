@@ -316,8 +316,13 @@ async def resolve_model(
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
     try:
         async with session.get(url, headers=headers) as response:
+            if response.status != 200:  # a wrong --api-key: say so, not that "data" is missing
+                text = (await response.text())[:200]
+                raise BenchError(f"GET {url} answered {response.status}: {text}")
             body = await response.json(content_type=None)
         return str(body["data"][0]["id"])
+    except BenchError:
+        raise
     except Exception as exc:
         raise BenchError(
             f"could not read the model from {url} ({type(exc).__name__}: {exc}); pass --model"

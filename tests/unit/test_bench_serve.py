@@ -467,3 +467,16 @@ def test_short_conversations_still_split_into_turns(monkeypatch):
     assert sum(sizes) == 10 and min(sizes) >= 1 and sizes[-1] == max(sizes)
     with pytest.raises(ValueError, match="parts"):
         datasets.split_length(random.Random(0), 3, 4)
+
+
+async def test_a_refused_model_list_is_reported_with_its_status(aiohttp_client):
+    """A wrong --api-key: the 401 is named (it read as a body without "data")."""
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "bad key"}}, status=401)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", refuse)
+    client = await aiohttp_client(app)
+    with pytest.raises(serve.BenchError, match=r"answered 401: .*bad key"):
+        await serve.resolve_model(client.session, str(client.make_url("/v1")), {})
