@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -181,6 +182,12 @@ async def _serve(
             await engine.add_lora(LoRARequest(name, index, path))
             logger.info("Loaded LoRA adapter %r from %s", name, path)
         log_engine_started(engine)
+        # What start-up built (modules, the model, the tokenizer) lives as long as the process:
+        # keep it out of every later garbage collection. Scanning it took about 0.2 s a full
+        # collection, with the GIL held, so a pause of every stream and step (vLLM freezes its
+        # heap after start-up too).
+        gc.collect()
+        gc.freeze()
         logger.info("Starting aioinfer server on %s", server_address(server_config))
         logger.info("Ready in %.2f s", time.perf_counter() - started_at)
         if server_config.log_stats_interval > 0:
