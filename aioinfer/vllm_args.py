@@ -110,11 +110,11 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
         else:
             out.append(arg)
             # A flag not ours may be a switch: the next flag is never its value.
+            flag_kind = kind(flag)
             has_value = (
                 not eq
-                and kind(flag) not in ("switch", "negatable")
                 and value is not None
-                and not (kind(flag) is None and value.startswith("--"))
+                and (flag_kind == "value" or (flag_kind is None and not value.startswith("--")))
             )
             if has_value:
                 out.append(value)  # type: ignore[arg-type]
