@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -96,7 +97,9 @@ class ModelConfig:
     )
     chat_template: str | None = _opt(None, "Jinja chat template or a path to one.")
     generation_config: str = _opt(
-        "auto", "auto: take sampling defaults from generation_config.json; vllm: ignore it."
+        "auto",
+        "auto: take sampling defaults from the model's generation_config.json; vllm: ignore "
+        "it; a folder: read the generation_config.json in that folder instead.",
     )
     override_generation_config: str | Mapping[str, Any] | None = _opt(
         None,
@@ -158,7 +161,6 @@ class ModelConfig:
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "load_format": ("auto", "safetensors", "gguf", "dummy"),
             "device": ("auto", "cuda", "cpu"),
-            "generation_config": ("auto", "vllm"),
             "attention_backend": ("auto", "triton", "native", "torch"),
             "cpu_kernels": ("auto", "native", "torch"),
             "cpu_weight_format": ("auto", "coded", "float32"),
@@ -167,6 +169,14 @@ class ModelConfig:
         for name, choices in allowed.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        generation = self.generation_config
+        if generation not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(generation, "generation_config.json")
+        ):
+            raise ValueError(
+                "generation_config must be auto, vllm or a folder holding "
+                f"generation_config.json, got {generation!r}"
+            )
         _check_positive(self, "max_loras", "max_lora_rank")
         if self.max_model_len != -1:
             _check_positive(self, "max_model_len")

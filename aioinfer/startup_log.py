@@ -109,23 +109,32 @@ def log_engine_started(engine: Any) -> None:
         )
     else:
         logger.info("CUDA graphs are off: %s; every step runs eagerly.", info.graphs_off_reason)
-    _log_default_sampling(engine.default_sampling, mc.generation_overrides)
+    _log_default_sampling(engine.default_sampling, mc.generation_overrides, mc.generation_config)
     logger.info(
         "init engine (profile, create kv cache, warmup model) took %.2f seconds",
         info.init_seconds,
     )
 
 
-def _log_default_sampling(defaults: dict[str, Any], overrides: dict[str, Any]) -> None:
+def _log_default_sampling(
+    defaults: dict[str, Any], overrides: dict[str, Any], setting: str
+) -> None:
     """Where the sampling defaults come from. The model's generation_config.json changes what
-    a request without those fields gets, unasked: a warning, as in vLLM. What
-    --override-generation-config set was asked for, and is reported under its own name."""
-    from_model = {k: v for k, v in defaults.items() if k not in overrides}
-    if from_model:
+    a request without those fields gets, unasked: a warning, as in vLLM. A folder given to
+    --generation-config, and what --override-generation-config set, were asked for: each is
+    reported under its own name."""
+    from_file = {k: v for k, v in defaults.items() if k not in overrides}
+    if from_file and setting == "auto":
         logger.warning(
             "Default sampling parameters have been overridden by the model's generation config: "
             "%s (--generation-config vllm ignores it)",
-            from_model,
+            from_file,
+        )
+    elif from_file:
+        logger.info(
+            "Default sampling parameters set by the generation config in %s: %s",
+            setting,
+            from_file,
         )
     if overrides:
         logger.info(

@@ -23,7 +23,6 @@ import torch
 
 from aioinfer import sizing
 from aioinfer.config import (
-    GENERATION_DEFAULT_KEYS,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
@@ -42,6 +41,11 @@ from aioinfer.gpu.sampler import (
     SamplerOutput,
     SamplingBatch,
     compute_prompt_logprobs,
+)
+from aioinfer.model.generation_config import (
+    default_sampling,
+    eos_token_ids,
+    generation_config_in_use,
 )
 from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
 from aioinfer.model.lora import LoRAManager, LoRAMapping
@@ -124,6 +128,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         hf_config = resolved.hf_config
         self.hf_config = hf_config
+        model_gen = resolved.generation_config or {}  # read before the weights load
+        gen = generation_config_in_use(model_config.generation_config, model_gen)
         # Without a seed (vLLM's seed=None) the run is not reproducible: dummy weights and
         # unseeded sampling draw from fresh entropy.
         seed = model_config.seed if model_config.seed is not None else secrets.randbits(63)
@@ -254,7 +260,6 @@ class ModelRunner:
             )
             graph_seconds, graph_bytes = self.graph_runner.capture()
 
-        gen = resolved.generation_config or {}
         self.info = RunnerInfo(
             served_name=resolved.served_name,
             device=str(self.device),
@@ -267,8 +272,8 @@ class ModelRunner:
             max_num_batched_tokens=budget,
             num_blocks=num_blocks,
             block_size=self.block_size,
-            eos_token_ids=_eos_ids(hf_config, gen),
-            default_sampling=_default_sampling(gen, model_config),
+            eos_token_ids=eos_token_ids(hf_config, model_gen, gen),
+            default_sampling=default_sampling(gen, model_config),
             weights_load_seconds=load_seconds,
             model_load_seconds=time.perf_counter() - start,
             weights_gib=weights_bytes / GiB,
@@ -571,28 +576,3 @@ def _resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is available")
     return torch.device(name)
-
-
-def _eos_ids(hf_config: Any, generation_config: dict[str, Any]) -> tuple[int, ...]:
-    ids: set[int] = set()
-    for value in (getattr(hf_config, "eos_token_id", None), generation_config.get("eos_token_id")):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return tuple(sorted(ids))
-
-
-def _default_sampling(
-    generation_config: dict[str, Any], model_config: ModelConfig
-) -> dict[str, Any]:
-    """Sampling defaults the model's generation_config.json sets (vLLM's --generation-config),
-    under --override-generation-config."""
-    defaults = {}
-    if model_config.generation_config == "auto":
-        defaults = {
-            k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if k in generation_config
-        }
-        if type(cap := generation_config.get("max_new_tokens")) is int and cap > 0:
-            defaults["max_tokens"] = cap  # a cap on a request's max_tokens, as in vLLM
-    return {**defaults, **model_config.generation_overrides}

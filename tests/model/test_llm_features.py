@@ -154,3 +154,22 @@ def test_max_model_len_auto_fits_the_kv_cache(tmp_path):
         assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match=r"decrease --max-model-len to at most 64"):
         LLM(str(tmp_path), **options)
+
+
+def test_generation_config_folder_sets_the_defaults_and_adds_its_eos(tmp_path):
+    """vLLM's --generation-config FOLDER: the folder's generation_config.json replaces the
+    model's for the sampling defaults; the model's end-of-sequence ids stay."""
+    model, folder = tmp_path / "model", tmp_path / "gen"
+    make_variant("llama").save_pretrained(model)
+    make_tokenizer().save_pretrained(model)
+    (model / "generation_config.json").write_text('{"temperature": 0.3, "eos_token_id": 7}')
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"top_k": 4, "eos_token_id": 9}')
+    options = {"dtype": "float32", "num_gpu_blocks_override": 8, "max_model_len": 64}
+    with LLM(str(model), generation_config=str(folder), **options) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k) == (SamplingParams().temperature, 4)
+        assert {7, 9} <= set(llm.engine.info.eos_token_ids)
+    with LLM(str(model), **options) as llm:
+        assert llm.get_default_sampling_params().temperature == 0.3
+        assert 9 not in llm.engine.info.eos_token_ids

@@ -1,24 +1,58 @@
-"""Sampling defaults: generation_config.json's (unless --generation-config vllm), under
---override-generation-config, which is checked when the config is built."""
+"""Sampling defaults: the generation config --generation-config selects (the model's
+generation_config.json, none, or a folder's), under --override-generation-config, which is
+checked when the config is built."""
 
 from __future__ import annotations
+
+import json
+from types import SimpleNamespace
 
 import pytest
 
 from aioinfer.config import ModelConfig
-from aioinfer.gpu.runner import _default_sampling
+from aioinfer.model.generation_config import (
+    default_sampling,
+    eos_token_ids,
+    generation_config_in_use,
+)
 
 FILE = {"temperature": 0.7, "top_p": 0.8, "eos_token_id": 2, "do_sample": True}
 
 
 def test_defaults_from_the_file_under_the_overrides():
-    assert _default_sampling(FILE, ModelConfig()) == {"temperature": 0.7, "top_p": 0.8}
+    assert default_sampling(FILE, ModelConfig()) == {"temperature": 0.7, "top_p": 0.8}
     capped = {**FILE, "max_new_tokens": 7}  # vLLM's cap on max_tokens
-    assert _default_sampling(capped, ModelConfig())["max_tokens"] == 7
+    assert default_sampling(capped, ModelConfig())["max_tokens"] == 7
     config = ModelConfig(override_generation_config='{"temperature": 0.2, "max_new_tokens": 64}')
-    assert _default_sampling(FILE, config) == {"temperature": 0.2, "top_p": 0.8, "max_tokens": 64}
+    assert default_sampling(FILE, config) == {"temperature": 0.2, "top_p": 0.8, "max_tokens": 64}
     ignored = ModelConfig(generation_config="vllm", override_generation_config='{"top_k": 5}')
-    assert _default_sampling(FILE, ignored) == {"top_k": 5}
+    in_use = generation_config_in_use(ignored.generation_config, FILE)
+    assert default_sampling(in_use, ignored) == {"top_k": 5}
+
+
+def test_a_folder_replaces_the_models_generation_config(tmp_path):
+    """vLLM's --generation-config FOLDER: that folder's file sets the defaults; the model's
+    end-of-sequence ids stay, and the folder's are added."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 3, "eos_token_id": 9}))
+    config = ModelConfig(generation_config=str(tmp_path))
+    in_use = generation_config_in_use(config.generation_config, FILE)
+    assert default_sampling(in_use, config) == {"top_k": 3}
+    assert eos_token_ids(SimpleNamespace(eos_token_id=[1, 2]), FILE, in_use) == (1, 2, 9)
+    assert generation_config_in_use("auto", None) == {}
+
+    (tmp_path / "generation_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"generation_config: .* not a JSON object"):
+        generation_config_in_use(str(tmp_path), FILE)
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(ValueError, match="generation_config: cannot read"):
+        generation_config_in_use(str(tmp_path), FILE)
+
+
+@pytest.mark.parametrize("setting", ["hf", "", "missing-folder", "FOLDER_WITHOUT_THE_FILE"])
+def test_a_setting_that_is_no_folder_with_the_file_is_refused(tmp_path, setting):
+    setting = setting.replace("FOLDER_WITHOUT_THE_FILE", str(tmp_path))
+    with pytest.raises(ValueError, match="generation_config must be auto, vllm or a folder"):
+        ModelConfig(generation_config=setting)
 
 
 @pytest.mark.parametrize(

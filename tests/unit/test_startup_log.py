@@ -98,7 +98,7 @@ def _started_engine(default_sampling: dict, **model: object) -> SimpleNamespace:
     )
 
 
-def test_sampling_defaults_are_logged_under_their_source(caplog):
+def test_sampling_defaults_are_logged_under_their_source(caplog, tmp_path):
     """The model's generation config changing the defaults unasked is a warning (as in vLLM);
     what --override-generation-config set is not the model's, and was asked for."""
     caplog.set_level(logging.INFO, logger="aioinfer")
@@ -117,6 +117,18 @@ def test_sampling_defaults_are_logged_under_their_source(caplog):
             "Default sampling parameters set by --override-generation-config: "
             "{'temperature': 0.2, 'max_tokens': 64}",
         ),
+    ]
+
+    caplog.clear()  # a folder given to --generation-config was asked for: no warning
+    (tmp_path / "generation_config.json").write_text("{}")
+    log_engine_started(_started_engine({"top_p": 0.8}, generation_config=str(tmp_path)))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "sampling" in r.getMessage()]
+    assert lines == [
+        (
+            "INFO",
+            f"Default sampling parameters set by the generation config in {tmp_path}: "
+            "{'top_p': 0.8}",
+        )
     ]
 
     caplog.clear()
