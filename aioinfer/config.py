@@ -109,7 +109,9 @@ class ModelConfig:
         + ", max_new_tokens); a request's own values win, except that max_new_tokens caps "
         "max_tokens, as in vLLM.",
     )
-    max_logprobs: int = _opt(20, "Most logprobs (and top_logprobs) a request may ask for.")
+    max_logprobs: int = _opt(
+        20, "Most logprobs (and top_logprobs) a request may ask for (-1: the whole vocabulary)."
+    )
     attention_backend: str = _opt(
         "auto",
         "auto (triton on CUDA; native kernels on the CPU when they build, else torch), triton, "
@@ -182,8 +184,8 @@ class ModelConfig:
             _check_positive(self, "max_model_len")
         self.generation_overrides  # noqa: B018 (checks the JSON)
         self.pooler_overrides  # noqa: B018 (checks the JSON)
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1, got {self.max_logprobs}")
 
     @property
     def pooler_overrides(self) -> dict[str, Any] | None:

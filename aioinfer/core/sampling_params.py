@@ -93,7 +93,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = None  # top-N logprobs of each sampled token
+    logprobs: int | None = None  # top-N logprobs of each sampled token (-1: the vocabulary)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # vLLM's field for slow tokenizers; fast ones (the only kind here, as in vLLM's fast
@@ -110,6 +110,9 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            if isinstance(flag := getattr(self, name), bool):  # vLLM reads True as 1
+                setattr(self, name, 1 if flag else None)
         self._check_types()
         self._check_ranges()
         if self.seed == -1:  # vLLM's "no seed"
@@ -274,8 +277,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "> 0")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise bad(name, ">= 0")
+            if value is not None and value < -1:
+                raise bad(name, ">= 0, or -1 for the whole vocabulary")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "a 64-bit integer")
         stops = self.stop_strings

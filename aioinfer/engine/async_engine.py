@@ -323,6 +323,7 @@ class AsyncEngine:
         lora_slot = self.loras.slot_of(lora)
         prompt_token_ids = self.limits.truncate(prompt_token_ids, params)
         max_tokens = self.limits.check_generation(prompt_token_ids, params)
+        params = self.limits.whole_vocabulary(params)
         make_constraints = constraints or self.constraints.prepare(params)
         request_id = request_id or self.make_request_id()
         child_ids = [f"{request_id}-{i}" for i in range(params.n)] if params.n > 1 else [request_id]

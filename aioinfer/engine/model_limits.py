@@ -84,14 +84,24 @@ class ModelLimits:
         if bad:
             raise ValueError(f"{what} token ids must be in [0, {vocab}), got {bad[0]}")
 
+    def whole_vocabulary(self, params: SamplingParams) -> SamplingParams:
+        """`params` with logprobs (or prompt_logprobs) -1 as the vocabulary's size."""
+        changes = {
+            name: self.vocab_size
+            for name in ("logprobs", "prompt_logprobs")
+            if getattr(params, name) == -1
+        }
+        return params.clone(**changes) if changes else params
+
     def _check_sampling(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: limits of this model and server."""
+        cap = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise ValueError(
-                    f"{name} must be <= {self.max_logprobs} (--max-logprobs), got {value}"
-                )
+            if value is None or (self.vocab_size if value == -1 else value) <= cap:
+                continue
+            whole = " (the whole vocabulary)" if value == -1 else ""
+            raise ValueError(f"{name} must be <= {cap} (--max-logprobs), got {value}{whole}")
         vocab = self.vocab_size
         for token in params.logit_bias or {}:
             if token >= vocab:

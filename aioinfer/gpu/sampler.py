@@ -237,7 +237,7 @@ class Sampler:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.max_logprobs = max_logprobs
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs  # -1: no cap
         self.cpu_kernels = cpu_kernels if self.device.type == "cpu" else None
         self._pin = self.device.type == "cuda"
         self._generator = torch.Generator(device=self.device)
@@ -580,8 +580,8 @@ def compute_prompt_logprobs(
 
     `targets` may be one shorter than T (the last prefill chunk has no next prompt token). Syncs.
     """
-    if not 0 <= num_top <= MAX_LOGPROBS:
-        raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {num_top}")
+    if not 0 <= num_top <= logits.shape[1]:
+        raise ValueError(f"prompt_logprobs must be in [0, {logits.shape[1]}], got {num_top}")
     if len(targets) > logits.shape[0]:
         raise ValueError(f"targets must be at most {logits.shape[0]} long, got {len(targets)}")
     target_ids = torch.tensor(list(targets), dtype=torch.int64).to(logits.device)

@@ -3,6 +3,7 @@ across batches, logprobs and prompt logprobs against transformers, stop conditio
 
 from __future__ import annotations
 
+import math
 import random
 import subprocess
 import sys
@@ -173,3 +174,27 @@ def test_generation_config_folder_sets_the_defaults_and_adds_its_eos(tmp_path):
     with LLM(str(model), **options) as llm:
         assert llm.get_default_sampling_params().temperature == 0.3
         assert 9 not in llm.engine.info.eos_token_ids
+
+
+def test_logprobs_beyond_twenty_and_of_the_whole_vocabulary(tmp_path):
+    """--max-logprobs above 20 serves prompt logprobs that many (the step used to fail at 20,
+    killing the engine); -1 asks for the whole vocabulary, which --max-logprobs -1 allows."""
+    make_variant("llama").save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    options = {"dtype": "float32", "num_gpu_blocks_override": 16, "max_model_len": 64}
+    prompt = [[5, 6, 7]]
+    with LLM(str(tmp_path), max_logprobs=30, **options) as llm:
+        out = llm.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=30))[0]
+        # The top 30, and the prompt's own token where it is not among them.
+        assert all(len(entry) in (30, 31) for entry in out.prompt_logprobs[1:])
+        with pytest.raises(ValueError, match=r"logprobs must be <= 30 \(--max-logprobs\), got -1"):
+            llm.generate(prompt, SamplingParams(logprobs=-1))
+    with LLM(str(tmp_path), max_logprobs=-1, **options) as llm:
+        params = SamplingParams(max_tokens=3, logprobs=-1, prompt_logprobs=-1)
+        out = llm.generate(prompt, params)[0]
+        vocab = llm.engine.info.vocab_size
+        for entry in [*out.prompt_logprobs[1:], *out.outputs[0].logprobs]:
+            assert sorted(entry) == list(range(vocab))
+            total = sum(math.exp(lp.logprob) for lp in entry.values())
+            assert total == pytest.approx(1.0, abs=1e-4)
+            assert sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))

@@ -47,8 +47,8 @@ def test_seed_minus_one_means_no_seed_as_in_vllm():
         ("presence_penalty", 2.5, "[-2, 2]"),
         ("frequency_penalty", -3.0, "[-2, 2]"),
         ("repetition_penalty", 0.0, "> 0"),
-        ("logprobs", -1, ">= 0"),
-        ("prompt_logprobs", -5, ">= 0"),
+        ("logprobs", -2, ">= 0, or -1"),
+        ("prompt_logprobs", -5, ">= 0, or -1"),
         ("temperature", float("nan"), "finite"),
         ("max_tokens", 1.5, "integer"),
         ("n", True, "integer"),
@@ -68,6 +68,13 @@ def test_invalid_values_name_the_field(field, value, fragment):
         SamplingParams(**{field: value})
     message = str(err.value)
     assert field.split("_")[0] in message and fragment in message
+
+
+def test_logprobs_as_vllm_reads_them():
+    """-1 asks for the whole vocabulary (the engine resolves it); True is vLLM's 1."""
+    assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1
+    flags = SamplingParams(logprobs=True, prompt_logprobs=False)
+    assert (flags.logprobs, flags.prompt_logprobs) == (1, None)
 
 
 def test_min_tokens_cannot_exceed_max_tokens():
