@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import itertools
+import logging
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,6 +38,8 @@ from aioinfer.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
 # The body limit follows the context length: 64 bytes per token covers a token-id list (at most
@@ -77,7 +81,8 @@ _R = TypeVar(
 async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngine, _R]:
     """The serving engine and the request's body parsed as `kind`: 503 while the engine cannot
     serve, 400 or 413 for a bad body, 404 when the body names another model."""
-    engine = request.app[STATE].serving_engine()
+    state = request.app[STATE]
+    engine = state.serving_engine()
     data = await read_json(request, body_limit(engine))
     # Validating a body of megabytes (100k content blocks) takes seconds: on a worker thread,
     # so that the event loop goes on streaming everyone else's tokens meanwhile.
@@ -85,10 +90,34 @@ async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngi
         req = await asyncio.to_thread(kind.parse, data)
     else:
         req = kind.parse(data)
+    _warn_ignored_fields(kind, data, state.ignored_fields_logged)
     check_model(req.model, engine)
     if req.model in engine.model_aliases:
         req.model = engine.model_name  # as vLLM: responses carry the first served name
     return engine, req
+
+
+@functools.cache
+def _known_fields(kind: type[_R]) -> frozenset[str]:
+    return frozenset(
+        name
+        for field_name, info in kind.model_fields.items()
+        for name in (field_name, info.alias)
+        if name is not None
+    )
+
+
+def _warn_ignored_fields(
+    kind: type[_R], data: Mapping[str, Any], logged: set[tuple[str, str]]
+) -> None:
+    """Log the body's fields the request model does not know (a typo such as `max_token`
+    would otherwise pass unseen), as vLLM does; each field once per kind of request, so that
+    a client that always sends one does not fill the log."""
+    ignored = sorted(set(data) - _known_fields(kind))
+    new = [(kind.__name__, name) for name in ignored if (kind.__name__, name) not in logged]
+    if new:
+        logged.update(new)
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
 
 def json_response(body: Mapping[str, Any], status: int = 200) -> web.Response:

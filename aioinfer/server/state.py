@@ -49,6 +49,8 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
     # Background responses being generated, by id (POST /v1/responses/{id}/cancel stops them).
     background: dict[str, BackgroundResponse] = field(default_factory=dict)
+    # (request kind, field) pairs already logged as ignored: each is logged once.
+    ignored_fields_logged: set[tuple[str, str]] = field(default_factory=set)
     _token_texts: dict[int, str] = field(default_factory=dict)
     _openapi: bytes | None = None
 

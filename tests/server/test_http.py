@@ -4,6 +4,7 @@ exact SSE framing, every error class, auth and the engine lifecycle (metrics: te
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
@@ -559,3 +560,23 @@ async def test_several_served_names_answer_as_the_first(aiohttp_client):
         assert "Valid models: first, second" in error_of(raw, 404)["message"]
     finally:
         await engine.shutdown()
+
+
+async def test_ignored_fields_are_logged_once_each(client, caplog):
+    """A field the request model does not know (a typo such as max_token) is served as if absent,
+    as vLLM does, and named in a warning, once per field and kind of request."""
+    caplog.set_level(logging.WARNING, logger="aioinfer.server")
+    body = {"prompt": [5, 6], "max_tokens": 2, "max_token": 50, "foo": 1}
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "but ignored" in r.getMessage()]
+
+    response, _ = await post(client, "/v1/completions", body)
+    assert response.status == 200
+    assert warned() == [
+        "The following fields were present in the request but ignored: ['foo', 'max_token']"
+    ]
+    await post(client, "/v1/completions", body)  # the same fields again: not logged again
+    await post(client, "/v1/completions", {"prompt": [5], "max_tokens": 1, "logprobs": 1})
+    await post(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "foo": 1})
+    assert len(warned()) == 2 and "['foo']" in warned()[1]
