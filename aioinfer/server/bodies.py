@@ -134,10 +134,13 @@ OFF_LOOP_BODY_BYTES = 64 * 1024
 # headers by itself, after the keep-alive timeout, but not a body that stalls).
 BODY_IDLE_TIMEOUT = 60.0
 BODY_SIZE = web.RequestKey("body_size", int)  # the bytes of the body read_json read
+_BODY = web.RequestKey("body", dict)  # what read_json returned, for a second reader
 
 
 async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object; 400 for anything else, 413 beyond `limit` bytes."""
+    if _BODY in request:  # read already (/invocations looks at it before its handler)
+        return request[_BODY]
     if request.content_type != "application/json":
         raise BadRequestError(
             "Unsupported Media Type: only 'application/json' is allowed, got "
@@ -178,6 +181,7 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     if not isinstance(data, dict):
         kind = "an array" if isinstance(data, list) else f"a {type(data).__name__}"
         raise BadRequestError(f"The body must be a JSON object, got {kind}")
+    request[_BODY] = data
     return data
 
 

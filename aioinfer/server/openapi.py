@@ -32,6 +32,7 @@ from aioinfer.server.responses import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ServerLoad,
     TokenizeResponse,
     VersionResponse,
 )
@@ -257,6 +258,11 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/detokenize": {"post": op("Detokenize", ok(DetokenizeResponse), DetokenizeRequest)},
         # Open to load balancers and scrapers: no API key needed.
         "/health": {"get": op("200 once the engine serves, 503 otherwise", ok(None)) | _OPEN},
+        "/ping": {
+            method: op("As /health (SageMaker's health check)", ok(None)) | _OPEN
+            for method in ("get", "post")
+        },
+        "/load": {"get": op("Requests being answered now", ok(ServerLoad)) | _OPEN},
         "/version": {"get": op("Server version", ok(VersionResponse)) | _OPEN},
         "/metrics": {"get": op("Prometheus metrics", text_plain) | _OPEN},
         "/openapi.json": {

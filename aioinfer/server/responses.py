@@ -188,3 +188,7 @@ class DetokenizeResponse(TypedDict):
 
 class VersionResponse(TypedDict):
     version: str
+
+
+class ServerLoad(TypedDict):
+    server_load: int

@@ -13,7 +13,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from aioinfer import __version__
 from aioinfer.core.lora import LoRARequest
-from aioinfer.server.bodies import MiB, check_model, json_response, parse_request, read_json
+from aioinfer.server.bodies import (
+    MiB,
+    body_limit,
+    check_model,
+    json_response,
+    parse_request,
+    read_json,
+)
 from aioinfer.server.completions import create_chat_completion, create_completion
 from aioinfer.server.embeddings import create_classification, create_embedding
 from aioinfer.server.errors import BadRequestError, NotFoundError, ServiceUnavailableError
@@ -39,6 +46,9 @@ if TYPE_CHECKING:
 def setup_routes(app: web.Application) -> None:
     router = app.router
     router.add_get("/health", health)
+    router.add_route("*", "/ping", ping)
+    router.add_get("/load", load)
+    router.add_post("/invocations", invocations)
     router.add_get("/version", version)
     router.add_get("/metrics", metrics)
     router.add_get("/openapi.json", openapi)
@@ -72,6 +82,35 @@ async def health(request: web.Request) -> web.Response:
     if reason is not None:
         raise ServiceUnavailableError(reason)
     return web.Response(status=200)
+
+
+async def ping(request: web.Request) -> web.Response:
+    """SageMaker's health check (GET or POST), as vLLM serves it: /health's answer."""
+    if request.method not in ("GET", "POST"):
+        raise web.HTTPMethodNotAllowed(request.method, ["GET", "POST"])
+    return await health(request)
+
+
+async def load(request: web.Request) -> web.Response:
+    """The requests being answered now, as vLLM's /load (for a router's balancing)."""
+    return json_response({"server_load": request.app[STATE].in_flight})
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker's one inference route, as vLLM's: the body's fields pick the API (messages:
+    chat, prompt: completions, input: embeddings)."""
+    data = await read_json(request, body_limit(request.app[STATE].serving_engine()))
+    for field, handler in (
+        ("messages", create_chat_completion),
+        ("prompt", create_completion),
+        ("input", create_embedding),
+    ):
+        if field in data:
+            return await handler(request)
+    raise BadRequestError(
+        "/invocations takes a chat completion (messages), a completion (prompt) or an "
+        "embedding (input) request"
+    )
 
 
 async def version(request: web.Request) -> web.Response:

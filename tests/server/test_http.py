@@ -89,6 +89,36 @@ async def test_plain_endpoints(client):
     assert (await response.json())["openapi"].startswith("3.")
 
 
+async def test_vllm_routes_for_sagemaker_and_routers(client):
+    """/ping answers as /health (GET or POST); /load counts the requests being answered;
+    /invocations takes a chat, completion or embedding body and answers as that route."""
+    for method in ("GET", "POST"):
+        response = await client.request(method, "/ping")
+        assert response.status == 200 and await response.read() == b""
+    assert (await client.put("/ping")).status == 405
+    assert await (await client.get("/load")).json() == {"server_load": 0}
+
+    chat = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0}
+    completion = {"prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0}
+    for body, route in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+        _, direct = await post(client, route, body)
+        response, raw = await post(client, "/invocations", body)
+        assert response.status == 200
+        expected, got = orjson.loads(direct), orjson.loads(raw)
+        assert got["object"] == expected["object"] and got["choices"] == expected["choices"]
+    response, raw = await post(client, "/invocations", {**chat, "stream": True})
+    assert chunks_of(raw)[0]["object"] == "chat.completion.chunk"
+    error = error_of((await post(client, "/invocations", {"model": MODEL}))[1], 400)
+    assert "messages" in error["message"] and "prompt" in error["message"]
+
+    # While a stream is being answered, /load counts it.
+    response = await client.post("/v1/completions", json={**completion, "stream": True})
+    await response.content.readline()  # the first event: the request is in flight
+    assert await (await client.get("/load")).json() == {"server_load": 1}
+    await response.read()
+    assert await (await client.get("/load")).json() == {"server_load": 0}
+
+
 async def test_completion_matches_the_reference(client):
     prompt = "The quick brown fox"
     response, raw = await post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 9})
@@ -485,8 +515,10 @@ async def test_overload_is_503_with_retry_after(aiohttp_client):
 
 async def test_api_keys(aiohttp_client, engine):
     client = await aiohttp_client(create_app(engine, ServerConfig(api_key=API_KEYS)))
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/ping", "/load", "/metrics", "/version"):
         assert (await client.get(path)).status == 200
+    response = await client.post("/invocations", json={"prompt": "a"})
+    assert response.status == 401
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {API_KEYS[0]}"},
                     {"Authorization": API_KEYS[0]}):  # fmt: skip
         response = await client.get("/v1/models", headers=headers)
