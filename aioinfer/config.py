@@ -402,6 +402,19 @@ class ServerConfig:
         False,
         "With --log-requests, add the prompt and output text to the log (off: never logged).",
     )
+    max_log_len: int = _opt(
+        2000, "With --log-prompts, the characters of each prompt and output that are logged."
+    )
+    enable_force_include_usage: bool = _opt(
+        False,
+        "End every streamed completion and chat completion with a usage chunk, as if its "
+        "stream_options asked for one.",
+    )
+    enable_prompt_tokens_details: bool = _opt(
+        False,
+        "Add prompt_tokens_details.cached_tokens (the prompt tokens found in the prefix "
+        "cache) to the usage of completions and chat completions.",
+    )
     tool_call_parser: str | None = _opt(
         None,
         "Read tool calls from the model's own text, so that tool_choice 'auto' works: hermes "
@@ -460,6 +473,7 @@ class ServerConfig:
             "log_stats_interval",
             "sse_keep_alive_interval",
             "watchdog_timeout",
+            "max_log_len",
         ):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

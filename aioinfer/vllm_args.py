@@ -37,8 +37,19 @@ IGNORED_FLAGS: dict[str, tuple[int, str]] = {
     "--limit-mm-per-prompt": (1, "the models served take text only"),
     "--root-path": (1, "routes are served at /; a proxy in front strips its prefix"),
     "--uvicorn-log-level": (1, "set AIOINFER_LOGGING_LEVEL instead"),
+    "--disable-access-log-for-endpoints": (1, "there is no access log"),
+    "--enable-server-load-tracking": (0, "GET /load always counts the requests being answered"),
+    "--allowed-methods": (1, "the allowed origins may use every method"),
+    "--allowed-headers": (1, "the allowed origins may send any header"),
 }
 RENAMED_FLAGS = {"--enable-log-requests": "--log-requests", "--enable-log-outputs": "--log-prompts"}
+# vLLM flags of one value with another name here, and what differs.
+RENAMED_VALUE_FLAGS = {
+    "--max-num-queued-reqs": (
+        "--max-queued-requests",
+        "it bounds the waiting sequences; vLLM's counts the running ones too",
+    ),
+}
 # vLLM's nargs="+" flags; ours are repeated instead.
 MULTI_VALUE_FLAGS = ("--api-key", "--lora-modules", "--allowed-origins", "--served-model-name")
 SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
@@ -91,6 +102,11 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
                 raise ValueError(f"{flag} cannot be on here ({FIXED_VLLM_OPTIONS[option][1]})")
             _check_fixed(option, flag, value)
             notes.append(f"{flag} {value} changes nothing here")
+            i += step
+        elif flag in RENAMED_VALUE_FLAGS and value is not None:
+            ours, differs = RENAMED_VALUE_FLAGS[flag]
+            notes.append(f"{flag} {value} is read as {ours} {value}: {differs}")
+            out += [ours, value]
             i += step
         elif flag == "--max-model-len" and value is not None:
             out += [flag, _max_model_len(value)]

@@ -58,6 +58,7 @@ from aioinfer.server.tool_parsers import ToolParser, make_tool_parser
 from aioinfer.server.tools import AUTO_NEEDS_PARSER
 
 if TYPE_CHECKING:
+    from aioinfer.config import ServerConfig
     from aioinfer.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,11 @@ def generation_handler(
     async def wrapper(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
         config = state.config
-        record = RequestRecord(request.path, keep_text=config.log_requests and config.log_prompts)
+        record = RequestRecord(
+            request.path,
+            keep_text=config.log_requests and config.log_prompts,
+            max_text=config.max_log_len,
+        )
         state.in_flight += 1
         try:
             response = await handler(request, record)
@@ -132,7 +137,10 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
     chunks: CompletionChunks | None = None
     if req.stream:
         chunks = CompletionChunks(
-            ctx, _stream_options(req), echo_texts=echo_texts, want_logprobs=want_logprobs
+            ctx,
+            _stream_options(req, state.config),
+            echo_texts=echo_texts,
+            want_logprobs=want_logprobs,
         )
 
     def body(finals: list[RequestOutput]) -> Mapping[str, Any]:
@@ -153,7 +161,7 @@ async def create_chat_completion(request: web.Request, record: RequestRecord) ->
     if req.stream:
         chunks = ChatChunks(
             ctx,
-            _stream_options(req),
+            _stream_options(req, state.config),
             want_logprobs=want_logprobs,
             tool_mode=tool_mode,
             tool_parser=tool_parser,
@@ -260,12 +268,17 @@ def _response_context(
         return_token_ids=bool(req.return_token_ids),
         prompt_logprobs=req.prompt_logprobs,
         echo_logprobs=(req.logprobs or 0) if isinstance(req, CompletionRequest) else 0,
+        cached_tokens={} if request.app[STATE].config.enable_prompt_tokens_details else None,
         lora=lora,
     )
 
 
-def _stream_options(req: CompletionRequest | ChatCompletionRequest) -> StreamOptionsView:
-    return StreamOptionsView(req.include_usage, req.continuous_usage)
+def _stream_options(
+    req: CompletionRequest | ChatCompletionRequest, config: ServerConfig
+) -> StreamOptionsView:
+    return StreamOptionsView(
+        req.include_usage or config.enable_force_include_usage, req.continuous_usage
+    )
 
 
 class Chunks(Protocol):

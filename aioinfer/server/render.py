@@ -40,13 +40,16 @@ from aioinfer.server.tools import ToolMode, new_call_id
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None
+    ctx: ResponseContext, completion_tokens: int, reasoning_tokens: int | None = None
 ) -> UsageInfo:
+    prompt_tokens = ctx.prompt_tokens
     info: UsageInfo = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if ctx.cached_tokens is not None:
+        info["prompt_tokens_details"] = {"cached_tokens": sum(ctx.cached_tokens.values())}
     if reasoning_tokens is not None:
         info["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return info
@@ -95,10 +98,18 @@ class ResponseContext:
     echo_logprobs: int = 0
     reasoning: ReasoningSplit | None = None  # chat with --reasoning-parser
     lora: str | None = None  # the LoRA adapter the request named as its model (--lora-modules)
+    # With --enable-prompt-tokens-details: each prompt's tokens found in the prefix cache.
+    cached_tokens: dict[int, int] | None = None
 
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
+
+    def saw(self, prompt_index: int, output: RequestOutput) -> None:
+        """Note what an output (or delta) of prompt `prompt_index` says about its prompt."""
+        if self.cached_tokens is not None:
+            known = self.cached_tokens.get(prompt_index, 0)
+            self.cached_tokens[prompt_index] = max(known, output.num_cached_tokens)
 
     def choice_index(self, prompt_index: int, seq_index: int) -> int:
         return prompt_index * self.n + seq_index
@@ -120,6 +131,7 @@ def completion_response(
     choices: list[CompletionChoice] = []
     completion_tokens = 0
     for p, final in enumerate(finals):
+        ctx.saw(p, final)
         for seq in final.outputs:
             completion_tokens += len(seq.token_ids)
             echo = echo_texts[p] if echo_texts is not None else ""
@@ -149,7 +161,7 @@ def completion_response(
         "created": ctx.created,
         "model": ctx.model,
         "choices": choices,
-        "usage": usage(ctx.prompt_tokens, completion_tokens),
+        "usage": usage(ctx, completion_tokens),
     }
 
 
@@ -203,6 +215,7 @@ def chat_response(
     choices: list[ChatChoice] = []
     completion_tokens = 0
     reasoning_tokens = None if ctx.reasoning is None else 0
+    ctx.saw(0, final)
     for seq in final.outputs:
         completion_tokens += len(seq.token_ids)
         logprobs = (
@@ -253,7 +266,7 @@ def chat_response(
         "created": ctx.created,
         "model": ctx.model,
         "choices": choices,
-        "usage": usage(ctx.prompt_tokens, completion_tokens, reasoning_tokens),
+        "usage": usage(ctx, completion_tokens, reasoning_tokens),
     }
     if ctx.return_token_ids:
         response["prompt_token_ids"] = ctx.prompts[0].token_ids
@@ -295,7 +308,7 @@ class _ChunkStream:
         self.completion_tokens = 0
 
     def _usage_now(self) -> UsageInfo:
-        return usage(self.ctx.prompt_tokens, self.completion_tokens, self._reasoning_tokens())
+        return usage(self.ctx, self.completion_tokens, self._reasoning_tokens())
 
     def _reasoning_tokens(self) -> int | None:
         return None
@@ -346,6 +359,7 @@ class CompletionChunks(_ChunkStream):
         return []
 
     def delta(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        self.ctx.saw(prompt_index, output)
         if output.prompt_logprobs is not None:
             self._prompt_logprobs[prompt_index] = output.prompt_logprobs
         chunks = []
@@ -437,6 +451,7 @@ class ChatChunks(_ChunkStream):
         return chunks
 
     def delta(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        self.ctx.saw(prompt_index, output)
         chunks = []
         for seq in output.outputs:
             self.completion_tokens += len(seq.token_ids)

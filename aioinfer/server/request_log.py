@@ -13,8 +13,6 @@ from aioinfer.server.render import ResponseContext
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGGED_TEXT = 2000  # characters of each prompt or output in the request log
-
 
 @dataclass
 class RequestRecord:
@@ -23,6 +21,7 @@ class RequestRecord:
 
     path: str
     keep_text: bool = False
+    max_text: int = 2000  # characters of each prompt or output logged (--max-log-len)
     status: int | None = None
     request_id: str = "-"
     prompt_tokens: int = 0
@@ -59,10 +58,10 @@ class RequestRecord:
             outputs = [self.outputs[k] for k in sorted(self.outputs)]
             logger.info(
                 "request %s text: prompts=%r outputs=%r",
-                self.request_id, _clip(self.prompt_texts), _clip(outputs),
+                self.request_id, _clip(self.prompt_texts, self.max_text),
+                _clip(outputs, self.max_text),
             )  # fmt: skip
 
 
-def _clip(texts: Sequence[str | None]) -> list[str | None]:
-    return [t if t is None or len(t) <= MAX_LOGGED_TEXT else t[:MAX_LOGGED_TEXT] + "..."
-            for t in texts]  # fmt: skip
+def _clip(texts: Sequence[str | None], limit: int) -> list[str | None]:
+    return [t if t is None or len(t) <= limit else t[:limit] + "..." for t in texts]

@@ -15,10 +15,16 @@ class CompletionTokensDetails(TypedDict):
     reasoning_tokens: int
 
 
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
 class UsageInfo(TypedDict):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # With --enable-prompt-tokens-details: how many prompt tokens the prefix cache held.
+    prompt_tokens_details: NotRequired[PromptTokensDetails]
     # With --reasoning-parser (chat): how many of completion_tokens were reasoning.
     completion_tokens_details: NotRequired[CompletionTokensDetails]
 

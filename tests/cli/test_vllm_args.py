@@ -187,3 +187,22 @@ def test_plan_reads_the_length_as_serve_does():
     ]  # fmt: skip
     assert max_model_len_args(["--max-model-len=auto", "M"]) == ["--max-model-len=-1", "M"]
     assert max_model_len_args(["M", "--max-model-len"]) == ["M", "--max-model-len"]
+
+
+def test_vllm_s_frontend_flags_of_0_33():
+    """Queue bound, CORS, access log and load tracking flags as vLLM 0.33 names them; the
+    usage and log flags have the same names here."""
+    args, notes = translate(
+        ["M", "--max-num-queued-reqs", "64", "--allowed-methods", '["GET"]', "--allowed-headers",
+         "*", "--enable-server-load-tracking", "--disable-access-log-for-endpoints", "/health",
+         "--max-log-len=100", "--enable-force-include-usage", "--enable-prompt-tokens-details"],
+        _flag_kind,
+    )  # fmt: skip
+    assert args == ["M", "--max-queued-requests", "64", "--max-log-len=100",
+                    "--enable-force-include-usage", "--enable-prompt-tokens-details"]  # fmt: skip
+    assert "vLLM's counts the running ones too" in notes[0] and len(notes) == 5
+    assert ours("M", "--max-num-queued-reqs=8") == ["M", "--max-queued-requests", "8"]
+    for flag in ("--max-queued-requests", "--max-log-len"):
+        assert _flag_kind(flag) == "value"
+    for flag in ("--enable-force-include-usage", "--enable-prompt-tokens-details"):
+        assert _flag_kind(flag) in ("switch", "negatable")

@@ -16,6 +16,7 @@ from aioinfer.server import responses
 from aioinfer.server.app import create_app
 from tests.server.conftest import (
     API_KEYS,
+    BLOCK_SIZE,
     MAX_MODEL_LEN,
     MODEL,
     assert_pool_free,
@@ -294,6 +295,33 @@ async def test_stream_usage_options(client):
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 8
     assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
+
+
+async def test_vllm_usage_flags(aiohttp_client, engine):
+    """--enable-force-include-usage: every stream ends with usage, asked for or not;
+    --enable-prompt-tokens-details: usage counts the prompt tokens the prefix cache held."""
+    config = ServerConfig(enable_force_include_usage=True, enable_prompt_tokens_details=True)
+    client = await aiohttp_client(create_app(engine, config))
+    prompt = list(range(5, 5 + 3 * BLOCK_SIZE))  # three full blocks
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True}
+    _, raw = await post(client, "/v1/completions", body)
+    last = chunks_of(raw)[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+    _, raw = await post(client, "/v1/completions", body)  # the same prompt: cached now
+    cached = chunks_of(raw)[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 2 * BLOCK_SIZE
+    _, raw = await post(client, "/v1/completions", {**body, "stream": False})
+    assert orjson.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    chat = {"messages": MESSAGES, "max_tokens": 2}
+    await post(client, "/v1/chat/completions", chat)
+    _, raw = await post(client, "/v1/chat/completions", chat)
+    assert orjson.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    plain = await aiohttp_client(create_app(engine, ServerConfig()))
+    _, raw = await post(plain, "/v1/completions", body)
+    assert "usage" not in chunks_of(raw)[-1]
+    _, raw = await post(plain, "/v1/completions", {**body, "stream": False})
+    assert "prompt_tokens_details" not in orjson.loads(raw)["usage"]
 
 
 async def test_chat_stream_logprobs(client):
