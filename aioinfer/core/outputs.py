@@ -8,9 +8,11 @@ output, which is what the offline LLM and non-streaming HTTP responses return.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from aioinfer.core.lora import LoRARequest
 from aioinfer.core.step import TokenLogprobs
 
 
@@ -38,6 +40,10 @@ class RequestOutput:
     # One entry per prompt token; the first is None (nothing predicts it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    # vLLM's: the adapter the offline LLM ran the prompt with; per-request statistics (none
+    # here: the engine's are in /metrics and the log).
+    lora_request: LoRARequest | None = None
+    metrics: Any = None
 
 
 @dataclass

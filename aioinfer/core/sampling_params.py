@@ -35,15 +35,25 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # vLLM's switch against free whitespace in JSON. JSON here never has any (a model cannot
-    # loop on it), whatever it says.
+    # vLLM's switches that ask for what holds here anyway: JSON never has free whitespace (a
+    # model cannot loop on it), a schema's objects take only the properties it names (the
+    # grammar compiler's strict mode), and there is one backend, so no fallback.
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    # vLLM's other whitespace for JSON: refused, as JSON here has none.
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.disable_any_whitespace, bool):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"structured_outputs.{name} must be a boolean, got {getattr(self, name)!r}"
+                )
+        if self.whitespace_pattern is not None:
             raise ValueError(
-                "structured_outputs.disable_any_whitespace must be a boolean, got "
-                f"{self.disable_any_whitespace!r}"
+                "structured_outputs.whitespace_pattern is not supported: JSON here never has "
+                "free whitespace"
             )
         given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
         if len(given) != 1:
@@ -110,6 +120,9 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+            if isinstance(value := getattr(self, name), (tuple, set, frozenset)):
+                setattr(self, name, list(value))  # vLLM takes any collection
         for name in ("logprobs", "prompt_logprobs"):
             if isinstance(flag := getattr(self, name), bool):  # vLLM reads True as 1
                 setattr(self, name, 1 if flag else None)
@@ -243,7 +256,8 @@ class SamplingParams:
                     f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}"
                 )
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or not _is_number(bias):
+                # -inf bans the token; any finite bias is added as given, as in vLLM.
+                if not _is_int(token) or not (_is_number(bias) or bias == -math.inf):
                     raise ValueError(
                         f"logit_bias must map integer token ids to numbers, got {token!r}: {bias!r}"
                     )
@@ -306,8 +320,6 @@ class SamplingParams:
             self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1
         ):
             raise bad("truncate_prompt_tokens", "-1 (the context length) or >= 1")
-        for token, bias in (self.logit_bias or {}).items():
+        for token in self.logit_bias or {}:
             if token < 0:
                 raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} ({token})")

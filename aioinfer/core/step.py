@@ -106,7 +106,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class TokenLogprobs(Mapping[int, Logprob]):
     """Log-probability of one chosen token and the most likely alternatives at its position.
 
@@ -138,6 +138,22 @@ class TokenLogprobs(Mapping[int, Logprob]):
 
     def __len__(self) -> int:
         return 1 + sum(1 for top_id, _ in self.top if top_id != self.token_id)
+
+    def _key(self) -> tuple[int, float, int, tuple[tuple[int, float], ...]]:
+        return self.token_id, self.logprob, self.rank, self.top
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenLogprobs):
+            return self._key() == other._key()  # the decoded texts aside
+        if isinstance(other, Mapping):
+            return dict(self) == dict(other)  # a vLLM {token_id: Logprob} dict
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return repr(dict(self))  # printed as vLLM's dict
 
 
 @dataclass(slots=True)

@@ -421,8 +421,8 @@ class LLM:
             for (text, ids), params, priority, lora in zip(
                 encoded, params_list, priorities, loras, strict=True
             ):
-                kept = self.engine.truncate_prompt(ids, params)
-                text, ids = (text, ids) if kept is ids else (None, kept)
+                # A truncated prompt keeps its text, as in vLLM; its ids are the kept ones.
+                ids = self.engine.truncate_prompt(ids, params)
                 params = self._fit_max_tokens(ids, params)
                 name = lora.lora_name if lora is not None else None
                 streams.append(
@@ -433,6 +433,8 @@ class LLM:
             outputs = await asyncio.gather(
                 *(collect(s, p.n) for s, p in zip(streams, params_list, strict=True))
             )
+            for output, lora in zip(outputs, loras, strict=True):
+                output.lora_request = lora
             return [self._with_decoded_logprobs(output) for output in outputs]
 
     async def _embed_all(

@@ -570,6 +570,10 @@ def _parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] |
                 f'logit_bias keys must be token ids written as strings (e.g. "50256"), got {key!r}',
                 "logit_bias",
             ) from None
+        if not -100.0 <= bias <= 100.0:  # OpenAI's range (the offline API takes any)
+            raise RequestValidationError(
+                f"logit_bias values must be in [-100, 100], got {bias} ({key})", "logit_bias"
+            )
         parsed[token] = bias
     return parsed
 

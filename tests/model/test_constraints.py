@@ -9,6 +9,7 @@ import re
 import pytest
 
 from aioinfer import LLM, SamplingParams
+from aioinfer.core.constraints import GrammarCompiler
 from aioinfer.core.sampling_params import StructuredOutputsParams
 from tests.model.test_llm_features import random_prompts
 from tests.tokenizer_fixtures import make_tokenizer
@@ -191,12 +192,27 @@ def test_structured_outputs_need_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["b"])
 
 
-def test_vllm_s_whitespace_switch_is_taken_and_checked():
-    """JSON never has free whitespace here; vLLM's switch for that is accepted, a bool."""
-    spec = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
-    assert spec.kind == "json_object"
-    with pytest.raises(ValueError, match="disable_any_whitespace must be a boolean"):
-        StructuredOutputsParams(json_object=True, disable_any_whitespace="yes")  # type: ignore[arg-type]
+def test_vllm_s_switches_are_taken_and_hold():
+    """vLLM's switches for no free whitespace, no properties a schema does not name and no
+    fallback ask for what holds here: accepted (booleans), and the compiled grammar obeys
+    them; another whitespace pattern is refused."""
+    import xgrammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    switches = dict.fromkeys(
+        ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"), True
+    )
+    spec = StructuredOutputsParams(json=schema, **switches)
+    tok = make_tokenizer()
+    compiled = GrammarCompiler(tok, len(tok), [tok.eos_token_id]).compile(spec)
+    for text, allowed in (('{"a": 1}', True), ('{"a": 1, "b": 2}', False), ('{ "a": 1}', False)):
+        matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        assert (matcher.accept_string(text) and matcher.is_terminated()) is allowed, text
+    for name in switches:
+        with pytest.raises(ValueError, match=f"{name} must be a boolean"):
+            StructuredOutputsParams(json_object=True, **{name: "yes"})
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        StructuredOutputsParams(json_object=True, whitespace_pattern=" ?")
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny):
@@ -206,6 +222,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny):
     tail = llm.generate([prompt[-4:]], greedy, use_tqdm=False)[0]
     cut = llm.generate([prompt], greedy.clone(truncate_prompt_tokens=4), use_tqdm=False)[0]
     assert cut.prompt_token_ids == prompt[-4:]
+    text = llm.get_tokenizer().decode(prompt)  # a text prompt keeps its text, as in vLLM
+    by_text = llm.generate(text, greedy.clone(truncate_prompt_tokens=4), use_tqdm=False)[0]
+    assert by_text.prompt == text and len(by_text.prompt_token_ids) == 4
     assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
     long = list(range(3, 200))  # longer than the context of 128
     full = llm.generate([long], greedy.clone(truncate_prompt_tokens=-1), use_tqdm=False)[0]

@@ -198,3 +198,16 @@ def test_logprobs_beyond_twenty_and_of_the_whole_vocabulary(tmp_path):
             total = sum(math.exp(lp.logprob) for lp in entry.values())
             assert total == pytest.approx(1.0, abs=1e-4)
             assert sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))
+
+
+def test_logit_bias_beyond_openai_s_range(tiny):
+    """Offline, as in vLLM: -inf bans a token, a huge bias forces one."""
+    llm, _ = tiny
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids[0]
+    banned = greedy.clone(logit_bias={first: -math.inf})
+    assert first not in llm.generate([[5, 6, 7]], banned, use_tqdm=False)[0].outputs[0].token_ids
+    forced = greedy.clone(logit_bias={first + 1: 1e9})
+    assert (
+        llm.generate([[5, 6, 7]], forced, use_tqdm=False)[0].outputs[0].token_ids == [first + 1] * 4
+    )

@@ -41,6 +41,8 @@ def test_logprobs_are_dicts_of_token_id_to_logprob(tiny):
         top = [logprob for rank, logprob in ranked if rank <= 3]
         assert top == sorted(top, reverse=True)
         assert dict(position.items()).keys() == set(position)
+        as_dict = {t: position[t] for t in position}  # vLLM's own type compares and prints so
+        assert position == as_dict and as_dict == position and repr(position) == repr(as_dict)
     assert out.prompt_logprobs[0] is None
     for token_id, position in zip(prompt[1:], out.prompt_logprobs[1:], strict=True):
         assert position[token_id].decoded_token == tok.decode([token_id])
@@ -255,3 +257,26 @@ def test_reset_prefix_cache_makes_the_next_batch_compute_its_prompts_again(tiny)
     fresh = llm.generate([prompt], params, use_tqdm=False)[0]
     assert fresh.num_cached_tokens == 0
     assert fresh.outputs[0].token_ids == again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_vllm_s_module_paths():
+    """vLLM scripts import from its submodules too: the same paths exist here."""
+    import aioinfer
+    from aioinfer.core.step import TokenLogprobs
+    from aioinfer.inputs import TextPrompt, TokensPrompt
+    from aioinfer.logprobs import Logprob as LogprobAgain
+    from aioinfer.outputs import CompletionOutput, RequestOutput
+    from aioinfer.pooling_params import PoolingParams
+    from aioinfer.sampling_params import SamplingParams, StructuredOutputsParams
+
+    assert (SamplingParams, StructuredOutputsParams) == (
+        aioinfer.SamplingParams,
+        aioinfer.StructuredOutputsParams,
+    )
+    assert (TextPrompt, TokensPrompt, PoolingParams) == (
+        aioinfer.TextPrompt,
+        aioinfer.TokensPrompt,
+        aioinfer.PoolingParams,
+    )
+    assert (RequestOutput, CompletionOutput) == (aioinfer.RequestOutput, aioinfer.CompletionOutput)
+    assert LogprobAgain is Logprob and TokenLogprobs(1, -0.1, 1)[1] == Logprob(-0.1, 1)

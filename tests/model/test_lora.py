@@ -99,6 +99,7 @@ def test_a_batch_mixing_adapters_equals_the_merged_models(lora_setup, backend):
         )
     for prompt, name, output in zip(prompts, names, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(references[name], prompt), name
+        assert output.lora_request is requests.get(name)  # as vLLM's RequestOutput
 
 
 def test_the_prefix_cache_keeps_adapters_apart(lora_setup):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from aioinfer.core.sampling_params import MAX_STOP_STRINGS, SamplingParams
@@ -59,7 +61,8 @@ def test_seed_minus_one_means_no_seed_as_in_vllm():
         ("stop", [""], "empty"),
         ("stop", ["x"] * (MAX_STOP_STRINGS + 1), "at most"),
         ("stop_token_ids", [-1], "non-negative"),
-        ("logit_bias", {5: 101.0}, "[-100, 100]"),
+        ("logit_bias", {5: math.inf}, "numbers"),
+        ("logit_bias", {5: math.nan}, "numbers"),
         ("logit_bias", {"5": 1.0}, "integer token ids"),
     ],
 )
@@ -68,6 +71,17 @@ def test_invalid_values_name_the_field(field, value, fragment):
         SamplingParams(**{field: value})
     message = str(err.value)
     assert field.split("_")[0] in message and fragment in message
+
+
+def test_vllm_s_looser_types():
+    """Collections other than lists, and biases beyond OpenAI's [-100, 100] (offline only;
+    -inf bans the token), as vLLM's SamplingParams takes them."""
+    bias = {5: -1e9, 6: -math.inf, 7: 250.0}
+    params = SamplingParams(stop=("a", "b"), stop_token_ids=(2, 3), allowed_token_ids=(4,),
+                            bad_words=("x",), logit_bias=bias)  # fmt: skip
+    assert (params.stop, params.stop_token_ids) == (["a", "b"], [2, 3])
+    assert (params.allowed_token_ids, params.bad_words) == ([4], ["x"])
+    assert params.logit_bias == bias
 
 
 def test_logprobs_as_vllm_reads_them():
