@@ -15,6 +15,7 @@ _EXPORTS = {
     "SamplingParams": "aioinfer.core.sampling_params",
     "StructuredOutputsParams": "aioinfer.core.sampling_params",
     "LoRARequest": "aioinfer.core.lora",
+    "BeamSearchParams": "aioinfer.core.beam_search",
     "PoolingParams": "aioinfer.core.pooling",
     "RequestOutput": "aioinfer.core.outputs",
     "CompletionOutput": "aioinfer.core.outputs",
@@ -24,6 +25,7 @@ _EXPORTS = {
 }
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingRequestOutput",
@@ -39,6 +41,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from aioinfer.core.beam_search import BeamSearchParams
     from aioinfer.core.lora import LoRARequest
     from aioinfer.core.outputs import (
         ClassificationRequestOutput,

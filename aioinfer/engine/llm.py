@@ -12,10 +12,10 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypedDict, TypeVar, cast
 
+from aioinfer.core.beam_search import BeamSearchOutput, BeamSearchParams
 from aioinfer.core.lora import LoRARequest
 from aioinfer.core.outputs import (
     ClassificationOutput,
@@ -31,6 +31,7 @@ from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.engine.llm_options import llm_configs
+from aioinfer.engine.progress import Progress
 from aioinfer.engine.stream import RequestStream, gather_or_cancel
 
 
@@ -111,6 +112,26 @@ class LLM:
             )
         loras = _per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
         return self._run(encoded, sampling_params, use_tqdm, priority, loras)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (core/beam_search.py): the best params.beam_width sequences of
+        each prompt, best first, each holding the prompt's tokens and text too."""
+        from aioinfer.engine.beam_search import beam_search
+
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_ids = [self._encode(p)[1] for p in self._normalise_prompts(prompts)]
+        loras = _per_prompt(
+            lora_request, len(prompt_ids), "lora_request", LoRARequest, optional=True
+        )
+        return beam_search(self, prompt_ids, params, loras)
 
     def chat(
         self,
@@ -402,7 +423,7 @@ class LLM:
         loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         streams: list[RequestStream] = []
-        progress: _Progress | None = None
+        progress: Progress | None = None
         await self._load_adapters({lora.lora_name: lora for lora in loras if lora is not None})
 
         async def collect(stream: RequestStream, n: int) -> RequestOutput:
@@ -429,7 +450,7 @@ class LLM:
                     self.engine.add_request(ids, params, prompt=text, priority=priority, lora=name)
                 )
             if use_tqdm:
-                progress = _Progress(len(streams), self.engine)
+                progress = Progress(len(streams), self.engine)
             outputs = await asyncio.gather(
                 *(collect(s, p.n) for s, p in zip(streams, params_list, strict=True))
             )
@@ -444,7 +465,7 @@ class LLM:
         use_tqdm: bool,
     ) -> list[EmbeddingRequestOutput]:
         streams: list[RequestStream] = []
-        progress: _Progress | None = None
+        progress: Progress | None = None
 
         async def collect(stream: RequestStream, params: PoolingParams) -> EmbeddingRequestOutput:
             output = await self.engine.embedding_of(stream, params)
@@ -459,7 +480,7 @@ class LLM:
             for (text, ids), params in zip(encoded, params_list, strict=True):
                 streams.append(self.engine.add_pooling_request(ids, params, prompt=text))
             if use_tqdm:
-                progress = _Progress(len(streams), self.engine, "prompt", tokens_before)
+                progress = Progress(len(streams), self.engine, "prompt", tokens_before)
             return await gather_or_cancel(
                 collect(s, p) for s, p in zip(streams, params_list, strict=True)
             )
@@ -486,7 +507,7 @@ class LLM:
 
     @contextlib.contextmanager
     def _batch(
-        self, streams: list[RequestStream], progress: Callable[[], _Progress | None]
+        self, streams: list[RequestStream], progress: Callable[[], Progress | None]
     ) -> Iterator[None]:
         """Around a batch's queueing and waiting: any failure (a prompt refused, Ctrl-C)
         aborts what was queued, and the progress bar (if one was made) closes."""
@@ -555,43 +576,3 @@ def _token_ids(value: Any) -> list[int]:
             f"'prompt_token_ids'; got {value!r:.80}"
         )
     return list(value)
-
-
-class _Progress:
-    """A rich progress bar with output tokens per second (input tokens for embeddings, which
-    output none: `counter` "prompt", counted from `start_tokens` when given)."""
-
-    def __init__(
-        self,
-        total: int,
-        engine: AsyncEngine,
-        counter: str = "generation",
-        start_tokens: int | None = None,
-    ) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        self.engine = engine
-        self.counter = counter
-        self.label = "output" if counter == "generation" else "input"
-        self.start_tokens = self._tokens() if start_tokens is None else start_tokens
-        self.start = time.perf_counter()
-        self.bar = Progress(
-            TextColumn("Processed prompts"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[speed]}"),
-            transient=False,
-        )
-        self.task = self.bar.add_task("generate", total=total, speed="")
-        self.bar.start()
-
-    def _tokens(self) -> int:
-        return int(getattr(self.engine.stats, f"{self.counter}_tokens"))
-
-    def advance(self) -> None:
-        tokens = self._tokens() - self.start_tokens
-        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.update(self.task, advance=1, speed=f"{rate:.1f} {self.label} tok/s")
-
-    def close(self) -> None:
-        self.bar.stop()

@@ -280,3 +280,51 @@ def test_vllm_s_module_paths():
     )
     assert (RequestOutput, CompletionOutput) == (aioinfer.RequestOutput, aioinfer.CompletionOutput)
     assert LogprobAgain is Logprob and TokenLogprobs(1, -0.1, 1)[1] == Logprob(-0.1, 1)
+
+
+@torch.no_grad()
+def test_beam_search_matches_the_search_over_transformers_logits(tiny):
+    """LLM.beam_search against the same search (2 x beam_width candidates a beam, score
+    cum_logprob / length ** length_penalty) run on transformers' float32 logits."""
+    from aioinfer import BeamSearchParams
+
+    llm, hf = tiny
+    width, steps, penalty = 3, 6, 0.7
+    eos = llm.engine.eos_token_ids
+
+    def eos_among_candidates(prompt: list[int]) -> bool:
+        logits = hf(torch.tensor([prompt])).logits[0, -1]
+        return bool(set(torch.topk(logits, 2 * width).indices.tolist()) & eos)
+
+    # A prompt whose first step already offers an end-of-sequence token, so that finished
+    # beams compete with live ones under the length penalty.
+    ends = next([k, k + 1] for k in range(3, 500) if eos_among_candidates([k, k + 1]))
+    prompts = [[5, 17, 99, 250], [31, 7, 400], ends]
+    params = BeamSearchParams(beam_width=width, max_tokens=steps, length_penalty=penalty)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+
+    def score(beam: tuple[list[int], float]) -> float:
+        length = len(beam[0]) - (beam[0][-1] in eos)
+        return beam[1] / length**penalty
+
+    finished_early = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        beams, completed = [(prompt, 0.0)], []
+        for _ in range(steps):
+            grown = []
+            for tokens, cum in beams:
+                logprobs = torch.log_softmax(hf(torch.tensor([tokens])).logits[0, -1].float(), -1)
+                top = torch.topk(logprobs, 2 * width)
+                for lp, t in zip(top.values, top.indices, strict=True):
+                    beam = ([*tokens, int(t)], cum + float(lp))
+                    (completed if int(t) in eos else grown).append(beam)
+            beams = sorted(grown, key=score, reverse=True)[:width]
+        best = sorted(completed + beams, key=score, reverse=True)[:width]
+        got = output.sequences
+        assert [s.tokens for s in got] == [tokens for tokens, _ in best]
+        for seq, (_, cum) in zip(got, best, strict=True):
+            assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
+            assert seq.text == llm.get_tokenizer().decode(seq.tokens)
+            finished_early += seq.finish_reason == "stop"
+            assert seq.finish_reason == ("stop" if seq.tokens[-1] in eos else "length")
+    assert finished_early  # the search met end-of-sequence tokens (this tiny model's)
