@@ -228,11 +228,17 @@ class CacheConfig:
         "free at start (other processes' memory is outside it, as in vLLM).",
     )
     kv_cache_memory: float = _opt(4.0, "KV-cache size in GiB on the CPU (no memory to profile).")
+    kv_cache_memory_bytes: int | None = _opt(
+        None,
+        "KV-cache size in bytes, as vLLM's (32G, 8g on the command line): on a GPU it replaces "
+        "the size --gpu-memory-utilization leaves, on the CPU --kv-cache-memory.",
+    )
     num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV blocks.")
     enable_prefix_caching: bool = _opt(True, "Reuse the KV cache of shared prompt prefixes.")
 
     def __post_init__(self) -> None:
         _check_positive(self, "block_size", "kv_cache_memory", "num_gpu_blocks_override")
+        _check_positive(self, "kv_cache_memory_bytes")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -256,6 +256,9 @@ def make_plan(
     if cache_config.num_gpu_blocks_override is not None:
         num_blocks = cache_config.num_gpu_blocks_override
         available = num_blocks * per_block
+    elif cache_config.kv_cache_memory_bytes is not None:
+        available = cache_config.kv_cache_memory_bytes
+        num_blocks = available // per_block
     elif gpu is not None:
         activations = estimate_activation_bytes(
             cfg,

@@ -111,6 +111,9 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
         elif flag == "--max-model-len" and value is not None:
             out += [flag, _max_model_len(value)]
             i += step
+        elif flag == "--kv-cache-memory-bytes" and value is not None:
+            out += [flag, _human_int(value)]
+            i += step
         elif flag in MULTI_VALUE_FLAGS and not eq and value is not None:
             # The first value is taken whatever it looks like (a key may start with "-"). More
             # follow as in vLLM only once the model is known (`vllm serve MODEL --api-key a
@@ -162,13 +165,16 @@ def max_model_len_args(argv: list[str]) -> list[str]:
     return out
 
 
-def _max_model_len(value: str) -> str:
-    """vLLM's forms: 32k (1000s) and 32K (1024s), 1m/1M, and auto (-1: the model's, lowered
-    to what the KV cache holds)."""
+def _human_int(value: str) -> str:
+    """vLLM's forms of a number: 32k (1000s) and 32K (1024s), 1m/1M, 8g/8G."""
     match = _HUMAN_INT.fullmatch(value)
-    if match is not None:
-        return str(int(float(match[1]) * _UNITS[match[2]]))
-    return "-1" if value == "auto" else value
+    return str(int(float(match[1]) * _UNITS[match[2]])) if match is not None else value
+
+
+def _max_model_len(value: str) -> str:
+    """A number as _human_int reads it, or auto (-1: the model's, lowered to what the KV cache
+    holds)."""
+    return "-1" if value == "auto" else _human_int(value)
 
 
 def _expand_config(argv: list[str], kind: FlagKind) -> list[str]:

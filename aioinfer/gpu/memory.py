@@ -10,6 +10,7 @@ KV blocks:
                    - peak activations
 
 On the CPU there is nothing to profile; the KV size is a flag (--kv-cache-memory, GiB).
+--kv-cache-memory-bytes sets the size on either device, as vLLM's: the share is not consulted.
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ def start_memory(device: torch.device) -> StartMemory:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return StartMemory(int(free), int(total), torch.cuda.memory_reserved(device))
+
+
+def fixed_kv_bytes(requested: int, device: torch.device) -> int:
+    """--kv-cache-memory-bytes as the KV cache's size; on CUDA it must fit in the memory free
+    now, after the weights (what a step's activations need comes on top of it)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if requested > free:
+            raise ValueError(
+                f"kv_cache_memory_bytes asks for {requested / GiB:.2f} GiB, but {free / GiB:.2f} "
+                "GiB of GPU memory is free once the weights are loaded; lower it"
+            )
+    return requested
 
 
 def profile_available_kv_bytes(

@@ -217,6 +217,9 @@ class ModelRunner:
         if cache_config.num_gpu_blocks_override is not None:
             num_blocks = cache_config.num_gpu_blocks_override
             available_kv = num_blocks * bytes_per_block
+        elif cache_config.kv_cache_memory_bytes is not None:
+            available_kv = memory.fixed_kv_bytes(cache_config.kv_cache_memory_bytes, self.device)
+            num_blocks = available_kv // bytes_per_block
         elif start_memory is not None:
             available_kv = memory.profile_available_kv_bytes(
                 self, budget, cache_config.gpu_memory_utilization, weights_bytes, start_memory

@@ -202,6 +202,8 @@ def test_vllm_s_frontend_flags_of_0_33():
                     "--enable-force-include-usage", "--enable-prompt-tokens-details"]  # fmt: skip
     assert "vLLM's counts the running ones too" in notes[0] and len(notes) == 5
     assert ours("M", "--max-num-queued-reqs=8") == ["M", "--max-queued-requests", "8"]
+    assert ours("M", "--kv-cache-memory-bytes", "2G") == ["M", "--kv-cache-memory-bytes",
+                                                          str(2 * 2**30)]  # fmt: skip
     for flag in ("--max-queued-requests", "--max-log-len"):
         assert _flag_kind(flag) == "value"
     for flag in ("--enable-force-include-usage", "--enable-prompt-tokens-details"):

@@ -86,6 +86,8 @@ CPU_CASES = {
     "llama": ("llama", {}),
     "qwen2-tied-bf16-block32": ("qwen2-tied", {"dtype": "bfloat16", "block_size": 32}),
     "qwen3-short": ("qwen3", {"max_model_len": 100, "kv_cache_memory": 0.003}),
+    # vLLM's flag, in bytes, over --kv-cache-memory.
+    "llama-bytes": ("llama", {"kv_cache_memory_bytes": 3_000_000, "kv_cache_memory": 1.0}),
     "mha-override": ("llama-mha", {"num_gpu_blocks_override": 40, "max_num_batched_tokens": 64}),
     # Embeddings: the untied LM head is neither loaded nor counted.
     "llama-pooling": ("llama", {"runner": "pooling", "pooler_config": '{"pooling_type": "MEAN"}'}),
@@ -114,6 +116,8 @@ def test_plan_equals_the_model_runner_on_cpu(case, tmp_path):
     assert plan.max_concurrency == info.max_concurrency
     assert plan.max_model_len == info.max_model_len
     assert plan.max_num_batched_tokens == info.max_num_batched_tokens
+    if "kv_cache_memory_bytes" in flags:
+        assert info.available_kv_gib * GiB == flags["kv_cache_memory_bytes"]
 
 
 def test_plan_of_a_classifier_counts_its_score_head(tmp_path):
