@@ -34,7 +34,9 @@ from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, sampled_r
 from aioinfer.sizing import (
     AUTO_MAX_MODEL_LEN,
     GiB,
+    cpu_kv_cache_too_large,
     default_token_budget,
+    host_memory_bytes,
     kv_bytes_per_block,
     kv_cache_too_small,
     kv_capacity_tokens,
@@ -109,11 +111,28 @@ class MemoryPlan:
             if short is not None:
                 return short
         if self.available_kv_bytes <= 0:
-            return (
-                f"No memory is left for the KV cache: {self.available_kv_gib:.2f} GiB. Increase "
-                "--gpu-memory-utilization or lower --max-num-batched-tokens."
+            return f"No memory is left for the KV cache: {self.available_kv_gib:.2f} GiB. " + (
+                self._no_room_advice()
             )
+        if self.device == "cpu":
+            too_large = cpu_kv_cache_too_large(self.available_kv_bytes, host_memory_bytes())
+            if too_large is not None:
+                return too_large
         return kv_cache_too_small(self.max_model_len, self.num_blocks, self.block_size)
+
+    def _no_room_advice(self) -> str:
+        """What could leave the KV cache room: not the step budget when the model alone
+        fills the engine's share."""
+        if self.total_bytes is not None and self.gpu_memory_utilization is not None:
+            share = requested_bytes(self.total_bytes, self.gpu_memory_utilization)
+            held = self.weights_bytes + (self.non_torch_bytes or 0)
+            if held >= share:
+                return (
+                    f"The model alone takes {held / GiB:.2f} GiB, the engine's whole share of "
+                    f"this GPU ({share / GiB:.2f} of {self.total_bytes / GiB:.2f} GiB): a "
+                    "smaller model, a larger GPU or a higher --gpu-memory-utilization."
+                )
+        return "Increase --gpu-memory-utilization or lower --max-num-batched-tokens."
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

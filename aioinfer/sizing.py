@@ -7,6 +7,7 @@ The runner (gpu/runner.py, gpu/memory.py) applies them to the loaded model; the 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 GiB = 1 << 30
@@ -97,6 +98,25 @@ def kv_cache_too_small(max_model_len: int, num_blocks: int, block_size: int) -> 
     return (
         f"The model's max model len ({max_model_len}) is larger than the KV cache can hold "
         f"({capacity} tokens in {blocks}). {advice}."
+    )
+
+
+def host_memory_bytes() -> int | None:
+    """The machine's physical memory; None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def cpu_kv_cache_too_large(kv_bytes: int, host_bytes: int | None) -> str | None:
+    """Why a CPU KV cache of kv_bytes cannot be had on a machine of host_bytes; None when it
+    fits (the memory is reserved, not touched, so only more than the machine holds fails)."""
+    if host_bytes is None or kv_bytes <= host_bytes:
+        return None
+    return (
+        f"The KV cache ({kv_bytes / GiB:.2f} GiB) is larger than this machine's memory "
+        f"({host_bytes / GiB:.2f} GiB). Lower --kv-cache-memory (or --kv-cache-memory-bytes)."
     )
 
 

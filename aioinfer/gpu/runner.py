@@ -241,6 +241,10 @@ class ModelRunner:
         too_small = sizing.kv_cache_too_small(self.max_model_len, num_blocks, self.block_size)
         if too_small is not None:
             raise ValueError(too_small)
+        if self.device.type == "cpu":
+            too_large = sizing.cpu_kv_cache_too_large(available_kv, sizing.host_memory_bytes())
+            if too_large is not None:
+                raise ValueError(too_large)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.kv_prefaulter: KVPagePrefaulter | None = None
         if self.device.type == "cpu":

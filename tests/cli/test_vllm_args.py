@@ -97,6 +97,10 @@ def test_vllm_s_key_variable_is_read_when_ours_is_not_set(monkeypatch):
     assert build_configs({"api_key": ["flag"]})[3].api_key == ("flag",)
     monkeypatch.setenv("AIOINFER_API_KEY", "")
     assert build_configs({})[3].api_key == ("vk",)
+    # An empty flag (`--api-key "$KEY"` with KEY unset) served a key no client could send.
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match="--api-key must not be empty"):
+            build_configs({"api_key": ["k", empty]})
 
 
 def test_repeatable_flags_left_at_their_default_are_tuples_so_not_reported_as_changed():

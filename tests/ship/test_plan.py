@@ -5,6 +5,7 @@ CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from aioinfer import plan as plan_module
+from aioinfer import sizing
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk, StepPlan
@@ -155,6 +157,36 @@ def test_plan_and_runner_refuse_the_same_settings(tmp_path, capsys):
         ModelRunner(ModelRunner.resolve(runner_model_config), runner_model_config, *configs[1:])
     assert plan_main(str(folder), **flags) == 1
     assert "serve would not start" in capsys.readouterr().out
+
+
+def test_a_cpu_kv_cache_beyond_the_machine_is_refused_by_plan_and_runner(tmp_path, monkeypatch):
+    """More KV cache than the machine's memory: one line from both (it was an ENOMEM
+    traceback from the runner, and plan passed it)."""
+    monkeypatch.setattr(sizing, "host_memory_bytes", lambda: GiB)
+    monkeypatch.setattr(plan_module, "host_memory_bytes", lambda: GiB)
+    folder = config_dir(tmp_path, variant_config("llama"))
+    flags = {"device": "cpu", "kv_cache_memory": 1.5}
+    configs = build_plan_configs({"model": str(folder), **flags})
+    problem = make_plan(*configs).problem
+    assert problem is not None and "larger than this machine's memory (1.00 GiB)" in problem
+    runner_model_config = ModelConfig(model=str(folder), device="cpu", load_format="dummy")
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        ModelRunner(ModelRunner.resolve(runner_model_config), runner_model_config, *configs[1:])
+    configs = build_plan_configs({"model": str(folder), "device": "cpu", "kv_cache_memory": 0.5})
+    assert make_plan(*configs).problem is None
+
+
+def test_a_model_that_fills_the_share_is_not_told_to_shrink_the_step(tmp_path):
+    """The advice when no KV memory is left: the model, not the step budget, where the
+    model alone takes the engine's whole share of the GPU."""
+    folder = config_dir(tmp_path, variant_config("llama"))
+    configs = build_plan_configs({"model": str(folder)})
+    plan = make_plan(*configs, gpu_memory_gib=24, non_torch_gib=0.25)
+    crowded = dataclasses.replace(plan, weights_bytes=23 * GiB, available_kv_bytes=-GiB)
+    assert "The model alone takes 23.25 GiB" in crowded.problem
+    assert "max-num-batched-tokens" not in crowded.problem
+    busy = dataclasses.replace(plan, available_kv_bytes=-GiB)  # a tiny model, a huge step
+    assert "lower --max-num-batched-tokens" in busy.problem
 
 
 # ----------------------------------------------------------------------------- the live server
