@@ -147,7 +147,8 @@ def _exit_now_if_gpu_thread_alive(code: int) -> None:
     from aioinfer.gpu.thread import THREAD_NAME
 
     if any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate()):
-        logger.info("Exiting without waiting for the GPU thread's work to end")
+        # DEBUG: after a refused start (a port in use) there is nothing to alarm anyone about.
+        logger.debug("Exiting without waiting for the GPU thread's work to end")
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +225,31 @@ def test_leftovers_of_killed_conversions_are_ignored_and_cleared(
 
     assert resolved.kind == "folder" and resolved.folder.parent == root
     assert not old.exists() and fresh.exists()  # a young one may belong to a running conversion
+
+
+def test_a_conversion_cut_short_by_a_signal_is_cleared_at_the_next_start(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A temp folder names its process: one whose process ended on this host goes at once
+    (the server leaves at once on a signal, before its cleanup); a live process's, or another
+    host's, stays until it is a day old. Also on a cache hit, not only when converting."""
+    written: list[Path] = []
+    write_entry = cache_module._write_entry
+    monkeypatch.setattr(cache_module, "_write_entry", lambda p, r, tmp, *a: (
+        written.append(tmp), write_entry(p, r, tmp, *a)))  # fmt: skip
+    resolve_model(str(tiny_gguf))  # the entry exists: the next resolve is a hit
+    assert written[0].name.startswith(f".tmp-{os.getpid()}+{socket.gethostname()}+")
+    root = cache / "gguf"
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    host = socket.gethostname()
+    dead = root / f".tmp-{ended.stdout.strip()}+{host}+entry-x"
+    alive = root / f".tmp-{os.getpid()}+{host}+entry-y"
+    elsewhere = root / f".tmp-{ended.stdout.strip()}+another-host+entry-z"
+    for leftover in (dead, alive, elsewhere):
+        leftover.mkdir()
+    resolve_model(str(tiny_gguf))
+    assert not dead.exists() and alive.exists() and elsewhere.exists()
 
 
 def test_key_changes_when_the_file_changes(tiny_gguf: Path, conversions: list[Path]) -> None:

@@ -8,6 +8,8 @@ converted-model cache.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -564,3 +566,31 @@ def test_resolve_dtype() -> None:
 
 
 # -- tokenizer --------------------------------------------------------------------------------
+
+
+def test_a_hub_fetch_says_what_the_start_waits_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hub client has no timeout: a fetch names itself, and one that stalls is logged
+    while it waits (it used to show nothing for minutes)."""
+    import huggingface_hub
+
+    from aioinfer.model.loader import resolve as resolve_module
+
+    make_variant("llama").config.save_pretrained(tmp_path)
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records]
+
+    def snapshot_download(repo_id: str, revision: Any, allow_patterns: list[str]) -> str:
+        deadline = time.monotonic() + 5  # a stalled network, until the wait is logged
+        while not any("Still fetching" in m for m in logged()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(resolve_module, "HUB_PATIENCE", 0.05)
+    caplog.set_level(logging.INFO, logger="aioinfer")
+    resolve_model("owner/tiny", load_format="dummy")
+    assert "Fetching the config and tokenizer of owner/tiny from the Hugging Face" in logged()[0]
+    assert "Still fetching owner/tiny from the Hugging Face hub after 0 s" in logged()[1]

