@@ -114,7 +114,7 @@ class _GenerationRequest(OpenAIRequest):
 
     model: str | None = Field(None, description="The served model name (default: the only one).")
     n: int | None = Field(None, description="Completions per prompt (default 1).")
-    temperature: float | None = None
+    temperature: float | None = Field(None, le=2.0, description="0 to 2, as OpenAI's.")
     top_p: float | None = None
     top_k: int | None = Field(None, description="0 or -1: no top-k truncation.")
     min_p: float | None = None

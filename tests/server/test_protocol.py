@@ -210,6 +210,15 @@ def test_sampling_param_errors_name_the_field(fields, param):
     assert param in info.value.message
 
 
+@pytest.mark.parametrize("make", [completion, chat])
+def test_temperature_is_at_most_2_as_openai_s(make):
+    """OpenAI's range (and vLLM 0.33's); the offline SamplingParams takes any temperature."""
+    with pytest.raises(RequestValidationError) as info:
+        make(temperature=2.5)
+    assert info.value.param == "temperature" and "less than or equal to 2" in info.value.message
+    assert make(temperature=2.0).temperature == 2.0
+
+
 def test_tokenize_request_takes_one_input():
     assert TokenizeRequest.parse({"prompt": "x"}).prompt == "x"
     with pytest.raises(RequestValidationError):
