@@ -41,6 +41,7 @@ IGNORED_FLAGS: dict[str, tuple[int, str]] = {
     "--enable-server-load-tracking": (0, "GET /load always counts the requests being answered"),
     "--allowed-methods": (1, "the allowed origins may use every method"),
     "--allowed-headers": (1, "the allowed origins may send any header"),
+    "--chat-template-content-format": (1, "a message's text parts are joined for every template"),
 }
 RENAMED_FLAGS = {"--enable-log-requests": "--log-requests", "--enable-log-outputs": "--log-prompts"}
 # vLLM flags of one value with another name here, and what differs.

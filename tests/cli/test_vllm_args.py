@@ -199,12 +199,13 @@ def test_vllm_s_frontend_flags_of_0_33():
     args, notes = translate(
         ["M", "--max-num-queued-reqs", "64", "--allowed-methods", '["GET"]', "--allowed-headers",
          "*", "--enable-server-load-tracking", "--disable-access-log-for-endpoints", "/health",
-         "--max-log-len=100", "--enable-force-include-usage", "--enable-prompt-tokens-details"],
+         "--max-log-len=100", "--enable-force-include-usage", "--enable-prompt-tokens-details",
+         "--chat-template-content-format", "string"],
         _flag_kind,
     )  # fmt: skip
     assert args == ["M", "--max-queued-requests", "64", "--max-log-len=100",
                     "--enable-force-include-usage", "--enable-prompt-tokens-details"]  # fmt: skip
-    assert "vLLM's counts the running ones too" in notes[0] and len(notes) == 5
+    assert "vLLM's counts the running ones too" in notes[0] and len(notes) == 6
     assert ours("M", "--max-num-queued-reqs=8") == ["M", "--max-queued-requests", "8"]
     assert ours("M", "--kv-cache-memory-bytes", "2G") == ["M", "--kv-cache-memory-bytes",
                                                           str(2 * 2**30)]  # fmt: skip
