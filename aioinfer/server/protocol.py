@@ -85,7 +85,7 @@ class _GenerationRequest(OpenAIRequest):
     """Fields shared by completions and chat completions."""
 
     UNSUPPORTED: ClassVar[Mapping[str, str]] = {
-        "use_beam_search": "beam search is not implemented",
+        "use_beam_search": "beam search is served offline only (LLM.beam_search)",
         "return_tokens_as_token_ids": "logprobs name each token by its text",
     }
 
