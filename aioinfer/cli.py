@@ -401,6 +401,7 @@ def plan(
     block_size: int = _config_option("block_size"),
     gpu_memory_utilization: float = _config_option("gpu_memory_utilization"),
     kv_cache_memory: float = _config_option("kv_cache_memory"),
+    kv_cache_memory_bytes: int = _config_option("kv_cache_memory_bytes"),
     num_gpu_blocks_override: int = _config_option("num_gpu_blocks_override"),
     max_num_seqs: int = _config_option("max_num_seqs"),
     max_num_batched_tokens: int = _config_option("max_num_batched_tokens"),
@@ -425,6 +426,7 @@ def plan(
         "block_size": block_size,
         "gpu_memory_utilization": gpu_memory_utilization,
         "kv_cache_memory": kv_cache_memory,
+        "kv_cache_memory_bytes": kv_cache_memory_bytes,
         "num_gpu_blocks_override": num_gpu_blocks_override,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
@@ -540,9 +542,9 @@ def main() -> None:
             print(f"Note: {note}", file=sys.stderr)
         argv = ["serve", *serve_args]
     elif argv and argv[0] == "plan":
-        from aioinfer.vllm_args import max_model_len_args
+        from aioinfer.vllm_args import human_number_args
 
-        argv = ["plan", *max_model_len_args(argv[1:])]
+        argv = ["plan", *human_number_args(argv[1:])]
     app(args=argv)
 
 

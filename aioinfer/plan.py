@@ -36,6 +36,7 @@ from aioinfer.sizing import (
     GiB,
     cpu_kv_cache_too_large,
     default_token_budget,
+    fixed_kv_over_free,
     host_memory_bytes,
     kv_bytes_per_block,
     kv_cache_too_small,
@@ -84,6 +85,7 @@ class MemoryPlan:
     non_torch_bytes: int | None = None
     non_torch_measured: bool = False
     free_bytes: int | None = None  # the local GPU's, with this process's CUDA context
+    fixed_kv: bool = False  # --kv-cache-memory-bytes: no share of the GPU is computed
 
     @property
     def weights_gib(self) -> float:
@@ -104,7 +106,13 @@ class MemoryPlan:
     @property
     def problem(self) -> str | None:
         """Why `serve` would refuse to start with these settings; None when it would start."""
-        if self.free_bytes is not None and self.total_bytes is not None:
+        if self.fixed_kv and self.total_bytes is not None:
+            free = self.total_bytes if self.free_bytes is None else self.free_bytes
+            left = free - self.weights_bytes - (self.non_torch_bytes or 0)
+            over = fixed_kv_over_free(self.available_kv_bytes, left)
+            if over is not None:
+                return over
+        elif self.free_bytes is not None and self.total_bytes is not None:
             short = short_of_free_memory(
                 self.free_bytes, self.total_bytes, self.gpu_memory_utilization or 0.0
             )
@@ -315,6 +323,7 @@ def make_plan(
         non_torch_bytes=gpu.non_torch_bytes if gpu else None,
         non_torch_measured=bool(gpu and gpu.measured),
         free_bytes=gpu.free_bytes if gpu else None,
+        fixed_kv=cache_config.kv_cache_memory_bytes is not None,
     )
 
 

@@ -6,6 +6,7 @@ The runner (gpu/runner.py, gpu/memory.py) applies them to the loaded model; the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any
@@ -101,12 +102,25 @@ def kv_cache_too_small(max_model_len: int, num_blocks: int, block_size: int) -> 
     )
 
 
-def host_memory_bytes() -> int | None:
-    """The machine's physical memory; None where the platform does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
+# A container's memory limit: cgroup v2, then v1 (which writes "no limit" as a huge number).
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory_bytes(limit_files: tuple[str, ...] = CGROUP_MEMORY_LIMITS) -> int | None:
+    """The memory this process may use: the machine's, or its container's limit where lower;
+    None where neither is known."""
+    sizes = []
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # no sysconf names here
+        sizes.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for name in limit_files:
+        try:
+            with open(name, encoding="ascii") as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if text.isdigit():  # v2 writes "max" for no limit
+            sizes.append(int(text))
+    return min(sizes) if sizes else None
 
 
 def cpu_kv_cache_too_large(kv_bytes: int, host_bytes: int | None) -> str | None:
@@ -115,8 +129,9 @@ def cpu_kv_cache_too_large(kv_bytes: int, host_bytes: int | None) -> str | None:
     if host_bytes is None or kv_bytes <= host_bytes:
         return None
     return (
-        f"The KV cache ({kv_bytes / GiB:.2f} GiB) is larger than this machine's memory "
-        f"({host_bytes / GiB:.2f} GiB). Lower --kv-cache-memory (or --kv-cache-memory-bytes)."
+        f"The KV cache ({kv_bytes / GiB:.2f} GiB) is larger than the memory this process may use "
+        f"({host_bytes / GiB:.2f} GiB: the machine's, or its container's limit). Lower "
+        "--kv-cache-memory (or --kv-cache-memory-bytes)."
     )
 
 
@@ -124,6 +139,17 @@ def cpu_kv_cache_too_large(kv_bytes: int, host_bytes: int | None) -> str | None:
 # vLLM's rule: the engine's share of the device, ceil(total x gpu_memory_utilization), must be
 # free when it starts; what other processes hold is outside it, so two servers at 0.45 each
 # fit on one GPU. The KV cache gets what the weights, activations and the rest leave of it.
+
+
+def fixed_kv_over_free(requested: int, free: int) -> str | None:
+    """Why --kv-cache-memory-bytes cannot be had with `free` bytes left after the weights;
+    None when it fits."""
+    if requested <= free:
+        return None
+    return (
+        f"kv_cache_memory_bytes asks for {requested / GiB:.2f} GiB, but {free / GiB:.2f} GiB of "
+        "GPU memory is free once the weights are loaded; lower it"
+    )
 
 
 def requested_bytes(total: int, utilization: float) -> int:

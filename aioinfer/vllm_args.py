@@ -153,16 +153,19 @@ def _check_fixed(option: str, flag: str, value: str | None) -> None:
         raise ValueError(f"{flag} {must} here ({why}), got {value}")
 
 
-def max_model_len_args(argv: list[str]) -> list[str]:
-    """argv with --max-model-len's value in tokens (32k, auto -> -1), as `translate` writes it;
-    for `plan`, which takes no other vLLM spelling."""
+def human_number_args(argv: list[str]) -> list[str]:
+    """argv with the values of --max-model-len (32k, auto -> -1) and --kv-cache-memory-bytes
+    (8G) as numbers, as `translate` writes them; for `plan`, which takes no other vLLM
+    spelling."""
+    readers = {"--max-model-len": _max_model_len, "--kv-cache-memory-bytes": _human_int}
     out = list(argv)
     for i, arg in enumerate(out):
         flag, eq, inline = arg.partition("=")
-        if flag == "--max-model-len" and eq:
-            out[i] = f"{flag}={_max_model_len(inline)}"
-        elif flag == "--max-model-len" and i + 1 < len(out):
-            out[i + 1] = _max_model_len(out[i + 1])
+        read = readers.get(flag)
+        if read is not None and eq:
+            out[i] = f"{flag}={read(inline)}"
+        elif read is not None and i + 1 < len(out):
+            out[i + 1] = read(out[i + 1])
     return out
 
 

@@ -24,7 +24,9 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False  # vLLM's field; an end token is never text here
+    # vLLM's field, read by nothing here: as in vLLM's offline search, a beam's text is all
+    # its tokens decoded, an end-of-sequence token included.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):

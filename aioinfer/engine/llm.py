@@ -122,11 +122,18 @@ class LLM:
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (core/beam_search.py): the best params.beam_width sequences of
-        each prompt, best first, each holding the prompt's tokens and text too."""
+        each prompt, best first, each holding the prompt's tokens and text too. `use_tqdm` and
+        `concurrency_limit` are vLLM's, taken and not read: every step is one batch."""
         from aioinfer.engine.beam_search import beam_search
 
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        cap = self.engine.limits.max_logprobs
+        if cap != -1 and 2 * params.beam_width > cap:  # each step asks for 2 x beam_width
+            raise ValueError(
+                f"beam_width must be <= {cap // 2} (each step reads 2 x beam_width logprobs, "
+                f"at most --max-logprobs {cap}), got {params.beam_width}"
+            )
         prompt_ids = [self._encode(p)[1] for p in self._normalise_prompts(prompts)]
         loras = _per_prompt(
             lora_request, len(prompt_ids), "lora_request", LoRARequest, optional=True

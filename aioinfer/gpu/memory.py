@@ -59,11 +59,9 @@ def fixed_kv_bytes(requested: int, device: torch.device) -> int:
     now, after the weights (what a step's activations need comes on top of it)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        if requested > free:
-            raise ValueError(
-                f"kv_cache_memory_bytes asks for {requested / GiB:.2f} GiB, but {free / GiB:.2f} "
-                "GiB of GPU memory is free once the weights are loaded; lower it"
-            )
+        problem = sizing.fixed_kv_over_free(requested, free)
+        if problem is not None:
+            raise ValueError(problem)
     return requested
 
 

@@ -144,7 +144,12 @@ class ModelRunner:
         # A config-only check: it must not wait for minutes of weight loading.
         self.max_model_len = sizing.max_model_len(hf_config, model_config.max_model_len)
 
-        profiling = self.device.type == "cuda" and cache_config.num_gpu_blocks_override is None
+        # A KV size given in blocks or bytes is not carved out of the utilization share.
+        profiling = (
+            self.device.type == "cuda"
+            and cache_config.num_gpu_blocks_override is None
+            and cache_config.kv_cache_memory_bytes is None
+        )
         start_memory = memory.start_memory(self.device) if profiling else None
         if start_memory is not None:  # before minutes of weight loading
             sizing.check_free_at_start(

@@ -97,14 +97,22 @@ async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngi
     return engine, req
 
 
+# Field names remembered as logged, over all kinds of request: a client may send a million
+# made-up names (beyond it, new ones are still logged, and not remembered). Names per line.
+MAX_IGNORED_FIELDS_REMEMBERED = 1024
+MAX_IGNORED_FIELDS_SHOWN = 16
+
+
 @functools.cache
 def _known_fields(kind: type[_R]) -> frozenset[str]:
+    """The fields a request model reads: its own (by name and alias) and those `parse`
+    refuses when set (UNSUPPORTED), which a client may send as false."""
     return frozenset(
         name
         for field_name, info in kind.model_fields.items()
         for name in (field_name, info.alias)
         if name is not None
-    )
+    ) | frozenset(kind.UNSUPPORTED)
 
 
 def _warn_ignored_fields(
@@ -115,9 +123,16 @@ def _warn_ignored_fields(
     a client that always sends one does not fill the log."""
     ignored = sorted(set(data) - _known_fields(kind))
     new = [(kind.__name__, name) for name in ignored if (kind.__name__, name) not in logged]
-    if new:
-        logged.update(new)
-        logger.warning("The following fields were present in the request but ignored: %s", ignored)
+    if not new:
+        return
+    logged.update(new[: max(0, MAX_IGNORED_FIELDS_REMEMBERED - len(logged))])
+    shown = ignored[:MAX_IGNORED_FIELDS_SHOWN]
+    more = len(ignored) - len(shown)
+    logger.warning(
+        "The following fields were present in the request but ignored: %s%s",
+        shown,
+        f" and {more} more" if more else "",
+    )
 
 
 def json_response(body: Mapping[str, Any], status: int = 200) -> web.Response:

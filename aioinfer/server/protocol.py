@@ -148,8 +148,11 @@ class _GenerationRequest(OpenAIRequest):
     guided_regex: Any = Field(None, description="Refused: use structured_outputs.regex.")
     guided_choice: Any = Field(None, description="Refused: use structured_outputs.choice.")
     guided_grammar: Any = Field(None, description="Refused: use structured_outputs.grammar.")
+    # >= 0 over HTTP: the offline API's -1 (the whole vocabulary) is not the API's.
     prompt_logprobs: int | None = Field(
-        None, description="Logprobs of each prompt token and its top alternatives (vLLM's)."
+        None,
+        ge=0,
+        description="Logprobs of each prompt token and its top alternatives (vLLM's).",
     )
     return_token_ids: bool | None = Field(
         None, description="Also return the prompt's and the output's token ids (vLLM's)."
@@ -266,7 +269,9 @@ class CompletionRequest(_GenerationRequest):
         description="Prepend the prompt to each completion; with max_tokens 0, return only the "
         "prompt (and its logprobs), to score it.",
     )
-    logprobs: int | None = Field(None, description="Top logprobs per token (0: the chosen one).")
+    logprobs: int | None = Field(
+        None, ge=0, description="Top logprobs per token (0: the chosen one)."
+    )
     suffix: str | None = Field(None, description="Not supported: refused unless empty.")
     best_of: int | None = Field(None, description="Not supported: refused unless 1.")
 

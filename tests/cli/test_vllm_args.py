@@ -3,13 +3,14 @@ where they change nothing, refused in one line where they cannot apply."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from aioinfer.cli import _flag_kind, build_configs, serve_help
 from aioinfer.config import ModelConfig
-from aioinfer.vllm_args import max_model_len_args, translate
+from aioinfer.vllm_args import human_number_args, translate
 from tests.cli.test_cli_help import run_cli
 
 
@@ -185,12 +186,18 @@ def test_lora_modules_without_enable_lora_are_refused_before_anything_loads():
     assert model.enable_lora and server.lora_modules == ("a=/p",)
 
 
-def test_plan_reads_the_length_as_serve_does():
-    assert max_model_len_args(["M", "--max-model-len", "32k", "--json"]) == [
+def test_plan_reads_the_length_and_the_kv_bytes_as_serve_does():
+    assert human_number_args(["M", "--max-model-len", "32k", "--json"]) == [
         "M", "--max-model-len", "32000", "--json"
     ]  # fmt: skip
-    assert max_model_len_args(["--max-model-len=auto", "M"]) == ["--max-model-len=-1", "M"]
-    assert max_model_len_args(["M", "--max-model-len"]) == ["M", "--max-model-len"]
+    assert human_number_args(["--max-model-len=auto", "M"]) == ["--max-model-len=-1", "M"]
+    assert human_number_args(["M", "--max-model-len"]) == ["M", "--max-model-len"]
+    assert human_number_args(["M", "--kv-cache-memory-bytes=1G"]) == [
+        "M", f"--kv-cache-memory-bytes={2**30}"
+    ]  # fmt: skip
+    done = run_cli("plan", "--device", "cpu", "--kv-cache-memory-bytes", "1G", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["available_kv_gib"] == 1.0
 
 
 def test_vllm_s_frontend_flags_of_0_33():

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -230,26 +227,28 @@ def test_leftovers_of_killed_conversions_are_ignored_and_cleared(
 def test_a_conversion_cut_short_by_a_signal_is_cleared_at_the_next_start(
     tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A temp folder names its process: one whose process ended on this host goes at once
-    (the server leaves at once on a signal, before its cleanup); a live process's, or another
-    host's, stays until it is a day old. Also on a cache hit, not only when converting."""
-    written: list[Path] = []
+    """A conversion holds a lock in its temp folder while its process lives: a folder whose
+    lock nobody holds goes at the next start (the server leaves at once on a signal, before
+    its cleanup), also on a cache hit; a held one stays, and one without a lock file waits
+    for the age rule."""
+    seen_while_converting: list[bool] = []
     write_entry = cache_module._write_entry
     monkeypatch.setattr(cache_module, "_write_entry", lambda p, r, tmp, *a: (
-        written.append(tmp), write_entry(p, r, tmp, *a)))  # fmt: skip
+        seen_while_converting.append(cache_module._owner_is_gone(tmp)),
+        write_entry(p, r, tmp, *a)))  # fmt: skip
     resolve_model(str(tiny_gguf))  # the entry exists: the next resolve is a hit
-    assert written[0].name.startswith(f".tmp-{os.getpid()}+{socket.gethostname()}+")
+    assert seen_while_converting == [False]
     root = cache / "gguf"
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                           capture_output=True, text=True, check=True)  # fmt: skip
-    host = socket.gethostname()
-    dead = root / f".tmp-{ended.stdout.strip()}+{host}+entry-x"
-    alive = root / f".tmp-{os.getpid()}+{host}+entry-y"
-    elsewhere = root / f".tmp-{ended.stdout.strip()}+another-host+entry-z"
-    for leftover in (dead, alive, elsewhere):
+    ended, held, unlocked = (root / f".tmp-entry-{name}" for name in ("ended", "held", "none"))
+    for leftover in (ended, held, unlocked):
         leftover.mkdir()
-    resolve_model(str(tiny_gguf))
-    assert not dead.exists() and alive.exists() and elsewhere.exists()
+    (ended / ".converting").write_bytes(b"")
+    holder = cache_module._lock_in(held)
+    try:
+        resolve_model(str(tiny_gguf))
+        assert not ended.exists() and held.exists() and unlocked.exists()
+    finally:
+        os.close(holder)
 
 
 def test_key_changes_when_the_file_changes(tiny_gguf: Path, conversions: list[Path]) -> None:

@@ -328,3 +328,5 @@ def test_beam_search_matches_the_search_over_transformers_logits(tiny):
             finished_early += seq.finish_reason == "stop"
             assert seq.finish_reason == ("stop" if seq.tokens[-1] in eos else "length")
     assert finished_early  # the search met end-of-sequence tokens (this tiny model's)
+    with pytest.raises(ValueError, match=r"beam_width must be <= 10 .*got 11"):
+        llm.beam_search([prompts[0]], BeamSearchParams(beam_width=11, max_tokens=2))

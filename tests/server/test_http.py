@@ -12,8 +12,9 @@ from pydantic import TypeAdapter
 
 import aioinfer
 from aioinfer.config import ServerConfig
-from aioinfer.server import responses
+from aioinfer.server import bodies, responses
 from aioinfer.server.app import create_app
+from aioinfer.server.state import STATE
 from tests.server.conftest import (
     API_KEYS,
     BLOCK_SIZE,
@@ -640,3 +641,23 @@ async def test_ignored_fields_are_logged_once_each(client, caplog):
     await post(client, "/v1/completions", {"prompt": [5], "max_tokens": 1, "logprobs": 1})
     await post(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1, "foo": 1})
     assert len(warned()) == 2 and "['foo']" in warned()[1]
+    # Fields the server reads (refused when set) are not ignored ones.
+    await post(
+        client, "/v1/completions", {"prompt": [5], "max_tokens": 1, "use_beam_search": False}
+    )
+    assert len(warned()) == 2
+
+
+async def test_made_up_fields_neither_fill_memory_nor_the_log(client, caplog):
+    """A body of many made-up names: the line shows a few, and what is remembered as logged
+    stays bounded."""
+    caplog.set_level(logging.WARNING, logger="aioinfer.server")
+    junk = {f"x{i}": 0 for i in range(5000)}
+    for _ in range(2):
+        response, _ = await post(client, "/v1/completions", {"prompt": [5], "max_tokens": 1,
+                                                             **junk})  # fmt: skip
+        assert response.status == 200
+    [line, _] = [r.getMessage() for r in caplog.records if "but ignored" in r.getMessage()]
+    assert line.endswith(f" and {5000 - bodies.MAX_IGNORED_FIELDS_SHOWN} more")
+    logged = client.app[STATE].ignored_fields_logged
+    assert len(logged) == bodies.MAX_IGNORED_FIELDS_REMEMBERED

@@ -210,6 +210,17 @@ def test_sampling_param_errors_name_the_field(fields, param):
     assert param in info.value.message
 
 
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [(completion, "logprobs"), (completion, "prompt_logprobs"), (chat, "prompt_logprobs")],
+)
+def test_the_whole_vocabulary_of_logprobs_is_offline_only(make, field):
+    """The offline API's -1 is not the HTTP API's (its renderers trim to a width)."""
+    with pytest.raises(RequestValidationError) as info:
+        make(**{field: -1})
+    assert info.value.param == field
+
+
 @pytest.mark.parametrize("make", [completion, chat])
 def test_temperature_is_at_most_2_as_openai_s(make):
     """OpenAI's range (and vLLM 0.33's); the offline SamplingParams takes any temperature."""

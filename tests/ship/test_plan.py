@@ -168,12 +168,25 @@ def test_a_cpu_kv_cache_beyond_the_machine_is_refused_by_plan_and_runner(tmp_pat
     flags = {"device": "cpu", "kv_cache_memory": 1.5}
     configs = build_plan_configs({"model": str(folder), **flags})
     problem = make_plan(*configs).problem
-    assert problem is not None and "larger than this machine's memory (1.00 GiB)" in problem
+    assert problem is not None and "than the memory this process may use (1.00 GiB" in problem
     runner_model_config = ModelConfig(model=str(folder), device="cpu", load_format="dummy")
     with pytest.raises(ValueError, match=re.escape(problem)):
         ModelRunner(ModelRunner.resolve(runner_model_config), runner_model_config, *configs[1:])
     configs = build_plan_configs({"model": str(folder), "device": "cpu", "kv_cache_memory": 0.5})
     assert make_plan(*configs).problem is None
+
+
+def test_kv_bytes_on_a_gpu_are_checked_against_what_the_weights_leave(tmp_path):
+    """--kv-cache-memory-bytes on a GPU: taken as given, outside the utilization share, and
+    refused beyond the memory the weights leave, as serve refuses it."""
+    folder = config_dir(tmp_path, variant_config("llama"))
+    fits = build_plan_configs({"model": str(folder), "kv_cache_memory_bytes": 20 * GiB,
+                               "gpu_memory_utilization": 0.1})  # fmt: skip
+    plan = make_plan(*fits, gpu_memory_gib=24, non_torch_gib=0.25)
+    assert plan.problem is None and plan.available_kv_gib == 20.0
+    too_big = build_plan_configs({"model": str(folder), "kv_cache_memory_bytes": 24 * GiB})
+    problem = make_plan(*too_big, gpu_memory_gib=24, non_torch_gib=0.25).problem
+    assert problem is not None and "kv_cache_memory_bytes asks for 24.00 GiB" in problem
 
 
 def test_a_model_that_fills_the_share_is_not_told_to_shrink_the_step(tmp_path):

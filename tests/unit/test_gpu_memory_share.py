@@ -58,3 +58,17 @@ def test_a_share_smaller_than_the_engine_needs_is_refused_with_the_numbers():
     assert "--gpu-memory-utilization" in str(refused.value)
     assert "(4.00 GiB)" in str(refused.value)
     assert kv_bytes_left(requested, 3 * GiB, GiB // 2, 0.5) == GiB // 2
+
+
+def test_the_memory_a_process_may_use_is_its_container_s_limit_where_lower(tmp_path):
+    """cgroup v2 writes "max" for no limit, v1 a huge number: neither lowers the machine's."""
+    from aioinfer.sizing import host_memory_bytes
+
+    machine = host_memory_bytes(limit_files=())
+    assert machine is not None and machine > 0
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("max\n")
+    v1.write_text(f"{2**63 - 4096}\n")
+    assert host_memory_bytes(limit_files=(str(v2), str(v1))) == machine
+    v2.write_text(f"{GiB}\n")
+    assert host_memory_bytes(limit_files=(str(v2), str(tmp_path / "absent"))) == GiB

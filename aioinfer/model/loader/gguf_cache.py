@@ -32,12 +32,12 @@ fails there, as without the cache, unless another tokenizer is given).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -77,6 +77,7 @@ SHARD_BYTES = 1 << 30
 # Leftovers of a conversion that was killed; younger ones may belong to a running one.
 STALE_SECONDS = 24 * 3600
 _TEMP_PREFIX = ".tmp-"
+_LOCK_FILE = ".converting"
 _OLD_PREFIX = ".old-"
 
 
@@ -264,17 +265,19 @@ def convert_gguf(
     logger.info(
         "converting %s into %s (once: later starts read the converted folder)", path.name, folder
     )
-    prefix = f"{_TEMP_PREFIX}{_owner()}{folder.name}-"
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{folder.name}-", dir=folder.parent))
+    lock = _lock_in(tmp)
     try:
         if reader is None:
             reader = open_gguf(path)
         _write_entry(path, reader, tmp, progress)
+        (tmp / _LOCK_FILE).unlink()  # not part of the entry; the lock stays held until close
         _write_manifest(tmp, path, fingerprint)
         _apply_umask(tmp)
         _publish(tmp, folder, fingerprint)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
     logger.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
 
 
@@ -401,25 +404,28 @@ def _current_umask() -> int:
     return 0o022
 
 
-def _owner() -> str:
-    """A conversion's temp folder names its process: PID+HOST+ (hostnames hold no "+")."""
-    return f"{os.getpid()}+{socket.gethostname()}+"
+def _lock_in(tmp: Path) -> int:
+    """A conversion holds an exclusive lock on a file in its temp folder for as long as its
+    process lives (the kernel drops it when the process ends, however it ends)."""
+    fd = os.open(tmp / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
 
 
-def _owner_is_gone(name: str) -> bool:
-    """Whether a temp folder's converting process, on this host, has ended: a signal cut its
-    conversion short (the server leaves at once, before the folder's cleanup)."""
-    pid, plus, rest = name.removeprefix(_TEMP_PREFIX).partition("+")
-    host, plus_again, _ = rest.partition("+")
-    if not (plus and plus_again and pid.isdigit()) or host != socket.gethostname():
+def _owner_is_gone(tmp: Path) -> bool:
+    """Whether the process converting into `tmp` has ended (a signal cut its conversion short:
+    the server leaves at once, before the folder's cleanup): nobody holds its lock."""
+    try:
+        fd = os.open(tmp / _LOCK_FILE, os.O_RDWR)
+    except OSError:  # no lock file yet (or any more): leave it to the age rule
         return False
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive, and another user's
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: the conversion runs (or the filesystem cannot tell)
         return False
-    return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _remove_stale(parent: Path) -> None:
@@ -430,7 +436,7 @@ def _remove_stale(parent: Path) -> None:
         if not child.name.startswith((_TEMP_PREFIX, _OLD_PREFIX)):
             continue
         try:
-            dead = child.name.startswith(_TEMP_PREFIX) and _owner_is_gone(child.name)
+            dead = child.name.startswith(_TEMP_PREFIX) and _owner_is_gone(child)
             if dead or now - child.stat().st_mtime > STALE_SECONDS:
                 shutil.rmtree(child, ignore_errors=True)
         except OSError:
