@@ -20,7 +20,7 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition
 OVERRIDE_KEYS = (*GENERATION_DEFAULT_KEYS, "presence_penalty", "frequency_penalty")
 
 # The parsers of server/tool_parsers.py and server/reasoning.py (a test keeps the lists the same).
-TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic", "phi4_mini_json")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
 
 
@@ -426,7 +426,7 @@ class ServerConfig:
         "Read tool calls from the model's own text, so that tool_choice 'auto' works: hermes "
         "(Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1-3.3), mistral (Mistral 7B v0.3, "
         "Nemo, Small 2409), pythonic (Llama 3.2 and 4, Gemma 3 with a template that asks for "
-        "Python calls).",
+        "Python calls), phi4_mini_json (Phi-4-mini).",
     )
     enable_auto_tool_choice: bool = _opt(
         False, "vLLM's switch for tool_choice 'auto'; here --tool-call-parser alone does it."

@@ -183,6 +183,30 @@ class PythonicToolParser(Llama3JsonToolParser):
         return _pythonic_calls(text)
 
 
+class Phi4MiniJsonToolParser(Llama3JsonToolParser):
+    """Phi-4-mini's calls: `functools` and a JSON list of {"name", "arguments"} objects."""
+
+    opener = "functools["
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        text = text.strip()
+        if not text.startswith("functools"):
+            return None
+        try:
+            value = json.loads(text.removeprefix("functools"))
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(value, list) or not value:
+            return None
+        calls = []
+        for item in value:
+            call = _call_of(item)
+            if call is None:  # one item that is no call: the whole output is content
+                return None
+            calls.append(call)
+        return calls
+
+
 class WholeOutputStream:
     """One choice's output, fed delta by delta, for parsers that read a whole output as calls
     or as content: one that begins with the parser's opener is held to its end."""
@@ -198,10 +222,11 @@ class WholeOutputStream:
             return delta, []
         self._pending += delta
         if self._json is None:
-            head = self._pending.lstrip()
-            if not head and not final:
+            head, opener = self._pending.lstrip(), self.parser.opener
+            # Undecided while what came may still begin the opener ("func" of "functools[").
+            if not final and len(head) < len(opener) and opener.startswith(head):
                 return "", []
-            self._json = head.startswith(self.parser.opener)
+            self._json = head.startswith(opener)
             if not self._json:
                 text, self._pending = self._pending, ""
                 return text, []
@@ -303,6 +328,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser,
 }
 
 

@@ -15,6 +15,7 @@ from aioinfer.server.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
+    Phi4MiniJsonToolParser,
     PythonicToolParser,
 )
 
@@ -200,12 +201,39 @@ def test_pythonic_whole_outputs():
     assert len(PythonicToolParser(single_call=True).parse(PYTHONIC_TEXTS[1])[1]) == 1
 
 
+PHI4_CALL = 'functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+PHI4_TEXTS = [
+    PHI4_CALL,
+    ' functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time",'
+    ' "arguments": {}}]\n',
+    "functools[]",  # no calls
+    'functools[{"name": "f"}, 3]',  # an item that is no call
+    "functools are handy",  # begins like the opener: an answer
+    "func",
+    "The answer: functools[]",
+    'functools[{"name": "f", "arguments": {}}] and more',
+    "",
+]
+
+
+def test_phi4_mini_whole_outputs():
+    parser = Phi4MiniJsonToolParser()
+    content, calls = parser.parse(PHI4_CALL)
+    assert content is None and _calls(calls) == [("get_weather", {"city": "Oslo"})]
+    content, calls = parser.parse(PHI4_TEXTS[1])
+    assert content is None
+    assert _calls(calls) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    for text in PHI4_TEXTS[2:]:
+        assert parser.parse(text) == (text, [])
+
+
 @pytest.mark.parametrize(
     ("parser", "texts"),
     [
         (Llama3JsonToolParser, LLAMA_TEXTS),
         (MistralToolParser, MISTRAL_TEXTS),
         (PythonicToolParser, PYTHONIC_TEXTS),
+        (Phi4MiniJsonToolParser, PHI4_TEXTS),
     ],
 )
 @given(data=st.data(), cuts=st.lists(st.integers(0, 200), max_size=12))
