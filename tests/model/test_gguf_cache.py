@@ -393,3 +393,24 @@ def test_smollm2_cached_tokenizer_matches_the_gguf(
         expected = ref.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         got = apply_chat_template(tok, messages, add_generation_prompt=add_generation_prompt)
         assert got == list(expected["input_ids"])
+
+
+def test_a_gguf_s_sampling_keys_are_its_generation_config(tmp_path: Path, cache: Path) -> None:
+    """llama.cpp's converter writes a model's generation_config.json sampling as
+    general.sampling.* keys: they are the model's sampling defaults here too, read from the
+    file and from its cache entry alike."""
+
+    def sampling(writer: gguf.GGUFWriter) -> None:
+        writer.add_float32("general.sampling.temp", 0.6)
+        writer.add_float32("general.sampling.top_p", 0.95)
+        writer.add_int32("general.sampling.top_k", 20)
+
+    path = write_gguf(make_variant("llama"), tmp_path / "Sampled.gguf", "llama", extra=sampling)
+    expected = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert resolve_model(str(path), gguf_cache=False).generation_config == expected
+    converted = resolve_model(str(path))  # converted: the entry keeps them
+    cached = resolve_model(str(path))  # a cache hit reads them back
+    assert converted.kind == cached.kind == "folder"
+    assert cached.generation_config == expected
+    plain = write_gguf(make_variant("llama"), tmp_path / "Plain.gguf", "llama")
+    assert resolve_model(str(plain), gguf_cache=False).generation_config is None

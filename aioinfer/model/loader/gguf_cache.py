@@ -284,7 +284,7 @@ def convert_gguf(
 def _write_entry(path: Path, reader: GGUFReader, folder: Path, progress: bool) -> None:
     from aioinfer.model.loader import checkpoint_keys
     from aioinfer.model.loader.gguf_loader import gguf_names, iter_gguf
-    from aioinfer.model.loader.resolve import gguf_hf_config
+    from aioinfer.model.loader.resolve import gguf_generation_config, gguf_hf_config
 
     hf_config = gguf_hf_config(reader)
     wanted = checkpoint_keys(hf_config)
@@ -292,6 +292,9 @@ def _write_entry(path: Path, reader: GGUFReader, folder: Path, progress: bool) -
     with _progress_bar(f"Converting {path.name}", num_tensors + 1, progress) as advance:
         _write_weights(iter_gguf(reader, hf_config, wanted), folder, advance)
         hf_config.save_pretrained(folder)
+        sampling = gguf_generation_config(reader)
+        if sampling is not None:  # read back as the model's generation_config.json
+            (folder / "generation_config.json").write_text(json.dumps(sampling), encoding="utf-8")
         if "tokenizer.ggml.tokens" not in reader.fields:
             logger.warning("%s holds no vocabulary: the cache entry has no tokenizer", path.name)
         else:

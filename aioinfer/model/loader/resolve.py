@@ -352,8 +352,31 @@ def resolve_gguf(
         hf_config=gguf_hf_config(reader),
         served_name=gguf_served_name(path),
         gguf_file=path.resolve(),
+        generation_config=gguf_generation_config(reader),
         gguf_reader=reader,
     )
+
+
+# llama.cpp's converter writes a model's generation_config.json sampling as these keys.
+_GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def gguf_generation_config(reader: GGUFReader) -> dict[str, Any] | None:
+    """The sampling a GGUF file's metadata recommends, as generation_config.json keys (llama.cpp
+    uses them as its defaults); None when it holds none."""
+    config = {
+        # Stored as float32: 0.6 reads back as 0.6000000238, shown as the 0.6 it was.
+        name: float(f"{value:.7g}") if isinstance(value, float) else value
+        for key, name in _GGUF_SAMPLING_KEYS.items()
+        if (value := _gguf_value(reader, key)) is not None
+    }
+    return config or None
 
 
 def open_gguf(path: Path) -> GGUFReader:
