@@ -98,7 +98,8 @@ async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngi
 
 
 # Field names remembered as logged, over all kinds of request: a client may send a million
-# made-up names (beyond it, new ones are still logged, and not remembered). Names per line.
+# made-up names. Once full, ignored fields are no longer logged (a last line says so). Names
+# shown per line.
 MAX_IGNORED_FIELDS_REMEMBERED = 1024
 MAX_IGNORED_FIELDS_SHOWN = 16
 
@@ -123,15 +124,17 @@ def _warn_ignored_fields(
     a client that always sends one does not fill the log."""
     ignored = sorted(set(data) - _known_fields(kind))
     new = [(kind.__name__, name) for name in ignored if (kind.__name__, name) not in logged]
-    if not new:
+    if not new or len(logged) >= MAX_IGNORED_FIELDS_REMEMBERED:
         return
-    logged.update(new[: max(0, MAX_IGNORED_FIELDS_REMEMBERED - len(logged))])
+    logged.update(new[: MAX_IGNORED_FIELDS_REMEMBERED - len(logged)])
     shown = ignored[:MAX_IGNORED_FIELDS_SHOWN]
     more = len(ignored) - len(shown)
+    full = len(logged) >= MAX_IGNORED_FIELDS_REMEMBERED
     logger.warning(
-        "The following fields were present in the request but ignored: %s%s",
+        "The following fields were present in the request but ignored: %s%s%s",
         shown,
         f" and {more} more" if more else "",
+        f" (the last such warning: {len(logged)} field names logged)" if full else "",
     )
 
 

@@ -190,7 +190,7 @@ class Phi4MiniJsonToolParser(Llama3JsonToolParser):
 
     def calls(self, text: str) -> list[ToolCall] | None:
         text = text.strip()
-        if not text.startswith("functools"):
+        if not text.startswith(self.opener):  # as a stream decides
             return None
         try:
             value = json.loads(text.removeprefix("functools"))

@@ -244,11 +244,30 @@ def test_a_conversion_cut_short_by_a_signal_is_cleared_at_the_next_start(
         leftover.mkdir()
     (ended / ".converting").write_bytes(b"")
     holder = cache_module._lock_in(held)
+    assert holder is not None
     try:
         resolve_model(str(tiny_gguf))
         assert not ended.exists() and held.exists() and unlocked.exists()
     finally:
         os.close(holder)
+
+
+def test_a_filesystem_without_locks_still_gets_its_cache(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flock failing (ENOLCK: an NFS mount without its lock daemon) leaves the conversion to
+    the age rule: the entry is written, nothing is left beside it."""
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    resolved = resolve_model(str(tiny_gguf))
+    assert resolved.kind == "folder"
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == [resolved.folder.name]
+    assert not any(p.name.startswith(".") for p in resolved.folder.iterdir())
 
 
 def test_key_changes_when_the_file_changes(tiny_gguf: Path, conversions: list[Path]) -> None:
@@ -414,3 +433,16 @@ def test_a_gguf_s_sampling_keys_are_its_generation_config(tmp_path: Path, cache:
     assert cached.generation_config == expected
     plain = write_gguf(make_variant("llama"), tmp_path / "Plain.gguf", "llama")
     assert resolve_model(str(plain), gguf_cache=False).generation_config is None
+
+
+def test_hidden_files_are_not_part_of_an_entry(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS keeps a deleted file that is still open as .nfsXXXX until it is closed: such a file
+    is not listed in the manifest, so the entry stays whole once it is gone."""
+    write_entry = cache_module._write_entry
+    monkeypatch.setattr(cache_module, "_write_entry", lambda p, r, tmp, *a: (
+        write_entry(p, r, tmp, *a), (tmp / ".nfs0001").write_bytes(b"")))  # fmt: skip
+    folder = resolve_model(str(tiny_gguf)).folder
+    (folder / ".nfs0001").unlink()
+    assert check_entry(folder, GGUFFingerprint.of(tiny_gguf)) is None

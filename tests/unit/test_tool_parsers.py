@@ -209,6 +209,7 @@ PHI4_TEXTS = [
     "functools[]",  # no calls
     'functools[{"name": "f"}, 3]',  # an item that is no call
     "functools are handy",  # begins like the opener: an answer
+    'functools [{"name": "f", "arguments": {}}]',  # not the opener
     "func",
     "The answer: functools[]",
     'functools[{"name": "f", "arguments": {}}] and more',

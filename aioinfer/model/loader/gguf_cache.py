@@ -266,18 +266,21 @@ def convert_gguf(
         "converting %s into %s (once: later starts read the converted folder)", path.name, folder
     )
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{folder.name}-", dir=folder.parent))
-    lock = _lock_in(tmp)
+    lock = None
     try:
+        lock = _lock_in(tmp)
         if reader is None:
             reader = open_gguf(path)
         _write_entry(path, reader, tmp, progress)
-        (tmp / _LOCK_FILE).unlink()  # not part of the entry; the lock stays held until close
+        if lock is not None:  # not part of the entry; the lock stays held until close
+            (tmp / _LOCK_FILE).unlink()
         _write_manifest(tmp, path, fingerprint)
         _apply_umask(tmp)
         _publish(tmp, folder, fingerprint)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
     logger.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
 
 
@@ -347,9 +350,15 @@ def _write_tokenizer(path: Path, folder: Path) -> None:
     tokenizer.save_pretrained(str(folder), save_jinja_files=False)
 
 
+def _entry_files(folder: Path) -> list[Path]:
+    """The entry's files: not the hidden ones a filesystem may keep there (NFS keeps a deleted
+    file that is still open as .nfsXXXX until it is closed)."""
+    return sorted(file for file in folder.iterdir() if not file.name.startswith("."))
+
+
 def _write_manifest(folder: Path, path: Path, fingerprint: GGUFFingerprint) -> None:
     files = {}
-    for file in sorted(folder.iterdir()):
+    for file in _entry_files(folder):
         meta: dict[str, Any] = {"size": file.stat().st_size}
         if not file.name.endswith(".safetensors"):
             meta["sha256"] = _sha256(file)
@@ -391,7 +400,7 @@ def _apply_umask(folder: Path) -> None:
     shared between users (AIOINFER_CACHE) must stay readable."""
     umask = _current_umask()
     os.chmod(folder, 0o777 & ~umask)
-    for file in folder.iterdir():
+    for file in _entry_files(folder):
         os.chmod(file, 0o666 & ~umask)
 
 
@@ -407,11 +416,20 @@ def _current_umask() -> int:
     return 0o022
 
 
-def _lock_in(tmp: Path) -> int:
+def _lock_in(tmp: Path) -> int | None:
     """A conversion holds an exclusive lock on a file in its temp folder for as long as its
-    process lives (the kernel drops it when the process ends, however it ends)."""
-    fd = os.open(tmp / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    process lives (the kernel drops it when the process ends, however it ends). The file is
+    locked under another name first, so that no sweep ever finds it unlocked. None where the
+    filesystem has no locks: the folder is then left to the age rule."""
+    locking = tmp / f"{_LOCK_FILE}-new"
+    fd = os.open(locking, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # e.g. ENOLCK on an NFS mount without its lock daemon
+        os.close(fd)
+        locking.unlink()
+        return None
+    os.rename(locking, tmp / _LOCK_FILE)
     return fd
 
 
