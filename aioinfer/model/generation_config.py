@@ -16,8 +16,8 @@ from aioinfer.model.loader.resolve import ResolvedModel, read_json
 
 
 def model_generation_config(resolved: ResolvedModel) -> dict[str, Any]:
-    """The model's own generation config: its generation_config.json, or for the bundled
-    SmolLM2 GGUF (which carries none) the sampling of its model card."""
+    """The model's own generation config: its generation_config.json (a GGUF file's sampling
+    keys), or for the bundled SmolLM2 GGUF, which carries neither, its model card's sampling."""
     if resolved.generation_config:
         return resolved.generation_config
     gguf = resolved.gguf_file or resolved.converted_from
