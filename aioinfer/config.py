@@ -312,7 +312,11 @@ def sampled_rows_per_request(scheduler_config: SchedulerConfig) -> int:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _opt(256, "Most requests in one step.")
+    max_num_seqs: int | None = _opt(
+        None,
+        "Most requests in one step (default: 1024 on GPUs of 70 GiB and more, A100s aside, "
+        "else 256, as vLLM).",
+    )
     max_num_batched_tokens: int | None = _opt(
         None, "Token budget of one step (default: by device; larger for the offline LLM)."
     )

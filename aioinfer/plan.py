@@ -35,6 +35,7 @@ from aioinfer.sizing import (
     AUTO_MAX_MODEL_LEN,
     GiB,
     cpu_kv_cache_too_large,
+    default_max_num_seqs,
     default_token_budget,
     fixed_kv_over_free,
     host_memory_bytes,
@@ -241,6 +242,7 @@ class GpuTarget:
     non_torch_bytes: int
     measured: bool
     free_bytes: int | None = None
+    name: str | None = None  # the local GPU's (an A100 keeps vLLM's smaller max_num_seqs)
 
 
 def make_plan(
@@ -276,6 +278,9 @@ def make_plan(
     budget = scheduler_config.max_num_batched_tokens or default_token_budget(
         device, gpu.total_bytes if gpu else None, offline=False
     )
+    max_num_seqs = scheduler_config.max_num_seqs or default_max_num_seqs(
+        device, gpu.total_bytes if gpu else None, gpu.name if gpu else None
+    )
     per_block = kv_bytes_per_block(
         cache_config.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, dtype_bytes
     )
@@ -290,7 +295,7 @@ def make_plan(
         activations = estimate_activation_bytes(
             cfg,
             budget,
-            scheduler_config.max_num_seqs,
+            max_num_seqs,
             dtype_bytes,
             device,
             rows_per_request=0 if pooling else sampled_rows_per_request(scheduler_config),
@@ -315,7 +320,7 @@ def make_plan(
         num_blocks=num_blocks,
         block_size=cache_config.block_size,
         max_model_len=max_len,
-        max_num_seqs=scheduler_config.max_num_seqs,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         total_bytes=gpu.total_bytes if gpu else None,
         gpu_memory_utilization=cache_config.gpu_memory_utilization if gpu else None,
@@ -367,7 +372,13 @@ def _local_gpu() -> GpuTarget | None:
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     non_torch = max(0, (free_at_start - free) - torch.cuda.memory_reserved(device))
-    return GpuTarget(int(total), int(non_torch), measured=True, free_bytes=int(free_at_start))
+    return GpuTarget(
+        int(total),
+        int(non_torch),
+        measured=True,
+        free_bytes=int(free_at_start),
+        name=torch.cuda.get_device_name(device),
+    )
 
 
 def coded_weight_bytes(resolved: Any, weight_format: str) -> int:

@@ -27,6 +27,16 @@ def default_token_budget(device_type: str, total_bytes: int | None, offline: boo
     return 4096 if offline else 512
 
 
+def default_max_num_seqs(
+    device_type: str, total_bytes: int | None, device_name: str | None = None
+) -> int:
+    """max_num_seqs when the flag is unset, as vLLM's: 1024 on GPUs of BIG_GPU_GIB and more
+    (A100s aside, which vLLM keeps at 256), else 256."""
+    if device_type == "cuda" and total_bytes is not None and total_bytes / GiB >= BIG_GPU_GIB:
+        return 256 if device_name is not None and "A100" in device_name else 1024
+    return 256
+
+
 def sliding_windows(hf_config: Any, layers: str | None) -> tuple[int, ...]:
     """Each layer's sliding window in tokens, 0 where it attends to the whole context, as the
     architecture's transformers class applies a config's `sliding_window`: `layers` "all" on

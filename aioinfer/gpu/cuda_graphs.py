@@ -1,10 +1,11 @@
 """CUDA graphs for decode-only steps: captured once per batch-size bucket, replayed with padding.
 
 A decode step launches hundreds of small kernels; replaying a captured graph removes their
-launch cost. Buckets are 1, 2, 4, 8, then every 8 up to max_num_seqs; a step of n requests
-replays the smallest bucket >= n. Padding rows write nowhere (slot -1) and attend to nothing
-(seq_len 0), so their outputs are zeros that are sliced off. Steps with prefill tokens, or more
-requests than the largest bucket, run eagerly.
+launch cost. Buckets are 1, 2, 4, 8, then every 8 up to max_num_seqs (512 at most, vLLM's
+largest by default: beyond it a step's launches weigh little beside its work); a step of n
+requests replays the smallest bucket >= n. Padding rows write nowhere (slot -1) and attend to
+nothing (seq_len 0), so their outputs are zeros that are sliced off. Steps with prefill
+tokens, or more requests than the largest bucket, run eagerly.
 
 Graphs are captured largest first into one shared memory pool: smaller graphs reuse the
 larger ones' memory. They need an attention backend whose launches do not depend on host-side
@@ -26,10 +27,14 @@ from aioinfer.model.layers.attention import AttentionBackend, AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
+MAX_GRAPH_BATCH = 512
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to max_num_seqs (ascending)."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
-    sizes += range(16, max_num_seqs + 1, 8)
+    """1, 2, 4, 8, then every 8 up to max_num_seqs or MAX_GRAPH_BATCH (ascending)."""
+    largest = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = [s for s in (1, 2, 4, 8) if s <= largest]
+    sizes += range(16, largest + 1, 8)
     return sizes
 
 

@@ -37,6 +37,14 @@ def default_token_budget(device: torch.device, offline: bool) -> int:
     return sizing.default_token_budget(device.type, total, offline)
 
 
+def default_max_num_seqs(device: torch.device) -> int:
+    """max_num_seqs (aioinfer.sizing's rule) for this device."""
+    if device.type != "cuda":
+        return sizing.default_max_num_seqs(device.type, None)
+    props = torch.cuda.get_device_properties(device)
+    return sizing.default_max_num_seqs(device.type, props.total_memory, props.name)
+
+
 @dataclass(frozen=True)
 class StartMemory:
     """The device's memory when the engine starts, before its weights load."""

@@ -180,7 +180,9 @@ class ModelRunner:
         budget = scheduler_config.max_num_batched_tokens or memory.default_token_budget(
             self.device, offline
         )
-        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_seqs = scheduler_config.max_num_seqs or memory.default_max_num_seqs(
+            self.device
+        )
         # With drafts a request samples a row per draft too (the memory profile counts them).
         self.sampled_rows_per_request = sampled_rows_per_request(scheduler_config)
         self.num_layers = int(hf_config.num_hidden_layers)

@@ -258,6 +258,27 @@ def test_default_token_budget_follows_the_runner(monkeypatch, total_gib, offline
     assert default_token_budget("cpu", None, offline) == cpu
 
 
+@pytest.mark.parametrize(
+    ("total_gib", "name", "expected"),
+    [(24, "NVIDIA L4", 256), (69.9, None, 256), (80, "NVIDIA H100 80GB HBM3", 1024),
+     (141, "NVIDIA H200", 1024), (80, "NVIDIA A100-SXM4-80GB", 256)],
+)  # fmt: skip
+def test_default_max_num_seqs_is_vllm_s_by_gpu(monkeypatch, tmp_path, total_gib, name, expected):
+    """1024 on GPUs of 70 GiB and more, A100s aside, else 256 (and on the CPU), as vLLM; the
+    runner's rule and the plan's are one."""
+    total = int(total_gib * GiB)
+    props = SimpleNamespace(total_memory=total, name=name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert memory.default_max_num_seqs(torch.device("cuda")) == expected
+    assert memory.default_max_num_seqs(torch.device("cpu")) == 256
+    folder = config_dir(tmp_path, variant_config("llama"))
+    configs = build_plan_configs({"model": str(folder)})
+    if name is None or "A100" not in name:  # a GPU planned by size has no name
+        assert make_plan(*configs, gpu_memory_gib=total_gib).max_num_seqs == expected
+    explicit = build_plan_configs({"model": str(folder), "max_num_seqs": 64})
+    assert make_plan(*explicit, gpu_memory_gib=total_gib).max_num_seqs == 64
+
+
 def measured_activation_peak(
     folder: Path, dtype: str, num_tokens: int, num_seqs: int, rows_per_request: int = 1
 ) -> int:

@@ -48,7 +48,7 @@ class FakeRunnerFactory:
             served_name="fake-model",
             vocab_size=4096,
             max_model_len=128,
-            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_seqs=scheduler_config.max_num_seqs or 256,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens or 32,
             num_blocks=self.num_blocks,
             eos_token_ids=(1,),
