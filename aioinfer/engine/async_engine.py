@@ -154,10 +154,11 @@ class AsyncEngine:
         self.default_sampling = dict(self.info.default_sampling)
         self.pooler = getattr(self.info, "pooler", None)
         self.stats = EngineStats(self.info.max_model_len)
+        max_logprobs = self.model_config.max_logprobs  # -1: no cap, the whole vocabulary
         self.limits = ModelLimits(
             self.info.max_model_len,
             self.info.vocab_size,
-            self.model_config.max_logprobs,
+            self.info.vocab_size if max_logprobs == -1 else max_logprobs,
             getattr(self.info, "hidden_size", 0),
         )
         self.constraints = ConstraintBuilder(

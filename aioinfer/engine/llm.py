@@ -129,7 +129,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         cap = self.engine.limits.max_logprobs
-        if cap != -1 and 2 * params.beam_width > cap:  # each step asks for 2 x beam_width
+        if 2 * params.beam_width > cap:  # each step asks for 2 x beam_width
             raise ValueError(
                 f"beam_width must be <= {cap // 2} (each step reads 2 x beam_width logprobs, "
                 f"at most --max-logprobs {cap}), got {params.beam_width}"

@@ -15,7 +15,7 @@ from aioinfer.core.sampling_params import SamplingParams
 class ModelLimits:
     max_model_len: int
     vocab_size: int
-    max_logprobs: int
+    max_logprobs: int  # --max-logprobs, its -1 (no cap) as the vocabulary size
     hidden_size: int = 0  # the size of an embedding before `dimensions` (pooling models)
 
     def truncate(
@@ -95,7 +95,7 @@ class ModelLimits:
 
     def _check_sampling(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: limits of this model and server."""
-        cap = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        cap = self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is None or (self.vocab_size if value == -1 else value) <= cap:
