@@ -125,11 +125,11 @@ class ModelConfig:
     cpu_weight_format: str = _opt(
         "auto",
         "With the native CPU kernels, linear weights that are byte codes times a scale plus an "
-        "offset per 32 (what GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 dequantize to) give the "
-        "same float32 results from 1.25 bytes a weight. auto: keep those codes beside the "
-        "float32 weights and read them in small steps (batch-1 decoding about 1.7x faster; the "
-        "linears take 31 % more memory); coded: keep only the codes (the linears in a third of "
-        "the memory, large steps 1-10 % slower); float32: no codes.",
+        "offset per 32 (what GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K dequantize to) "
+        "give the same float32 results from 1.25 bytes a weight. auto: keep those codes beside "
+        "the float32 weights and read them in small steps (batch-1 decoding about 1.7x faster; "
+        "the linears take 31 % more memory); coded: keep only the codes (the linears in a third "
+        "of the memory, large steps 1-10 % slower); float32: no codes.",
     )
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit).")

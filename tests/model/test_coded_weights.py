@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 from torch import nn
 
@@ -50,6 +51,58 @@ def test_ggml_blocks_are_coded_exactly(kernels: cpu_native.NativeKernels, qtype:
     assert coded.scales.shape == (3, 5, 2, 16)
     assert coded.nbytes * 4 == weight.nbytes * 1.25  # 1.25 bytes a weight instead of 4
     assert same_bits(coded.decode(), weight)
+
+
+def random_blocks(rows: int, cols: int, qtype: str, seed: int) -> torch.Tensor:
+    """A [rows, cols] weight of random GGUF blocks of `qtype`, as gguf-py reads them back:
+    Q4_1 and Q5_1 (float16 d and m, then the codes), Q4_K and Q5_K (super-blocks of 256: float16
+    d and dmin, packed 6-bit sub-block scales and mins, the codes) or Q6_K (its float16 d last).
+    Random codes often leave a run's extremes off codes 0 and 15 (or 31), as least-squares and
+    importance-matrix quantizers sometimes do."""
+    kind = GGMLQuantizationType[qtype]
+    block_weights, block_bytes = GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    count = rows * cols // block_weights
+    blocks = rng.integers(0, 256, size=(count, block_bytes), dtype=np.uint8)
+    if qtype != "Q6_K":  # d and dmin (or m) lead the block
+        d = (rng.random((count, 2)) * 0.004 + 0.0005).astype(np.float16)
+        blocks[:, :4] = d.view(np.uint8)
+    else:  # Q6_K: d ends it
+        d = (rng.random((count, 1)) * 0.004 + 0.0005).astype(np.float16)
+        blocks[:, -2:] = d.view(np.uint8)
+    weight = dequantize(blocks.reshape(rows, -1), kind).astype(np.float32)
+    return torch.from_numpy(weight)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_blocks_off_the_extreme_codes_are_coded_exactly(
+    kernels: cpu_native.NativeKernels, qtype: str, m: int
+) -> None:
+    """Runs of codes under a float16 scale (Q4_1, Q5_1) or one of 17 significant bits (Q4_K's
+    and Q5_K's d * sc, sub-blocks of 32), found whether or not a run's highest weight has the
+    top code; the linears read them to the strips' results, bit for bit."""
+    weight = random_blocks(48, 512, qtype, seed=m)
+    coded = code_weight(weight, kernels.code_runs)
+    assert coded is not None
+    assert same_bits(coded.decode(), weight)
+    runs = coded.codes.transpose(1, 2).reshape(48, -1, 32).int()
+    top = 15 if qtype.startswith("Q4") else 31
+    assert runs.min() == 0 and runs.max() == top
+    assert (runs.amax(-1) < top).any()  # runs whose span is not top steps
+    scales = coded.scales[:, :, 0].flatten()
+    needs_17_bits = (scales.view(torch.int32) & 0xFF != 0).any()
+    assert needs_17_bits == qtype.endswith("_K")
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    expected = kernels.packed_linear(x, cpu_native.pack_weight(weight), None)
+    assert same_bits(kernels.packed_linear(x, coded, None), expected)
+
+
+def test_k_quants_with_sub_blocks_of_16_stay_float(kernels: cpu_native.NativeKernels) -> None:
+    """Q6_K scales each 16 weights on its own: a run of 32 has two scales, no codes."""
+    weight = random_blocks(16, 256, "Q6_K", seed=1)
+    assert torch.isfinite(weight).all()
+    assert code_weight(weight, kernels.code_runs) is None
 
 
 def test_other_weights_stay_float(kernels: cpu_native.NativeKernels) -> None:
@@ -295,7 +348,7 @@ def test_q4_0_blocks_off_the_reference_form_are_coded(kernels: cpu_native.Native
 def test_plan_predicts_the_weights_of_a_gguf_with_mixed_tensor_types(
     kernels: cpu_native.NativeKernels, tmp_path, weight_format: str, caplog
 ) -> None:
-    """Layer 1's up projection stays float32 (as a K-quant would), so its gate keeps no codes
+    """Layer 1's up projection stays float32 (as a Q6_K would), so its gate keeps no codes
     either; layer 0's q projection is Q4_0, the rest Q4_1."""
     from aioinfer.plan import build_plan_configs, make_plan
     from tests.model.test_loader import write_gguf

@@ -134,7 +134,7 @@ typedef struct {
  *   scale and offset of each column's runs of 32 k, so that weight = code * scale + offset
  *   (an offset of -0.0 keeps the sign of a zero weight d * 0 with d < 0). The loader
  *   codes a weight only where that rebuilds every float32 weight bit for bit (it does for the
- *   blocks of GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0), and code * scale is exact, so the FMAs
+ *   blocks of GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K), and code * scale is exact, so the FMAs
  *   below see the same floats as from strips: the same results, from 1.25 bytes a weight
  *   instead of 4. Decoding costs a convert and an FMA per weight vector: where a step's rows
  *   are few the memory it saves wins (batch-1 linears 1.8-2.7x faster, 8 rows 1.1-1.3x), at
@@ -354,8 +354,9 @@ void packed_linear(const float *x, long M, long K, const Weight *w, long N, cons
 /* The codes of `runs` runs of CODE_BLOCK weights under a scale and an offset per run (see Weight):
  * each code the integer nearest (w - offset) / scale, in [-128, 127]; fits[r] = 1 where the codes
  * rebuild run r bit for bit as the linears decode them (code * scale + offset, with code *
- * scale exact: a scale of at most 16 significant bits). The loader's check, in one pass: torch
- * took ten over the weights, a second at start for 135M weights. */
+ * scale exact: a scale of at most 17 significant bits, as a float16 times a K-quant's 6-bit
+ * sub-block scale has, times a code of 7 bits and a sign). The loader's check, in one pass:
+ * torch took ten over the weights, a second at start for 135M weights. */
 void code_runs(const float *w, long runs, const float *scale, const float *offset,
                signed char *codes, unsigned char *fits, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -363,7 +364,7 @@ void code_runs(const float *w, long runs, const float *scale, const float *offse
         const float s = scale[r], o = offset[r], divisor = s == 0.0f ? 1.0f : s;
         unsigned bits;
         memcpy(&bits, &s, sizeof bits);
-        int fit = (bits & 0xFF) == 0;
+        int fit = (bits & 0x7F) == 0;
         for (long i = r * CODE_BLOCK; i < (r + 1) * CODE_BLOCK; i++) {
             float code = rintf((w[i] - o) / divisor); /* to even on ties, as torch.round */
             code = code >= -128.0f ? (code <= 127.0f ? code : 127.0f) : -128.0f; /* NaN too */

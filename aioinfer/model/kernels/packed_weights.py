@@ -1,18 +1,20 @@
 """Linear weights held as byte codes with a scale and an offset per run of 32, bit for bit.
 
-A GGUF checkpoint's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors dequantize, in float32, to
-`code * scale + offset` over each run of 32 weights along a row (Q4_1: `d * q + m`; Q4_0:
-`d * (q - 8) + -0.0`, the -0.0 keeping the sign of a zero weight), with codes in [-128, 127]
-and scales that came from float16. Kept in that form, a weight takes 1.25 bytes instead of 4,
-and the CPU kernels decode it in registers to the very float32 the dequantized tensor holds:
-the same products, the same sums, the same outputs, from a third of the memory traffic (see
-cpu_kernels.c, `Weight`).
+A GGUF checkpoint's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors dequantize, in
+float32, to `code * scale + offset` over each run of 32 weights along a row (Q4_1: `d * q + m`;
+Q4_0: `d * (q - 8) + -0.0`, the -0.0 keeping the sign of a zero weight; Q4_K and Q5_K:
+`(d * sc) * q - dmin * m` per sub-block of 32), with codes in [-128, 127] and scales of at most
+17 significant bits (a float16, or a float16 times a 6-bit integer). Kept in that form, a
+weight takes 1.25 bytes instead of 4, and the CPU kernels decode it in registers to the very
+float32 the dequantized tensor holds: the same products, the same sums, the same outputs, from a
+third of the memory traffic (see cpu_kernels.c, `Weight`).
 
 The form is found from the float32 weights themselves, not from the file's tensor types, so
 the cache of converted checkpoints, merged projections and any loader give the same result:
 `code_weight` tries the block shapes of ggml's quantizers on each run, rebuilds every weight as
 the kernel will and keeps the codes only where all of them come back bit for bit. Anything
-else (trained float32 weights, K-quants, imatrix-tuned blocks) stays as float32 strips.
+else (trained float32 weights, the K-quants with sub-blocks of 16: Q2_K, Q3_K, Q6_K) stays as
+float32 strips.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 STRIP = 16  # output columns per strip, as pack_weight's; must match STRIP in cpu_kernels.c
@@ -28,7 +31,9 @@ CODE_BLOCK = 32  # weights per scale and offset along a row; must match CODE_BLO
 # Bytes a coded weight takes: its code, and its share of a float32 scale and offset.
 CODED_BYTES_PER_WEIGHT = 1 + 2 * 4 / CODE_BLOCK
 # GGUF tensor types whose blocks (from ggml's quantizers) dequantize to such codes.
-CODED_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+CODED_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"})
+# Significant bits a scale may have for code * scale to be exact (codes of 7 bits and a sign).
+SCALE_BITS = 17
 # (runs [R, 32], scale [R], offset [R]) -> (codes [R, 32] int8, whether each run fits [R]).
 CodeRuns = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # Rows tried first: a tensor whose first rows do not code is left alone without coding it all.
@@ -93,13 +98,6 @@ def code_weight(weight: torch.Tensor, code_runs: CodeRuns) -> CodedWeight | None
     )
 
 
-def _offset_is_minimum(runs: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_1 (top 15) and Q5_1 (top 31): offset m, the run's minimum (code 0), and the float16
-    scale d = (max - min) / top (the maximum has the top code)."""
-    low, high = torch.aminmax(runs, dim=-1)
-    return ((high - low) / top).to(torch.float16).to(torch.float32), low
-
-
 def _symmetric(runs: torch.Tensor, extreme_code: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_0 (-8), Q5_0 (-16), Q8_0 (+-127): weight = d * s with signed s, and the weight of
     largest magnitude has s = extreme_code. The offset -0.0 changes no weight but d * 0 with
@@ -116,17 +114,48 @@ def _constant(runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first * 0.0, first
 
 
+def _span(runs: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 and Q4_K (top 15), Q5_1 and Q5_K (top 31): weight = d * q + m with q in [0, top],
+    where d and m are float16s (Q4_1, Q5_1), or float16s times 6-bit integers (the K-quants'
+    d * sc and -dmin * m): at most 17 significant bits. Where the run's extremes have codes 0
+    and top: offset m, the minimum, and scale d, the span over top, to 17 bits."""
+    low, high = torch.aminmax(runs, dim=-1)
+    return _round_to_bits((high - low) / top, SCALE_BITS), low
+
+
+def _on_grid(runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K and Q5_K runs whose extremes are other codes (their quantizers fit d and m by
+    least squares over a sub-block, and clamp): the scale is the span over the steps that the
+    run's smallest gap makes of it, to 17 bits, and the offset the minimum, read as code 0
+    (exact wherever the weight there is). Sorts each run, so it comes after the candidates
+    that need only the extremes."""
+    ordered = torch.from_numpy(np.sort(runs.numpy(), axis=-1))  # torch's sort: 5x slower here
+    low, high = ordered[..., 0], ordered[..., -1]
+    gaps = ordered.diff(dim=-1)
+    smallest = torch.where(gaps > 0, gaps, torch.inf).amin(dim=-1)
+    steps = ((high - low) / smallest).round()
+    return _round_to_bits((high - low) / steps, SCALE_BITS), low
+
+
+def _round_to_bits(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 values rounded to `bits` significant bits (half away from zero)."""
+    drop = 24 - bits
+    raw = x.contiguous().view(torch.int32)
+    return ((raw + (1 << (drop - 1))) & ~((1 << drop) - 1)).view(torch.float32)
+
+
 _CANDIDATES = [
-    lambda r: _offset_is_minimum(r, 15),
+    lambda r: _span(r, 15),
     lambda r: _symmetric(r, -8),
     lambda r: _symmetric(r, 127),
     lambda r: _symmetric(r, -127),
-    lambda r: _offset_is_minimum(r, 31),
+    lambda r: _span(r, 31),
     lambda r: _symmetric(r, -16),
     _constant,
     # Tuned quantizers (llama.cpp's with an importance matrix) may put a run's largest weight
     # on another code.
     *(lambda r, code=code: _symmetric(r, code) for code in (7, -7, 6, -6, 15, -15)),
+    _on_grid,
 ]
 
 
