@@ -53,25 +53,34 @@ def test_ggml_blocks_are_coded_exactly(kernels: cpu_native.NativeKernels, qtype:
     assert same_bits(coded.decode(), weight)
 
 
-def random_blocks(rows: int, cols: int, qtype: str, seed: int) -> torch.Tensor:
+def random_blocks(
+    rows: int, cols: int, qtype: str, seed: int, d_max: float = 0.0045
+) -> torch.Tensor:
     """A [rows, cols] weight of random GGUF blocks of `qtype`, as gguf-py reads them back:
     Q4_1 and Q5_1 (float16 d and m, then the codes), Q4_K and Q5_K (super-blocks of 256: float16
     d and dmin, packed 6-bit sub-block scales and mins, the codes) or Q6_K (its float16 d last).
     Random codes often leave a run's extremes off codes 0 and 15 (or 31), as least-squares and
     importance-matrix quantizers sometimes do."""
     kind = GGMLQuantizationType[qtype]
+    blocks = random_block_bytes(rows, cols, kind, seed, d_max)
+    return torch.from_numpy(dequantize(blocks, kind).astype(np.float32))
+
+
+def random_block_bytes(
+    rows: int, cols: int, kind: GGMLQuantizationType, seed: int, d_max: float
+) -> np.ndarray:
+    """The blocks of random_blocks, as a GGUF file holds them: uint8 [rows, bytes a row]."""
     block_weights, block_bytes = GGML_QUANT_SIZES[kind]
     rng = np.random.default_rng(seed)
     count = rows * cols // block_weights
     blocks = rng.integers(0, 256, size=(count, block_bytes), dtype=np.uint8)
-    if qtype != "Q6_K":  # d and dmin (or m) lead the block
-        d = (rng.random((count, 2)) * 0.004 + 0.0005).astype(np.float16)
+    if kind != GGMLQuantizationType.Q6_K:  # d and dmin (or m) lead the block
+        d = (rng.random((count, 2)) * d_max * 0.9 + d_max * 0.1).astype(np.float16)
         blocks[:, :4] = d.view(np.uint8)
     else:  # Q6_K: d ends it
-        d = (rng.random((count, 1)) * 0.004 + 0.0005).astype(np.float16)
+        d = (rng.random((count, 1)) * d_max * 0.9 + d_max * 0.1).astype(np.float16)
         blocks[:, -2:] = d.view(np.uint8)
-    weight = dequantize(blocks.reshape(rows, -1), kind).astype(np.float32)
-    return torch.from_numpy(weight)
+    return blocks.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1", "Q4_K", "Q5_K"])
@@ -96,6 +105,64 @@ def test_blocks_off_the_extreme_codes_are_coded_exactly(
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
     expected = kernels.packed_linear(x, cpu_native.pack_weight(weight), None)
     assert same_bits(kernels.packed_linear(x, coded, None), expected)
+
+
+def test_an_engine_reads_a_k_quant_ggufs_linears_as_codes(
+    kernels: cpu_native.NativeKernels, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF whose attention and MLP linears are Q4_K and Q5_K but for one Q6_K down
+    projection: those linears hold codes (plan predicts the memory they take), and the engine
+    gives the float32 engine's tokens and logprobs, bit for bit."""
+    import gguf
+
+    from aioinfer.plan import build_plan_configs, make_plan
+    from tests.model.test_loader import write_gguf
+
+    if kernels is not cpu_native.load():
+        pytest.skip("the engine runs this machine's build")
+    hf = make_hf_model("llama", seed=7, hidden_size=256, intermediate_size=512)
+    reference_quantize = gguf.quantize
+
+    def quantize(array: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
+        if kind.name.endswith("_K"):  # gguf-py writes no K-quants: random blocks instead
+            return random_block_bytes(*array.shape, kind, seed=array.size, d_max=2e-4)
+        return reference_quantize(array, kind)
+
+    def kind(name: str) -> GGMLQuantizationType | None:
+        if name == "model.layers.1.mlp.down_proj.weight":
+            return GGMLQuantizationType.Q6_K
+        if name.startswith("model.layers."):
+            return GGMLQuantizationType.Q5_K if "down" in name else GGMLQuantizationType.Q4_K
+        return None
+
+    monkeypatch.setattr(gguf, "quantize", quantize)
+    path = write_gguf(hf, tmp_path / "KQuants.gguf", "llama", qtype=kind)
+    make_tokenizer().save_pretrained(tmp_path / "tok")
+    planned = make_plan(
+        *build_plan_configs({"model": str(path), "device": "cpu", "cpu_weight_format": "auto"})
+    ).weights_bytes
+    prompts = [[7 + i, 19, 300 + i, 42] * (1 + 6 * (i % 2)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for fmt in ("float32", "auto"):
+        with LLM(
+            str(path), tokenizer=str(tmp_path / "tok"), dtype="float32", kv_cache_memory=0.01,
+            max_model_len=64, cpu_weight_format=fmt,
+        ) as llm:  # fmt: skip
+            model = llm.engine.gpu.runner.model
+            linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+            coded = [m for m in linears if m.codes is not None]
+            assert len(coded) == (0 if fmt == "float32" else 13)  # 14 linears less one Q6_K
+            if fmt == "auto":
+                assert model.model.layers[1].mlp.down_proj.codes is None
+                held = sum(p.numel() * p.element_size() for p in model.parameters())
+                assert planned == held
+            outputs[fmt] = [
+                (c.token_ids, c.logprobs)
+                for out in llm.generate(prompts, params, use_tqdm=False)
+                for c in out.outputs
+            ]
+    assert outputs["auto"] == outputs["float32"]
 
 
 def test_k_quants_with_sub_blocks_of_16_stay_float(kernels: cpu_native.NativeKernels) -> None:
