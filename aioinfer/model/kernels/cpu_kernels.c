@@ -134,9 +134,9 @@ typedef struct {
  *   scale and offset of each column's runs of 32 k, so that weight = code * scale + offset
  *   (an offset of -0.0 keeps the sign of a zero weight d * 0 with d < 0). The loader
  *   codes a weight only where that rebuilds every float32 weight bit for bit (it does for the
- *   blocks of GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K), and code * scale is exact, so the FMAs
- *   below see the same floats as from strips: the same results, from 1.25 bytes a weight
- *   instead of 4. Decoding costs a convert and an FMA per weight vector: where a step's rows
+ *   blocks of GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K), and code * scale is exact,
+ *   so the FMAs below see the same floats as from strips: the same results, from 1.25 bytes a
+ *   weight instead of 4. Decoding costs a convert and an FMA per weight vector: where a step's rows
  *   are few the memory it saves wins (batch-1 linears 1.8-2.7x faster, 8 rows 1.1-1.3x), at
  *   16 to 20 rows the two forms are even, and from about 32 rows the FMA units are the limit
  *   and strips are faster by 5-10 %; with both forms each step takes the faster. */

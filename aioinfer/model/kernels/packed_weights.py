@@ -124,11 +124,11 @@ def _span(runs: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _on_grid(runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K and Q5_K runs whose extremes are other codes (their quantizers fit d and m by
-    least squares over a sub-block, and clamp): the scale is the span over the steps that the
-    run's smallest gap makes of it, to 17 bits, and the offset the minimum, read as code 0
-    (exact wherever the weight there is). Sorts each run, so it comes after the candidates
-    that need only the extremes."""
+    """Runs whose extremes are other codes (K-quants fit d and m by least squares over a
+    sub-block, and clamp; importance-matrix Q4_1 and Q5_1 blocks): the scale is the span over
+    the steps that the run's smallest gap makes of it, to 17 bits, and the offset the minimum,
+    read as code 0 (exact wherever the weight there is). Sorts each run, so it comes after the
+    candidates that need only the extremes."""
     ordered = torch.from_numpy(np.sort(runs.numpy(), axis=-1))  # torch's sort: 5x slower here
     low, high = ordered[..., 0], ordered[..., -1]
     gaps = ordered.diff(dim=-1)
