@@ -169,6 +169,7 @@ def bench_throughput(
     cpu_weight_format: str = typer.Option(
         "auto", help="auto, coded or float32: exact byte codes of GGUF weights (serve --help)."
     ),
+    cpu_amx: bool = typer.Option(True, help="AMX linears where the CPU has AMX (serve --help)."),
 ) -> None:
     """Offline throughput through LLM, optionally against transformers' generate."""
     from aioinfer.bench.throughput import main as run
@@ -183,6 +184,7 @@ def bench_throughput(
         "gpu_memory_utilization": gpu_memory_utilization,
         "load_format": load_format,
         "cpu_weight_format": cpu_weight_format,
+        "cpu_amx": cpu_amx,
     }
     run(model, num_prompts, input_len, output_len, vs, hf_batch_size, seed, result_file, options)
 
@@ -280,6 +282,7 @@ def bench_latency(
     cpu_weight_format: str = typer.Option(
         "auto", help="auto, coded or float32: exact byte codes of GGUF weights (serve --help)."
     ),
+    cpu_amx: bool = typer.Option(True, help="AMX linears where the CPU has AMX (serve --help)."),
 ) -> None:
     """Batch-1 TTFT and TPOT through LLM, beside the memory-bandwidth floor of a decode step."""
     from aioinfer.bench.latency import main as run
@@ -295,6 +298,7 @@ def bench_latency(
         "enforce_eager": enforce_eager,
         "enable_prefix_caching": enable_prefix_caching,
         "cpu_weight_format": cpu_weight_format,
+        "cpu_amx": cpu_amx,
     }
     try:
         run(
@@ -409,6 +413,7 @@ def plan(
     pooler_config: str = _config_option("pooler_config"),
     cpu_kernels: str = _config_option("cpu_kernels"),
     cpu_weight_format: str = _config_option("cpu_weight_format"),
+    cpu_amx: bool = _config_option("cpu_amx"),
 ) -> None:
     """Predict serve's memory numbers without loading weights.
 
@@ -434,6 +439,7 @@ def plan(
         "pooler_config": pooler_config,
         "cpu_kernels": cpu_kernels,
         "cpu_weight_format": cpu_weight_format,
+        "cpu_amx": cpu_amx,
     }
     code = plan_main(
         model,

@@ -131,6 +131,14 @@ class ModelConfig:
         "the linears take 31 % more memory); coded: keep only the codes (the linears in a third "
         "of the memory, large steps 1-10 % slower); float32: no codes.",
     )
+    cpu_amx: bool = _opt(
+        True,
+        "On CPUs with AMX (Intel Xeon from Sapphire Rapids on), run the linears of steps of 15 "
+        "or more rows over byte-coded weights (see --cpu-weight-format) on the tile unit: "
+        "about 2x faster prompts and large batches, float32-accurate, but not bit-equal to "
+        "the FMA path. Holds the codes as bfloat16 tiles (2 bytes a weight) instead of the "
+        "float32 strips.",
+    )
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit).")
     runner: str = _opt(

@@ -5,8 +5,9 @@ Only the model's config is read (a hub id fetches config and tokenizer files, ne
 the numbers of the startup log:
 
     weights      = parameters x dtype bytes                (tied embeddings counted once)
-                   + 1.25 bytes per GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 linear weight on the CPU
-                     (the exact byte codes of --cpu-weight-format auto; coded: - 4 bytes too)
+                   + 1.25 bytes per GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K linear weight on
+                     the CPU (the exact byte codes of --cpu-weight-format auto; coded: - 4 bytes
+                     too; on a CPU with AMX, + 2 bytes for their tiles, - 4 in auto too)
     CPU:  available KV = --kv-cache-memory GiB
     CUDA: available KV = total x --gpu-memory-utilization - weights - peak activations - non-torch
     bytes per block    = 2 (K and V) x block_size x kv_heads x head_dim x layers x dtype bytes
@@ -273,7 +274,9 @@ def make_plan(
         num_params += len(pooler.labels) * cfg.hidden_size  # the `score` head
     weights = num_params * dtype_bytes
     if device == "cpu" and dtype == "float32" and model_config.cpu_kernels != "torch":
-        weights += coded_weight_bytes(resolved, model_config.cpu_weight_format)
+        weights += coded_weight_bytes(
+            resolved, model_config.cpu_weight_format, amx=model_config.cpu_amx
+        )
     max_len = max_model_len(resolved.hf_config, model_config.max_model_len)
     budget = scheduler_config.max_num_batched_tokens or default_token_budget(
         device, gpu.total_bytes if gpu else None, offline=False
@@ -381,20 +384,23 @@ def _local_gpu() -> GpuTarget | None:
     )
 
 
-def coded_weight_bytes(resolved: Any, weight_format: str) -> int:
+def coded_weight_bytes(resolved: Any, weight_format: str, *, amx: bool = False) -> int:
     """Bytes the byte codes of a GGUF's decoder linears add to its float32 weights on the CPU
     (negative where they replace them): 1.25 a weight beside them ("auto"), 1.25 - 4 instead
-    ("coded"), for the tensors whose type makes them codes. The engine finds codes from the
-    weights' values: blocks a tuned quantizer made (imatrix) may not be codes it finds, and a
-    float checkpoint whose values happen to be codes gets them, so there the plan is an
-    estimate; it also assumes the native kernels build."""
+    ("coded"), for the tensors whose type makes them codes; with `amx` on a CPU with AMX, 2
+    more for their AMX tiles, which replace the float32 strips of "auto". The engine finds
+    codes from the weights' values: blocks a tuned quantizer made (imatrix) may not be codes
+    it finds, and a float checkpoint whose values happen to be codes gets them, so there the
+    plan is an estimate; it also assumes the native kernels build."""
     gguf_file = resolved.gguf_file or resolved.converted_from  # or the file of a cache entry
     if gguf_file is None or weight_format == "float32":
         return 0
+    from aioinfer.model.kernels.cpu_native import amx_expected
     from aioinfer.model.kernels.packed_weights import (
         CODED_BYTES_PER_WEIGHT,
         CODED_GGUF_TYPES,
         STRIP,
+        TILE_BYTES_PER_WEIGHT,
     )
     from aioinfer.model.loader.resolve import open_gguf
 
@@ -414,8 +420,9 @@ def coded_weight_bytes(resolved: Any, weight_format: str) -> int:
         for name, n in coded.items()
         if not any(a in name and name.replace(a, b) not in coded for a, b in partner.items())
     )
-    per_weight = CODED_BYTES_PER_WEIGHT - (0 if weight_format == "auto" else 4)
-    return int(elements * per_weight)
+    tiles = amx and amx_expected()
+    per_weight = CODED_BYTES_PER_WEIGHT - (0 if weight_format == "auto" and not tiles else 4)
+    return int(elements * (per_weight + (TILE_BYTES_PER_WEIGHT if tiles else 0)))
 
 
 def _dtype_name(name: str, device: str) -> str:

@@ -171,6 +171,7 @@ class ModelRunner:
             self.device,
             self.dtype,
             weight_format=model_config.cpu_weight_format,
+            amx=model_config.cpu_amx,
         )
         load_seconds = time.perf_counter() - start
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -535,10 +536,11 @@ def select_cpu_kernels(
     dtype: torch.dtype,
     *,
     weight_format: str = "auto",
+    amx: bool = False,
 ) -> str:
     """Swap the model's linears, norms and activations for the native CPU kernels when `name`
     allows it; returns what runs them. `auto`: native for float32 on the CPU when the kernels
-    build, else torch. `weight_format`: as use_native_kernels."""
+    build, else torch. `weight_format`, `amx`: as use_native_kernels."""
     if name == "torch":
         return "torch"
     if device.type != "cpu" or dtype != torch.float32:
@@ -555,7 +557,7 @@ def select_cpu_kernels(
             raise ValueError(f"cpu_kernels 'native' is unavailable: {reason}")
         logger.info("Native CPU kernels unavailable (%s); using torch ops.", reason)
         return "torch"
-    use_native_kernels(model, kernels, weight_format=weight_format)
+    use_native_kernels(model, kernels, weight_format=weight_format, amx=amx)
     return "native"
 
 

@@ -112,7 +112,8 @@ def test_an_engine_reads_a_k_quant_ggufs_linears_as_codes(
 ) -> None:
     """A GGUF whose attention and MLP linears are Q4_K and Q5_K but for one Q6_K down
     projection: those linears hold codes (plan predicts the memory they take), and the engine
-    gives the float32 engine's tokens and logprobs, bit for bit."""
+    gives the float32 engine's tokens and logprobs, bit for bit (on the FMA path: AMX linears
+    sum in another order, see test_amx_linears.py)."""
     import gguf
 
     from aioinfer.plan import build_plan_configs, make_plan
@@ -139,7 +140,9 @@ def test_an_engine_reads_a_k_quant_ggufs_linears_as_codes(
     path = write_gguf(hf, tmp_path / "KQuants.gguf", "llama", qtype=kind)
     make_tokenizer().save_pretrained(tmp_path / "tok")
     planned = make_plan(
-        *build_plan_configs({"model": str(path), "device": "cpu", "cpu_weight_format": "auto"})
+        *build_plan_configs(
+            {"model": str(path), "device": "cpu", "cpu_weight_format": "auto", "cpu_amx": False}
+        )
     ).weights_bytes
     prompts = [[7 + i, 19, 300 + i, 42] * (1 + 6 * (i % 2)) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -147,7 +150,7 @@ def test_an_engine_reads_a_k_quant_ggufs_linears_as_codes(
     for fmt in ("float32", "auto"):
         with LLM(
             str(path), tokenizer=str(tmp_path / "tok"), dtype="float32", kv_cache_memory=0.01,
-            max_model_len=64, cpu_weight_format=fmt,
+            max_model_len=64, cpu_weight_format=fmt, cpu_amx=False,
         ) as llm:  # fmt: skip
             model = llm.engine.gpu.runner.model
             linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -317,7 +320,8 @@ def test_an_engine_with_coded_weights_gives_the_float_engines_outputs(
     kernels: cpu_native.NativeKernels, tmp_path, weight_format: str
 ) -> None:
     """Greedy and sampled tokens and their logprobs, over decode steps and prompt steps past
-    the rows that decode in registers, equal an engine's without codes, bit for bit."""
+    the rows that decode in registers, equal an engine's without codes, bit for bit (on the
+    FMA path: see test_amx_linears.py for AMX)."""
     if kernels is not cpu_native.load():
         pytest.skip("the engine runs this machine's build")
     _quantized_tiny_model(tmp_path)
@@ -330,7 +334,7 @@ def test_an_engine_with_coded_weights_gives_the_float_engines_outputs(
     for fmt in ("float32", weight_format):
         with LLM(
             str(tmp_path), dtype="float32", kv_cache_memory=0.01, max_model_len=128,
-            cpu_weight_format=fmt,
+            cpu_weight_format=fmt, cpu_amx=False,
         ) as llm:  # fmt: skip
             model = llm.engine.gpu.runner.model
             linears = [m for m in model.modules() if isinstance(m, PackedLinear)]

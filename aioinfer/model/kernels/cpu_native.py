@@ -82,6 +82,8 @@ class NativeKernels:
             self.greedy_head = _bind(
                 lib.greedy_head, P, L, L, V, P, P, ctypes.c_double, L, L, P, V, V, I, restype=I
             )
+        # AMX linears (cpu_kernels.c) need the CPU, this build and the OS's leave.
+        self.has_amx = bool(_bind(lib.amx_available, restype=I)())
         # Scratch of decoder_layers, grown to the largest step and reused; one per thread, as
         # the kernels are shared by every engine of the process, each with its own thread.
         self._scratch = threading.local()
@@ -520,6 +522,12 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+def amx_expected() -> bool:
+    """Whether `load()`'s kernels would have AMX, from the CPU's flags (for memory plans)."""
+    needed = {"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
+    return _march(None) == "native" and needed <= set(_cpu_flags().split())
 
 
 def _compiler() -> str | None:

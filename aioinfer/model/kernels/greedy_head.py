@@ -22,6 +22,8 @@ from aioinfer.model.kernels.cpu_native import STRIP, NativeKernels, unpack_weigh
 MAX_STRIPS = 64
 # Rows screened per kernel call, which bounds the scratch of screened logits (ROWS x V floats).
 ROWS = 64
+# The scratch holds whole AMX tiles of rows (the kernel screens on AMX where the CPU has it).
+TILE_ROWS = 16
 # Rows of W converted at a time when building: float64 norms of a whole large vocabulary would
 # take gigabytes.
 _BUILD_ROWS = 4096
@@ -78,7 +80,7 @@ class GreedyHead:
             raise ValueError(
                 f"x must be float32 [M, {self.in_features}], got {x.dtype} {list(x.shape)}"
             )
-        rows = min(m, ROWS)
+        rows = -(-min(m, ROWS) // TILE_ROWS) * TILE_ROWS  # the kernel's AMX tiles take 16
         if self._scratch.numel() < rows * self.vocab_size:
             self._scratch = torch.empty(rows * self.vocab_size)
             self._x_pairs = torch.empty(rows * self.in_features // 2, dtype=torch.int32)

@@ -29,7 +29,12 @@ from aioinfer.model.kernels.cpu_native import (
     unpack_weight,
 )
 from aioinfer.model.kernels.greedy_head import GreedyHead
-from aioinfer.model.kernels.packed_weights import CodedWeight, PackedWeight, code_weight
+from aioinfer.model.kernels.packed_weights import (
+    CodedWeight,
+    PackedWeight,
+    amx_tiles,
+    code_weight,
+)
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
@@ -43,22 +48,29 @@ class PackedLinear(nn.Module):
     """`y = x @ W^T + b` by the native kernel, with the inputs and outputs of nn.Linear. W is
     packed as float32 strips; with `code` "auto" or "coded", also or only held as byte codes
     where they rebuild every weight bit for bit (GGUF's simple quantizations; see
-    packed_weights.py)."""
+    packed_weights.py). With `amx` on a CPU with AMX, coded weights also hold the codes as
+    AMX tiles, which steps of many rows read instead of float32 strips (not kept then)."""
 
-    def __init__(self, linear: nn.Linear, kernels: NativeKernels, *, code: str = "float32") -> None:
+    def __init__(
+        self, linear: nn.Linear, kernels: NativeKernels, *, code: str = "float32", amx: bool = False
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         wanted = code in ("auto", "coded")
         coded = code_weight(linear.weight, kernels.code_runs) if wanted else None
+        tiles = amx_tiles(coded.codes) if coded is not None and amx and kernels.has_amx else None
         self.packed: nn.Parameter | None = None
-        if coded is None or code == "auto":
+        if coded is None or (code == "auto" and tiles is None):
             self.packed = nn.Parameter(pack_weight(linear.weight), requires_grad=False)
         self.codes: nn.Parameter | None = None
         self.scales: nn.Parameter | None = None
+        self.tiles: nn.Parameter | None = None
         if coded is not None:  # parameters, so that the model's weight memory counts them
             self.codes = nn.Parameter(coded.codes, requires_grad=False)
             self.scales = nn.Parameter(coded.scales, requires_grad=False)
+        if tiles is not None:
+            self.tiles = nn.Parameter(tiles, requires_grad=False)
         self.bias = linear.bias
         self.kernels = kernels
         # On a model's LM head: its rows' argmax without every logit (set by use_native_kernels).
@@ -72,14 +84,14 @@ class PackedLinear(nn.Module):
         if self.codes is None or self.scales is None:
             assert self.packed is not None
             return self.packed
-        return CodedWeight(self.codes, self.scales, self.packed)
+        return CodedWeight(self.codes, self.scales, self.packed, self.tiles)
 
     def drop_codes(self) -> None:
         """Keep the weight as float32 strips only (the same floats)."""
         if self.packed is None:
             weight = self.weight_form.decode()  # type: ignore[union-attr]
             self.packed = nn.Parameter(pack_weight(weight), requires_grad=False)
-        self.codes = self.scales = None
+        self.codes = self.scales = self.tiles = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -88,13 +100,14 @@ class PackedLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        form = ", ".join(n for n in ("packed", "codes") if getattr(self, n) is not None)
+        form = ", ".join(n for n in ("packed", "codes", "tiles") if getattr(self, n) is not None)
         return f"in_features={self.in_features}, out_features={self.out_features}, {form}"
 
 
 def _unpacked_state(
     module: nn.Module, state: dict[str, torch.Tensor], prefix: str, _meta: object
 ) -> None:
+    state.pop(prefix + "tiles", None)  # the codes again
     packed = state.pop(prefix + "packed", None)
     if packed is not None:
         state[prefix + "weight"] = unpack_weight(packed)
@@ -271,12 +284,14 @@ def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | No
     )
 
 
-def _native_twin(module: nn.Module, kernels: NativeKernels, *, code: str) -> nn.Module | None:
+def _native_twin(
+    module: nn.Module, kernels: NativeKernels, *, code: str, amx: bool
+) -> nn.Module | None:
     """The native replacement of one module, or None to keep it."""
     if type(module) is nn.Linear:  # not subclasses, which may read .weight themselves
         fits = module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
         fits = fits and module.out_features % STRIP == 0
-        return PackedLinear(module, kernels, code=code) if fits else None
+        return PackedLinear(module, kernels, code=code, amx=amx) if fits else None
     if type(module) is RMSNorm:
         fits = module.weight.dtype == torch.float32 and module.weight.shape[0] % STRIP == 0
         return NativeRMSNorm(module, kernels) if fits else None
@@ -288,14 +303,15 @@ def _native_twin(module: nn.Module, kernels: NativeKernels, *, code: str) -> nn.
 
 
 def use_native_kernels(
-    model: nn.Module, kernels: NativeKernels, *, weight_format: str = "auto"
+    model: nn.Module, kernels: NativeKernels, *, weight_format: str = "auto", amx: bool = False
 ) -> int:
     """Swap the model's modules for their native twins in place; returns how many were swapped.
     The model must be float32 on the CPU. An embedding tied to a linear that gets packed reads
     the packed weight, so tied weights stay one tensor. `weight_format` ("auto", "coded" or
     "float32", see ModelConfig.cpu_weight_format): whether linears whose weights are exact byte
     codes (packed_weights.py) hold them too, or only them, except the LM head and weights tied
-    to an embedding, which the greedy head and the lookups read as floats."""
+    to an embedding, which the greedy head and the lookups read as floats. `amx`: coded
+    weights also as AMX tiles where the CPU has AMX (see PackedLinear)."""
     packed_by_weight: dict[int, nn.Parameter] = {}
     embeddings: list[tuple[nn.Module, str, nn.Embedding]] = []
     float_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -308,7 +324,8 @@ def use_native_kernels(
             if isinstance(child, nn.Embedding):
                 embeddings.append((parent, name, child))
             tied = id(getattr(child, "weight", None)) in float_weights
-            twin = _native_twin(child, kernels, code="float32" if tied else weight_format)
+            code = "float32" if tied else weight_format
+            twin = _native_twin(child, kernels, code=code, amx=amx)
             if twin is not None:
                 if isinstance(twin, PackedLinear) and twin.packed is not None:
                     packed_by_weight[id(child.weight)] = twin.packed
@@ -361,12 +378,19 @@ def _log_coded(model: nn.Module, weight_format: str) -> None:
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     coded = [m.weight_form for m in linears if m.codes is not None]
     if coded:
+        tiles = sum(m.tiles.nbytes for m in linears if m.tiles is not None)
+        if tiles:
+            longer = f"their AMX tiles ({tiles / 2**30:.3f} GiB)"
+        elif weight_format == "auto":
+            longer = "their float32 strips"
+        else:
+            longer = "them too"
         logger.info(
-            "%d of %d linear weights are exact byte codes (%.3f GiB%s); steps of few rows "
-            "read them (--cpu-weight-format %s)",
+            "%d of %d linear weights are exact byte codes (%.3f GiB); steps of few rows read "
+            "them, longer steps %s (--cpu-weight-format %s)",
             len(coded),
             len(linears),
             sum(w.nbytes for w in coded) / 2**30,
-            " beside their float32 strips" if weight_format == "auto" else "",
+            longer,
             weight_format,
         )

@@ -1,0 +1,111 @@
+"""AMX linears (cpu_kernels.c, "AMX linears"): the linears of coded weights over steps of 15 or
+more rows, on the tile unit, as accurate as float32 against a float64 reference; an engine that
+runs them gives the FMA engine's tokens, with logprobs equal to float32's rounding.
+
+Skipped where the CPU, the kernels' build or the OS gives no AMX."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aioinfer import LLM, SamplingParams
+from aioinfer.model.kernels import cpu_native
+from aioinfer.model.kernels.packed_weights import CodedWeight, amx_tiles, code_weight
+from aioinfer.model.layers.native_cpu import PackedLinear
+from tests.model.test_coded_weights import _quantized_tiny_model, ggml_round_trip, random_blocks
+
+# Error allowed per output, as a share of sum_k |x_k w_k| + |bias|: a few float32 roundings
+# (each run's sums hold 96 exact products). x in two bfloat16 parts would be off by about
+# 2^-17 of it, a lost scale or offset by far more.
+TOLERANCE = 2.0**-21
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_native.NativeKernels:
+    built = cpu_native.load()
+    if built is None:
+        pytest.skip(cpu_native.unavailable_reason())
+    if not built.has_amx:
+        pytest.skip("no AMX on this CPU, in this build or from this OS")
+    return built
+
+
+def coded_weight(qtype: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, CodedWeight]:
+    gen = torch.Generator().manual_seed(seed)
+    if qtype.endswith("_K"):
+        weight = random_blocks(n, k, qtype, seed=seed)
+    else:
+        weight = ggml_round_trip(torch.randn(n, k, generator=gen) * 0.05, qtype)
+    coded = code_weight(weight, cpu_native.load().code_runs)  # type: ignore[union-attr]
+    assert coded is not None
+    return weight, coded
+
+
+def relative_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    xd, wd, bd = x.double(), weight.double(), bias.double()
+    exact = xd @ wd.T + bd
+    return (got.double() - exact).abs() / (xd.abs() @ wd.abs().T + bd.abs())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("m", [15, 16, 17, 32, 47, 64, 300])
+def test_amx_linears_are_as_accurate_as_float32(
+    kernels: cpu_native.NativeKernels, qtype: str, m: int
+) -> None:
+    """Rows in single and paired tiles, padded ones, and 3 strips (a half-wide last tile); x
+    spread over 2^-20 .. 2^20, so that every bfloat16 part of it counts."""
+    n, k = 48, 512
+    weight, coded = coded_weight(qtype, n, k, seed=m)
+    tiled = CodedWeight(coded.codes, coded.scales, tiles=amx_tiles(coded.codes))
+    gen = torch.Generator().manual_seed(100 + m)
+    spread = 2.0 ** torch.randint(-20, 21, (m, k), generator=gen).float()
+    x = torch.randn(m, k, generator=gen) * spread
+    bias = torch.randn(n, generator=gen)
+    got = kernels.packed_linear(x, tiled, bias)
+    assert float(relative_error(got, x, weight, bias).max()) <= TOLERANCE
+    # The FMA path, for scale: each output one chain of k FMAs
+    fma = relative_error(kernels.packed_linear(x, coded, bias), x, weight, bias)
+    assert float(relative_error(got, x, weight, bias).mean()) <= 2 * float(fma.mean())
+
+
+def test_amx_tiles_hold_the_codes_in_pairs_of_k(kernels: cpu_native.NativeKernels) -> None:
+    _, coded = coded_weight("Q8_0", 32, 64, seed=1)
+    tiles = amx_tiles(coded.codes)
+    assert tiles.dtype == torch.bfloat16 and tiles.shape == (2, 2, 16, 16, 2)
+    codes = coded.codes.float()  # [strip, k, column]
+    for strip, run, pair, column, half in [(0, 0, 0, 0, 0), (1, 1, 15, 9, 1), (0, 1, 3, 15, 1)]:
+        k = run * 32 + 2 * pair + half
+        assert float(tiles[strip, run, pair, column, half]) == float(codes[strip, k, column])
+
+
+def test_an_engine_with_amx_linears_gives_the_fma_engines_tokens(
+    kernels: cpu_native.NativeKernels, tmp_path
+) -> None:
+    """Prompt steps of 52 tokens run every linear of a layer on AMX (q, k and v from one split
+    of x; o and down added to the residual; gate and up as one gated pass); the decode steps of
+    6 rows stay on the FMA path. The coded linears hold tiles instead of strips (the plan's
+    count of them: test_coded_weights.py, for a GGUF); tokens equal the FMA engine's, logprobs
+    within float32's rounding."""
+    if kernels is not cpu_native.load():
+        pytest.skip("the engine runs this machine's build")
+    _quantized_tiny_model(tmp_path)
+    prompts = [[7 + i, 19, 300 + i, 42] * (1 + 12 * (i % 2)) for i in range(6)]  # 4 and 52 tokens
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for amx in (False, True):
+        with LLM(
+            str(tmp_path), dtype="float32", kv_cache_memory=0.01, max_model_len=128, cpu_amx=amx
+        ) as llm:
+            model = llm.engine.gpu.runner.model
+            linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+            coded = [m for m in linears if m.codes is not None]
+            assert len(coded) == 12
+            assert all((m.tiles is not None) == amx and (m.packed is None) == amx for m in coded)
+            outputs[amx] = [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+    for fma, amx in zip(outputs[False], outputs[True], strict=True):
+        assert amx.token_ids == fma.token_ids
+        for want, got in zip(fma.logprobs, amx.logprobs, strict=True):
+            assert want.keys() == got.keys()
+            for token, logprob in want.items():
+                assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
