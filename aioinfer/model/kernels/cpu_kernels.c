@@ -294,7 +294,7 @@ static void decode_tile(const Tile *coded, long vecs, int gated, const Tile *pan
  *   of k by 16 columns, the pair in adjacent halves, as the instruction reads its second
  *   operand);
  * - each row of x is split into three bfloat16 parts, x = hi + mid + lo exactly (each part
- *   the rounding of what the parts before it left, 8 significant bits apiece, 24 in all);
+ *   what the parts before it left, truncated: 8 significant bits apiece, 24 in all);
  * - a product of two bfloat16s is exact in float32, and the unit adds the products in float32:
  *   sum(x c) over a run of 32 k is hi c + mid c + lo c summed in float32, as an FMA chain
  *   would sum x c, and then y += scale * that + offset * sum(x), per run, on the vector units.
@@ -358,10 +358,6 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-static inline __m512 bf16_to_float(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* Inside a parallel region (ends with its barrier): x [M, K] into `buffer`
  * (split_floats(M, K) floats) as AMX linears read it. */
 static SplitRows split_rows(const float *x, long M, long K, float *buffer) {
@@ -370,6 +366,12 @@ static SplitRows split_rows(const float *x, long M, long K, float *buffer) {
     float *sums = buffer + s.rows * K * 3 / 2;
     s.parts = parts;
     s.sums = sums;
+    /* The part is the top 16 bits of what the parts before it left: a float truncated to a
+     * bfloat16. Of x's 24 significant bits, each part takes the first 8 left, and the
+     * subtraction is exact, so the third takes the last of them whole. */
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512i odd_halves; /* 16-bit lanes 1, 3, .., 31 of a, then of b */
+    for (int i = 0; i < 32; i++) ((short *)&odd_halves)[i] = (short)(2 * i + 1);
 #pragma omp for schedule(static)
     for (long m = 0; m < s.rows; m++)
         for (long k = 0; k < K; k += CODE_BLOCK) {
@@ -379,11 +381,11 @@ static SplitRows split_rows(const float *x, long M, long K, float *buffer) {
                 b = _mm512_loadu_ps(x + m * K + k + 16);
             }
             sums[m * (K / CODE_BLOCK) + k / CODE_BLOCK] = sum_lanes(a + b);
-            for (long p = 0; p < 3; p++) { /* each part rounds what the last left (exact) */
-                __m512i part = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            for (long p = 0; p < 3; p++) {
+                __m512i part = _mm512_permutex2var_epi16((__m512i)a, odd_halves, (__m512i)b);
                 _mm512_storeu_si512(parts + (p * s.rows + m) * K + k, part);
-                a -= bf16_to_float(_mm512_castsi512_si256(part));
-                b -= bf16_to_float(_mm512_extracti64x4_epi64(part, 1));
+                a -= (__m512)((__m512i)a & top);
+                b -= (__m512)((__m512i)b & top);
             }
         }
     return s;
@@ -431,6 +433,10 @@ static inline __attribute__((always_inline)) void amx_tile(const AmxTile *t,
     const long K = t->K, rows = t->x->rows;
     for (long run = 0; run < K / CODE_BLOCK; run++) {
         const unsigned short *a = t->x->parts + t->r * K + run * CODE_BLOCK;
+        for (long j = 0; j < strips; j++) /* the codes of two runs on: 8-15 % at decode sizes */
+            for (long line = 0; line < 16; line++)
+                _mm_prefetch((const char *)(t->tiles[j] + (run + 2) * 512 + line * 32),
+                             _MM_HINT_T0);
         /* tile numbers must be constants: 0-3 sums, 4-5 x, 6-7 codes */
         _tile_zero(0);
         _tile_loadd(6, t->tiles[0] + run * 512, 64);
@@ -1576,9 +1582,12 @@ static inline vd widen(const float *p) { return __builtin_convertvector(*(const 
 static inline vd max_d(vd a, vd b) { vl m = a > b; return (vd)(((vl)a & m) | ((vl)b & ~m)); }
 
 /* Row r's argmax among the strips that the screen left, or -1 when more than max_strips are
- * or a screened logit overflowed. y: the row's screened logits; the bounds run in double. */
+ * or a screened logit overflowed. y: the row's screened logits; the bounds run in double, in
+ * one pass over y that also keeps each strip's highest s + margin in tops [V / 16] (two
+ * passes, each testing its lanes one by one, took 3 of the 5 ms of a 64-row head). */
 static long rescore_row(const float *x, long K, const float *y, const float *wp,
-                        const float *norms, double norm_max, long V, long max_strips) {
+                        const float *norms, double norm_max, long V, long max_strips,
+                        double *tops) {
     /* gamma with 2^-23: an addition of the bfloat16 unit need only be faithfully rounded */
     const double u = 1.0 / 256, gamma = K * 0x1p-23 / (1 - K * 0x1p-23);
     const double rel = (2 * u + u * u + gamma * ((1 + u) * (1 + u) + 1)) * 1.01;
@@ -1594,26 +1603,21 @@ static long rescore_row(const float *x, long K, const float *y, const float *wp,
     if (!(sqrt(sq) * norm_max * (1 + gamma) < 0x1p127)) return -1;
     const double scale = rel * sqrt(sq) * 1.0000001;
     vd lower = (vd){} - INFINITY, big = (vd){} + INFINITY;
-    long finite = -1; /* all lanes true while every screened logit is finite */
-    for (long v = 0; v < V; v += 8) {
-        vd s = widen(y + v), margin = scale * widen(norms + v) + floor;
-        lower = max_d(s - margin, lower);
-        vl ok = (s < big) & (s > -big);
-        for (int j = 0; j < 8; j++) finite &= ok[j];
+    vl finite = (vl){} - 1; /* all lanes true while every screened logit is finite */
+    for (long v = 0; v < V; v += STRIP) {
+        vd s0 = widen(y + v), s1 = widen(y + v + 8);
+        vd m0 = scale * widen(norms + v) + floor, m1 = scale * widen(norms + v + 8) + floor;
+        lower = max_d(lower, max_d(s0 - m0, s1 - m1));
+        finite &= (s0 < big) & (s0 > -big) & (s1 < big) & (s1 > -big);
+        tops[v / STRIP] = _mm512_reduce_max_pd((__m512d)max_d(s0 + m0, s1 + m1));
     }
-    if (!finite) return -1; /* overflowed: let float32 decide */
-    double low = -INFINITY;
-    for (int j = 0; j < 8; j++) low = lower[j] > low ? lower[j] : low;
+    for (int j = 0; j < 8; j++)
+        if (!finite[j]) return -1; /* overflowed: let float32 decide */
+    const double low = _mm512_reduce_max_pd((__m512d)lower);
     long best = -1, strips = 0;
     float best_logit = 0;
     for (long v = 0; v < V; v += STRIP) {
-        int keep = 0; /* any column of this strip within reach of the max */
-        for (long j = 0; j < STRIP; j += 8) {
-            vd s = widen(y + v + j), margin = scale * widen(norms + v + j) + floor;
-            vl reach = s + margin >= low;
-            for (int l = 0; l < 8; l++) keep |= reach[l] != 0;
-        }
-        if (!keep) continue;
+        if (!(tops[v / STRIP] >= low)) continue; /* no column of this strip within reach */
         if (++strips > max_strips) return -1;
         float logits[STRIP]; /* packed_linear's own tile over this strip: the same FMAs */
         run_tile((Tile){.x = x, .w = strip_column(wp, K, v), .y = logits, .K = K, .N = STRIP}, 1, 1);
@@ -1627,12 +1631,14 @@ static long rescore_row(const float *x, long K, const float *y, const float *wp,
 }
 
 #ifdef HAVE_AMX
-/* The same screen on AMX tiles, where K % 32 == 0: wb's strips are the instruction's second
- * operand as they are (16 pairs of k by 16 columns per run of 32 k, 1 KiB apart), xb's rows
- * its first. The products and their float32 sums are the same as AVX512-BF16's, in another
- * order, which the bound allows; about 4x faster, the head's 57 MB of bfloat16 for SmolLM2
- * then read at the memory's speed. xb and y hold M rounded up to 16 rows. Tiles: 0-3 the sums
- * of 2 row tiles x 2 strips, 4-5 rows of xb, 6-7 the strips. */
+/* The same screen on AMX tiles, where K % 32 == 0 and a step has a few rows: wb's strips are
+ * the instruction's second operand as they are (16 pairs of k by 16 columns per run of 32 k,
+ * 1 KiB apart), xb's rows its first. The products and their float32 sums are the same as
+ * AVX512-BF16's, in another order, which the bound allows. SmolLM2's head (49152 x 576) at 64
+ * rows took 5 ms instead of 20; at 4 rows 1.5 against 1.8, at 1 row 1.5 against 1.2. xb and y
+ * hold M rounded up to 16 rows. Tiles: 0-3 the sums of 2 row tiles x 2 strips, 4-5 rows of
+ * xb, 6-7 the strips. */
+#define AMX_SCREEN_MIN_ROWS 4
 static void screen_amx(const unsigned *xb, long M, long KP, const unsigned *wb, float *y,
                        long V) {
     const long rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, runs = KP / 16;
@@ -1681,7 +1687,7 @@ int greedy_head(const float *x, long M, long K, const unsigned *wb, const float 
     for (long i = 0; i < M * KP; i++)
         xb[i] = bf16_bits(x[2 * i]) | bf16_bits(x[2 * i + 1]) << 16;
 #ifdef HAVE_AMX
-    const int amx = K % 32 == 0 && amx_available();
+    const int amx = K % 32 == 0 && M >= AMX_SCREEN_MIN_ROWS && amx_available();
     if (amx) /* the padding rows of the last tile */
         memset(xb + M * KP, 0, ((M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS - M) * KP * 4);
 #endif
@@ -1701,12 +1707,15 @@ int greedy_head(const float *x, long M, long K, const unsigned *wb, const float 
                                 M - m < SCREEN_ROWS ? M - m : SCREEN_ROWS,
                                 scratch + m * V + 2 * p * STRIP, V);
         }
+        double *tops = malloc(V / STRIP * sizeof(double));
 #pragma omp for schedule(static) reduction(| : failed)
         for (long r = 0; r < M; r++) {
-            out[r] = rescore_row(x + r * K, K, scratch + r * V, wp, norms, norm_max, V,
-                                 max_strips);
+            out[r] = tops ? rescore_row(x + r * K, K, scratch + r * V, wp, norms, norm_max, V,
+                                        max_strips, tops)
+                          : -1;
             failed |= out[r] < 0;
         }
+        free(tops);
     }
     return failed;
 }
