@@ -135,9 +135,9 @@ class ModelConfig:
         True,
         "On CPUs with AMX (Intel Xeon from Sapphire Rapids on), run the linears of steps of 15 "
         "or more rows over byte-coded weights (see --cpu-weight-format) on the tile unit: "
-        "about 2x faster prompts and large batches, float32-accurate, but not bit-equal to "
-        "the FMA path. Holds the codes as bfloat16 tiles (2 bytes a weight) instead of the "
-        "float32 strips.",
+        "about 1.5-2x faster prompts and large batches, float32-accurate, but not bit-equal "
+        "to the FMA path; --cpu-weight-format auto then keeps no float32 strips of those "
+        "weights.",
     )
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     revision: str | None = _opt(None, "Hub revision (branch, tag or commit).")

@@ -7,7 +7,7 @@ the numbers of the startup log:
     weights      = parameters x dtype bytes                (tied embeddings counted once)
                    + 1.25 bytes per GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K linear weight on
                      the CPU (the exact byte codes of --cpu-weight-format auto; coded: - 4 bytes
-                     too; on a CPU with AMX, + 2 bytes for their tiles, - 4 in auto too)
+                     too, and in auto on a CPU with AMX)
     CPU:  available KV = --kv-cache-memory GiB
     CUDA: available KV = total x --gpu-memory-utilization - weights - peak activations - non-torch
     bytes per block    = 2 (K and V) x block_size x kv_heads x head_dim x layers x dtype bytes
@@ -387,8 +387,8 @@ def _local_gpu() -> GpuTarget | None:
 def coded_weight_bytes(resolved: Any, weight_format: str, *, amx: bool = False) -> int:
     """Bytes the byte codes of a GGUF's decoder linears add to its float32 weights on the CPU
     (negative where they replace them): 1.25 a weight beside them ("auto"), 1.25 - 4 instead
-    ("coded"), for the tensors whose type makes them codes; with `amx` on a CPU with AMX, 2
-    more for their AMX tiles, which replace the float32 strips of "auto". The engine finds
+    ("coded", or "auto" with `amx` on a CPU with AMX, where steps of many rows read the codes
+    on AMX), for the tensors whose type makes them codes. The engine finds
     codes from the weights' values: blocks a tuned quantizer made (imatrix) may not be codes
     it finds, and a float checkpoint whose values happen to be codes gets them, so there the
     plan is an estimate; it also assumes the native kernels build."""
@@ -400,7 +400,6 @@ def coded_weight_bytes(resolved: Any, weight_format: str, *, amx: bool = False) 
         CODED_BYTES_PER_WEIGHT,
         CODED_GGUF_TYPES,
         STRIP,
-        TILE_BYTES_PER_WEIGHT,
     )
     from aioinfer.model.loader.resolve import open_gguf
 
@@ -420,9 +419,8 @@ def coded_weight_bytes(resolved: Any, weight_format: str, *, amx: bool = False) 
         for name, n in coded.items()
         if not any(a in name and name.replace(a, b) not in coded for a, b in partner.items())
     )
-    tiles = amx and amx_expected()
-    per_weight = CODED_BYTES_PER_WEIGHT - (0 if weight_format == "auto" and not tiles else 4)
-    return int(elements * (per_weight + (TILE_BYTES_PER_WEIGHT if tiles else 0)))
+    strips = weight_format == "auto" and not (amx and amx_expected())
+    return int(elements * (CODED_BYTES_PER_WEIGHT - (0 if strips else 4)))
 
 
 def _dtype_name(name: str, device: str) -> str:

@@ -77,11 +77,10 @@ def weight_bytes(model: nn.Module) -> int:
 
     users: dict[int, tuple[Any, bool]] = {}
     for module in model.modules():
-        # A native linear with byte codes beside its float32 strips or AMX tiles reads the
-        # codes at batch 1.
+        # A native linear with byte codes beside its float32 strips reads the codes at batch 1.
         coded = getattr(module, "codes", None) is not None
         for param in module.parameters(recurse=False):
-            if coded and any(param is getattr(module, n, None) for n in ("packed", "tiles")):
+            if coded and param is getattr(module, "packed", None):
                 continue
             _, only_embeddings = users.get(id(param), (param, True))
             users[id(param)] = (param, only_embeddings and isinstance(module, nn.Embedding))

@@ -11,7 +11,7 @@ import torch
 
 from aioinfer import LLM, SamplingParams
 from aioinfer.model.kernels import cpu_native
-from aioinfer.model.kernels.packed_weights import CodedWeight, amx_tiles, code_weight
+from aioinfer.model.kernels.packed_weights import CodedWeight, code_weight
 from aioinfer.model.layers.native_cpu import PackedLinear
 from tests.model.test_coded_weights import _quantized_tiny_model, ggml_round_trip, random_blocks
 
@@ -57,26 +57,16 @@ def test_amx_linears_are_as_accurate_as_float32(
     spread over 2^-20 .. 2^20, so that every bfloat16 part of it counts."""
     n, k = 48, 512
     weight, coded = coded_weight(qtype, n, k, seed=m)
-    tiled = CodedWeight(coded.codes, coded.scales, tiles=amx_tiles(coded.codes))
+    on_amx = CodedWeight(coded.codes, coded.scales, amx=True)
     gen = torch.Generator().manual_seed(100 + m)
     spread = 2.0 ** torch.randint(-20, 21, (m, k), generator=gen).float()
     x = torch.randn(m, k, generator=gen) * spread
     bias = torch.randn(n, generator=gen)
-    got = kernels.packed_linear(x, tiled, bias)
+    got = kernels.packed_linear(x, on_amx, bias)
     assert float(relative_error(got, x, weight, bias).max()) <= TOLERANCE
     # The FMA path, for scale: each output one chain of k FMAs
     fma = relative_error(kernels.packed_linear(x, coded, bias), x, weight, bias)
     assert float(relative_error(got, x, weight, bias).mean()) <= 2 * float(fma.mean())
-
-
-def test_amx_tiles_hold_the_codes_in_pairs_of_k(kernels: cpu_native.NativeKernels) -> None:
-    _, coded = coded_weight("Q8_0", 32, 64, seed=1)
-    tiles = amx_tiles(coded.codes)
-    assert tiles.dtype == torch.bfloat16 and tiles.shape == (2, 2, 16, 16, 2)
-    codes = coded.codes.float()  # [strip, k, column]
-    for strip, run, pair, column, half in [(0, 0, 0, 0, 0), (1, 1, 15, 9, 1), (0, 1, 3, 15, 1)]:
-        k = run * 32 + 2 * pair + half
-        assert float(tiles[strip, run, pair, column, half]) == float(codes[strip, k, column])
 
 
 def test_an_engine_with_amx_linears_gives_the_fma_engines_tokens(
@@ -84,9 +74,9 @@ def test_an_engine_with_amx_linears_gives_the_fma_engines_tokens(
 ) -> None:
     """Prompt steps of 52 tokens run every linear of a layer on AMX (q, k and v from one split
     of x; o and down added to the residual; gate and up as one gated pass); the decode steps of
-    6 rows stay on the FMA path. The coded linears hold tiles instead of strips (the plan's
-    count of them: test_coded_weights.py, for a GGUF); tokens equal the FMA engine's, logprobs
-    within float32's rounding."""
+    6 rows stay on the FMA path. The coded linears keep no float32 strips then (the plan's
+    count: test_coded_weights.py, for a GGUF); tokens equal the FMA engine's, logprobs within
+    float32's rounding."""
     if kernels is not cpu_native.load():
         pytest.skip("the engine runs this machine's build")
     _quantized_tiny_model(tmp_path)
@@ -101,7 +91,7 @@ def test_an_engine_with_amx_linears_gives_the_fma_engines_tokens(
             linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
             coded = [m for m in linears if m.codes is not None]
             assert len(coded) == 12
-            assert all((m.tiles is not None) == amx and (m.packed is None) == amx for m in coded)
+            assert all(m.amx == amx and (m.packed is None) == amx for m in coded)
             outputs[amx] = [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
     for fma, amx in zip(outputs[False], outputs[True], strict=True):
         assert amx.token_ids == fma.token_ids

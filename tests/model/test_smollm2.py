@@ -126,9 +126,9 @@ def test_long_prompts_in_chunks_and_from_the_prefix_cache_equal_transformers(hf_
 
 def test_the_gguf_linears_run_from_exact_byte_codes(llm):
     """Every decoder linear of the Q4_1 file is held as byte codes beside its float32 strips,
-    or on a CPU with AMX its AMX tiles (the LM head, tied to the Q8_0 embedding, as floats), and
-    an engine holding the codes alone (and their tiles) gives the same tokens and logprobs, bit
-    for bit, through prompt and decode steps."""
+    or alone on a CPU with AMX, which reads them in steps of many rows (the LM head, tied to
+    the Q8_0 embedding, as floats), and an engine holding the codes alone gives the same
+    tokens and logprobs, bit for bit, through prompt and decode steps."""
     from aioinfer.model.layers.native_cpu import PackedLinear
     from aioinfer.plan import build_plan_configs, make_plan
 
@@ -140,7 +140,7 @@ def test_the_gguf_linears_run_from_exact_byte_codes(llm):
     layers = model.hf_config.num_hidden_layers
     amx = cpu_native.load().has_amx  # type: ignore[union-attr]
     assert len(coded) == 7 * layers
-    assert all((m.tiles is not None) == amx and (m.packed is None) == amx for m in coded)
+    assert all(m.amx == amx and (m.packed is None) == amx for m in coded)
     assert model.lm_head.codes is None
     messages = [{"role": "user", "content": "Name three rivers of Europe and their seas."}]
     params = [

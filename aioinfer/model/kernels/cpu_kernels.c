@@ -144,7 +144,7 @@ typedef struct {
     const float *strips;
     const signed char *codes;
     const float *scales;
-    const unsigned short *tiles; /* the codes as AMX reads them, or NULL (see AMX linears) */
+    long amx; /* with codes: steps of many rows read them on AMX (see AMX linears) */
 } Weight;
 #define CODE_BLOCK 32
 
@@ -289,10 +289,8 @@ static void decode_tile(const Tile *coded, long vecs, int gated, const Tile *pan
  * rows run on the tile unit, whose bfloat16 dot products (TDPBF16PS: a 16 x 32 by 32 x 16
  * product into 16 x 16 float32 sums) are about 10x the FMA units' float32 rate, and still
  * give float32 results:
- * - the codes (integers in [-128, 127]) are bfloat16s exactly, so the weight tiles hold them
- *   (`Weight.tiles`, bfloat16 [N / 16][K / 32][16][16][2]: per strip and run of 32 k, 16 pairs
- *   of k by 16 columns, the pair in adjacent halves, as the instruction reads its second
- *   operand);
+ * - the codes (integers in [-128, 127]) are bfloat16s exactly, converted run by run into the
+ *   instruction's second operand (codes_to_tile);
  * - each row of x is split into three bfloat16 parts, x = hi + mid + lo exactly (each part
  *   what the parts before it left, truncated: 8 significant bits apiece, 24 in all);
  * - a product of two bfloat16s is exact in float32, and the unit adds the products in float32:
@@ -304,7 +302,11 @@ static void decode_tile(const Tile *coded, long vecs, int gated, const Tile *pan
  * step's row count, as with any GEMM that picks its kernel by shape.
  * Tiles: 0-3 the sums of 2 row tiles x 2 column strips, 4-5 the row tiles' parts of x, 6-7
  * the strips' codes. Each run's sums go through memory to be scaled into float32
- * accumulators that stay in L1.
+ * accumulators that stay in L1. The scaling is the price of codes with a scale per run: a
+ * 64-row linear with it took 1.4-1.7x as long as the same tile work without it, the vector
+ * units' work adding to the tile unit's rather than overlapping it (software pipelining the
+ * scaling one run behind made no difference). SmolLM2's linears run 1.5-2x faster than on
+ * the FMA units at 16 to 4096 rows.
  */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && LANES == 16
 #define HAVE_AMX 1
@@ -391,22 +393,42 @@ static SplitRows split_rows(const float *x, long M, long K, float *buffer) {
     return s;
 }
 
-/* One AMX tile job: rows [r, r + 16 * row_tiles) of the split x against 1 or 2 strips of
- * codes (2: columns col .. col + 32, or, gated, the gate's and the up projection's 16). */
+/* Run `run` of a strip of codes (32 rows of k, 16 codes each) as the instruction's second
+ * operand, in `tile`: bfloat16 [16][16][2], lane c of pair p holding the codes of k = 2p and
+ * 2p + 1 of column c, each the top half of the code as a float32 (exact: 8 bits). Converted
+ * from the byte codes for every pass of a row block, not kept as bfloat16 tiles beside them:
+ * half the bytes to read, which made a 64-row linear 5-10 % faster, and no memory besides the
+ * codes. */
+static inline void codes_to_tile(const signed char *codes, long run, unsigned short *tile) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const signed char *k = codes + run * CODE_BLOCK * STRIP;
+    for (long pair = 0; pair < 16; pair++, k += 2 * STRIP) {
+        __m512i even = (__m512i)_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)k)));
+        __m512i odd = (__m512i)_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(k + STRIP))));
+        _mm512_store_si512(tile + pair * 32, (odd & high) | _mm512_srli_epi32(even, 16));
+    }
+}
+
+/* One AMX tile job: rows [m0, m1) of the split x (a row block) against 1 or 2 strips of codes
+ * (2: columns col .. col + 32, or, gated, the gate's and the up projection's 16). */
 typedef struct {
     const SplitRows *x;
-    long K, N, M, r;
-    const unsigned short *tiles[2];
+    long K, N, M, m0, m1;
+    const signed char *codes[2];
     const float *scales[2], *bias[2];
     float *y;
     int accumulate;
 } AmxTile;
 
-/* acc [32][32] += each column's scale * the run's sums c [row tile][strip][16][16] + its
- * offset * the row's sum over the run. */
+#define AMX_BLOCK_ROWS 128 /* the most rows of a row block: their sums stay in L1 (16 KiB) */
+
+/* acc [rows][32] += each column's scale * the run's sums c [row tile][strip][16][16] + its
+ * offset * the row's sum over the run, for the row_tiles tiles from row r. */
 static inline __attribute__((always_inline)) void scale_run(float (*acc)[32],
                                                             float (*c)[2][16][16],
-                                                            const AmxTile *t, long run,
+                                                            const AmxTile *t, long run, long r,
                                                             const long row_tiles,
                                                             const long strips) {
     const long runs = t->K / CODE_BLOCK;
@@ -414,67 +436,74 @@ static inline __attribute__((always_inline)) void scale_run(float (*acc)[32],
         const float *block = t->scales[j] + run * 2 * STRIP;
         vf scale = load(block), offset = load(block + STRIP);
         for (long i = 0; i < row_tiles * AMX_ROWS; i++) {
-            vf sum = splat(t->x->sums[(t->r + i) * runs + run]);
-            float *out = acc[i] + j * STRIP;
+            vf sum = splat(t->x->sums[(r + i) * runs + run]);
+            float *out = acc[r - t->m0 + i] + j * STRIP;
             store(out, load(out) + load(c[i / AMX_ROWS][j][i % AMX_ROWS]) * scale + sum * offset);
         }
     }
 }
 
-static inline __attribute__((always_inline)) void amx_tile(const AmxTile *t,
-                                                           const long row_tiles,
-                                                           const long strips, const int gated) {
-    float acc[2 * AMX_ROWS][32] __attribute__((aligned(64)));
+/* Run by run, the run's codes converted once for every row tile of the block. */
+static inline __attribute__((always_inline)) void amx_tile(const AmxTile *t, const long strips,
+                                                           const int gated) {
+    float acc[AMX_BLOCK_ROWS][32] __attribute__((aligned(64)));
     float c[2][2][16][16] __attribute__((aligned(64)));
+    unsigned short tiles[2][512] __attribute__((aligned(64)));
+    const long K = t->K, rows = t->x->rows;
     for (long j = 0; j < strips; j++) {
         vf init = t->bias[j] ? load(t->bias[j]) : splat(0.0f);
-        for (long i = 0; i < row_tiles * AMX_ROWS; i++) store(acc[i] + j * STRIP, init);
+        for (long i = 0; i < t->m1 - t->m0; i++) store(acc[i] + j * STRIP, init);
     }
-    const long K = t->K, rows = t->x->rows;
     for (long run = 0; run < K / CODE_BLOCK; run++) {
-        const unsigned short *a = t->x->parts + t->r * K + run * CODE_BLOCK;
-        for (long j = 0; j < strips; j++) /* the codes of two runs on: 8-15 % at decode sizes */
-            for (long line = 0; line < 16; line++)
-                _mm_prefetch((const char *)(t->tiles[j] + (run + 2) * 512 + line * 32),
+        for (long j = 0; j < strips; j++) {
+            /* the codes of two runs on: 8-15 % at decode sizes, where they come from memory */
+            for (long line = 0; line < 8; line++)
+                _mm_prefetch((const char *)(t->codes[j] + (run + 2) * 512 + line * 64),
                              _MM_HINT_T0);
+            codes_to_tile(t->codes[j], run, tiles[j]);
+        }
         /* tile numbers must be constants: 0-3 sums, 4-5 x, 6-7 codes */
-        _tile_zero(0);
-        _tile_loadd(6, t->tiles[0] + run * 512, 64);
-        if (strips == 2) {
-            _tile_zero(1);
-            _tile_loadd(7, t->tiles[1] + run * 512, 64);
-        }
-        if (row_tiles == 2) {
-            _tile_zero(2);
-            if (strips == 2) _tile_zero(3);
-        }
-        for (long p = 0; p < 3; p++) {
-            const unsigned short *part = a + p * rows * K;
-            _tile_loadd(4, part, K * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            if (strips == 2) _tile_dpbf16ps(1, 4, 7);
-            if (row_tiles == 2) {
-                _tile_loadd(5, part + AMX_ROWS * K, K * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                if (strips == 2) _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(6, tiles[0], 64);
+        if (strips == 2) _tile_loadd(7, tiles[1], 64);
+        for (long r = t->m0; r < t->m1; r += 2 * AMX_ROWS) {
+            const unsigned short *a = t->x->parts + r * K + run * CODE_BLOCK;
+            const int two = t->m1 - r > AMX_ROWS; /* row tiles from r: 2, or the last 1 */
+            _tile_zero(0);
+            if (strips == 2) _tile_zero(1);
+            if (two) {
+                _tile_zero(2);
+                if (strips == 2) _tile_zero(3);
+            }
+            for (long p = 0; p < 3; p++) {
+                const unsigned short *part = a + p * rows * K;
+                _tile_loadd(4, part, K * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                if (strips == 2) _tile_dpbf16ps(1, 4, 7);
+                if (two) {
+                    _tile_loadd(5, part + AMX_ROWS * K, K * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (strips == 2) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c[0][0], 64);
+            if (strips == 2) _tile_stored(1, c[0][1], 64);
+            if (two) {
+                _tile_stored(2, c[1][0], 64);
+                if (strips == 2) _tile_stored(3, c[1][1], 64);
+                scale_run(acc, c, t, run, r, 2, strips);
+            } else {
+                scale_run(acc, c, t, run, r, 1, strips);
             }
         }
-        _tile_stored(0, c[0][0], 64);
-        if (strips == 2) _tile_stored(1, c[0][1], 64);
-        if (row_tiles == 2) {
-            _tile_stored(2, c[1][0], 64);
-            if (strips == 2) _tile_stored(3, c[1][1], 64);
-        }
-        scale_run(acc, c, t, run, row_tiles, strips);
     }
-    for (long i = 0; i < row_tiles * AMX_ROWS && t->r + i < t->M; i++) {
-        float *out = t->y + (t->r + i) * t->N;
+    for (long i = t->m0; i < t->m1 && i < t->M; i++) {
+        float *out = t->y + i * t->N, *sums = acc[i - t->m0];
         if (gated) { /* as micro_tile's epilogue */
-            store(out, silu_times(load(acc[i]), load(acc[i] + STRIP)));
+            store(out, silu_times(load(sums), load(sums + STRIP)));
             continue;
         }
         for (long j = 0; j < strips; j++) {
-            vf sum = load(acc[i] + j * STRIP);
+            vf sum = load(sums + j * STRIP);
             store(out + j * STRIP, t->accumulate ? load(out + j * STRIP) + sum : sum);
         }
     }
@@ -489,30 +518,26 @@ static void amx_linear_tiles(const SplitRows *x, long M, long K, const Weight *w
     const long num_tiles = (N + tile_cols - 1) / tile_cols; /* the last may be half wide */
     const long runs = K / CODE_BLOCK;
     long block = AMX_BLOCK_BYTES / (K * 6) / (2 * AMX_ROWS) * (2 * AMX_ROWS);
-    if (block < 2 * AMX_ROWS) block = 2 * AMX_ROWS;
+    block = block < 2 * AMX_ROWS ? 2 * AMX_ROWS : block > AMX_BLOCK_ROWS ? AMX_BLOCK_ROWS : block;
     configure_tiles();
     for (long m0 = 0; m0 < x->rows; m0 += block) {
-        long m1 = m0 + block < x->rows ? m0 + block : x->rows;
 #pragma omp for schedule(static) nowait
         for (long p = 0; p < num_tiles; p++) {
             long col = p * tile_cols, strip = col / STRIP;
             long strips = gated || N - col >= 2 * STRIP ? 2 : 1;
-            AmxTile t = {.x = x, .K = K, .N = N, .M = M, .y = y + col, .accumulate = accumulate};
+            AmxTile t = {.x = x, .K = K, .N = N, .M = M, .m0 = m0, .y = y + col,
+                         .m1 = m0 + block < x->rows ? m0 + block : x->rows,
+                         .accumulate = accumulate};
             for (long j = 0; j < strips; j++) { /* gated: the gate's strip, then up's */
                 const Weight *wj = gated && j ? up : w;
                 const float *bj = gated && j ? up_bias : bias;
                 long s = gated ? strip : strip + j;
-                t.tiles[j] = wj->tiles + s * runs * 512;
+                t.codes[j] = wj->codes + s * K * STRIP;
                 t.scales[j] = wj->scales + s * runs * 2 * STRIP;
                 t.bias[j] = bj ? bj + s * STRIP : 0;
             }
-            for (t.r = m0; t.r < m1; t.r += 2 * AMX_ROWS) {
-                long row_tiles = m1 - t.r >= 2 * AMX_ROWS ? 2 : 1;
-                if (row_tiles == 2 && strips == 2) amx_tile(&t, 2, 2, gated);
-                else if (row_tiles == 2) amx_tile(&t, 2, 1, 0);
-                else if (strips == 2) amx_tile(&t, 1, 2, gated);
-                else amx_tile(&t, 1, 1, 0);
-            }
+            if (strips == 2) amx_tile(&t, 2, gated);
+            else amx_tile(&t, 1, 0);
         }
     }
     _tile_release();
@@ -531,7 +556,7 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
                          const float *bias, const Weight *up, const float *up_bias, float *y,
                          int accumulate, const SplitRows *split) {
 #ifdef HAVE_AMX
-    if (split && w->tiles) {
+    if (split && w->amx) {
         amx_linear_tiles(split, M, K, w, N, bias, up, up_bias, y, accumulate);
         return;
     }
@@ -592,7 +617,7 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
 /* Whether a linear of w over M rows runs on AMX (see AMX linears). */
 static int takes_amx(const Weight *w, long M) {
 #ifdef HAVE_AMX
-    return w->tiles && M >= AMX_MIN_ROWS; /* tiles only where amx_available() */
+    return w->amx && M >= AMX_MIN_ROWS && amx_available(); /* asked at load: cached */
 #else
     (void)w, (void)M;
     return 0;

@@ -30,8 +30,6 @@ STRIP = 16  # output columns per strip, as pack_weight's; must match STRIP in cp
 CODE_BLOCK = 32  # weights per scale and offset along a row; must match CODE_BLOCK in cpu_kernels.c
 # Bytes a coded weight takes: its code, and its share of a float32 scale and offset.
 CODED_BYTES_PER_WEIGHT = 1 + 2 * 4 / CODE_BLOCK
-# Bytes a coded weight's AMX tile takes: its code as a bfloat16.
-TILE_BYTES_PER_WEIGHT = 2
 # GGUF tensor types whose blocks (from ggml's quantizers) dequantize to such codes.
 CODED_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"})
 # Significant bits a scale may have for code * scale to be exact (codes of 7 bits and a sign).
@@ -47,13 +45,14 @@ class CodedWeight:
     """A linear weight [N, K] as codes [N / 16, K, 16] (int8, strips as pack_weight's) and
     scales [N / 16, K / 32, 2, 16] (float32: the scale, then the offset, of each column's runs
     of 32 along K); with `strips` (pack_weight's) too, the kernels read the codes for steps of
-    few rows and the strips for the rest, each where it is faster; with `tiles` (`amx_tiles`
-    of the codes), steps of more rows run on AMX instead (cpu_kernels.c, "AMX linears")."""
+    few rows and the strips for the rest, each where it is faster; with `amx`, steps of more
+    rows read the codes on AMX instead (cpu_kernels.c, "AMX linears"; only where the kernels
+    have AMX)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     strips: torch.Tensor | None = None
-    tiles: torch.Tensor | None = None
+    amx: bool = False
 
     @property
     def out_features(self) -> int:
@@ -75,15 +74,6 @@ class CodedWeight:
         offset = self.scales[:, :, 1].repeat_interleave(CODE_BLOCK, dim=1)
         weight = self.codes.to(torch.float32) * scale + offset
         return weight.transpose(1, 2).reshape(strips * STRIP, k)
-
-
-def amx_tiles(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [N / 16, K, 16] (int8) as the AMX linears read them: bfloat16 (exact for integers
-    of 8 bits) [N / 16, K / 32, 16, 16, 2], per strip and run of 32 k the 16 pairs of adjacent
-    k by the 16 columns, each pair's two codes side by side."""
-    strips, k, _ = codes.shape
-    pairs = codes.view(strips, k // CODE_BLOCK, CODE_BLOCK // 2, 2, STRIP)
-    return pairs.permute(0, 1, 2, 4, 3).to(torch.bfloat16).contiguous()
 
 
 def code_weight(weight: torch.Tensor, code_runs: CodeRuns) -> CodedWeight | None:
@@ -218,7 +208,7 @@ class WeightStruct(ctypes.Structure):
         ("strips", ctypes.c_void_p),
         ("codes", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
-        ("tiles", ctypes.c_void_p),
+        ("amx", ctypes.c_long),
     ]
 
 
@@ -248,16 +238,10 @@ def weight_struct(packed: PackedWeight) -> WeightStruct:
                 raise ValueError(
                     f"strips {tuple(strips.shape)} and codes {tuple(codes.shape)} differ"
                 )
-        tiles = packed.tiles
-        if tiles is not None:
-            shape = (num_strips, k // CODE_BLOCK, CODE_BLOCK // 2, STRIP, 2)
-            if tiles.dtype != torch.bfloat16 or not tiles.is_contiguous() or tiles.shape != shape:
-                raise ValueError(f"tiles must be contiguous bfloat16 {shape}")
         strips_pointer = None if strips is None else strips.data_ptr()
-        tiles_pointer = None if tiles is None else tiles.data_ptr()
-        return WeightStruct(strips_pointer, codes.data_ptr(), scales.data_ptr(), tiles_pointer)
+        return WeightStruct(strips_pointer, codes.data_ptr(), scales.data_ptr(), packed.amx)
     _check_strips(packed)
-    return WeightStruct(packed.data_ptr(), None, None, None)
+    return WeightStruct(packed.data_ptr(), None, None, 0)
 
 
 def _check_strips(strips: torch.Tensor) -> None:

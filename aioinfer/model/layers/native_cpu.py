@@ -29,12 +29,7 @@ from aioinfer.model.kernels.cpu_native import (
     unpack_weight,
 )
 from aioinfer.model.kernels.greedy_head import GreedyHead
-from aioinfer.model.kernels.packed_weights import (
-    CodedWeight,
-    PackedWeight,
-    amx_tiles,
-    code_weight,
-)
+from aioinfer.model.kernels.packed_weights import CodedWeight, PackedWeight, code_weight
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
@@ -48,8 +43,8 @@ class PackedLinear(nn.Module):
     """`y = x @ W^T + b` by the native kernel, with the inputs and outputs of nn.Linear. W is
     packed as float32 strips; with `code` "auto" or "coded", also or only held as byte codes
     where they rebuild every weight bit for bit (GGUF's simple quantizations; see
-    packed_weights.py). With `amx` on a CPU with AMX, coded weights also hold the codes as
-    AMX tiles, which steps of many rows read instead of float32 strips (not kept then)."""
+    packed_weights.py). With `amx` on a CPU with AMX, steps of many rows read the codes on
+    AMX instead of float32 strips, which are not kept then."""
 
     def __init__(
         self, linear: nn.Linear, kernels: NativeKernels, *, code: str = "float32", amx: bool = False
@@ -59,18 +54,15 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         wanted = code in ("auto", "coded")
         coded = code_weight(linear.weight, kernels.code_runs) if wanted else None
-        tiles = amx_tiles(coded.codes) if coded is not None and amx and kernels.has_amx else None
+        self.amx = coded is not None and amx and kernels.has_amx
         self.packed: nn.Parameter | None = None
-        if coded is None or (code == "auto" and tiles is None):
+        if coded is None or (code == "auto" and not self.amx):
             self.packed = nn.Parameter(pack_weight(linear.weight), requires_grad=False)
         self.codes: nn.Parameter | None = None
         self.scales: nn.Parameter | None = None
-        self.tiles: nn.Parameter | None = None
         if coded is not None:  # parameters, so that the model's weight memory counts them
             self.codes = nn.Parameter(coded.codes, requires_grad=False)
             self.scales = nn.Parameter(coded.scales, requires_grad=False)
-        if tiles is not None:
-            self.tiles = nn.Parameter(tiles, requires_grad=False)
         self.bias = linear.bias
         self.kernels = kernels
         # On a model's LM head: its rows' argmax without every logit (set by use_native_kernels).
@@ -84,14 +76,15 @@ class PackedLinear(nn.Module):
         if self.codes is None or self.scales is None:
             assert self.packed is not None
             return self.packed
-        return CodedWeight(self.codes, self.scales, self.packed, self.tiles)
+        return CodedWeight(self.codes, self.scales, self.packed, self.amx)
 
     def drop_codes(self) -> None:
         """Keep the weight as float32 strips only (the same floats)."""
         if self.packed is None:
             weight = self.weight_form.decode()  # type: ignore[union-attr]
             self.packed = nn.Parameter(pack_weight(weight), requires_grad=False)
-        self.codes = self.scales = self.tiles = None
+        self.codes = self.scales = None
+        self.amx = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -100,14 +93,14 @@ class PackedLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        form = ", ".join(n for n in ("packed", "codes", "tiles") if getattr(self, n) is not None)
+        form = ", ".join(n for n in ("packed", "codes") if getattr(self, n) is not None)
+        form += ", amx" if self.amx else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {form}"
 
 
 def _unpacked_state(
     module: nn.Module, state: dict[str, torch.Tensor], prefix: str, _meta: object
 ) -> None:
-    state.pop(prefix + "tiles", None)  # the codes again
     packed = state.pop(prefix + "packed", None)
     if packed is not None:
         state[prefix + "weight"] = unpack_weight(packed)
@@ -311,7 +304,7 @@ def use_native_kernels(
     "float32", see ModelConfig.cpu_weight_format): whether linears whose weights are exact byte
     codes (packed_weights.py) hold them too, or only them, except the LM head and weights tied
     to an embedding, which the greedy head and the lookups read as floats. `amx`: coded
-    weights also as AMX tiles where the CPU has AMX (see PackedLinear)."""
+    weights read on AMX in steps of many rows where the CPU has it (see PackedLinear)."""
     packed_by_weight: dict[int, nn.Parameter] = {}
     embeddings: list[tuple[nn.Module, str, nn.Embedding]] = []
     float_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -378,9 +371,8 @@ def _log_coded(model: nn.Module, weight_format: str) -> None:
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     coded = [m.weight_form for m in linears if m.codes is not None]
     if coded:
-        tiles = sum(m.tiles.nbytes for m in linears if m.tiles is not None)
-        if tiles:
-            longer = f"their AMX tiles ({tiles / 2**30:.3f} GiB)"
+        if any(m.amx for m in linears):
+            longer = "them too, on AMX"
         elif weight_format == "auto":
             longer = "their float32 strips"
         else:
