@@ -14,6 +14,8 @@ from aioinfer.model.kernels import cpu_native
 from aioinfer.model.kernels.packed_weights import CodedWeight, code_weight
 from aioinfer.model.layers.native_cpu import PackedLinear
 from tests.model.test_coded_weights import _quantized_tiny_model, ggml_round_trip, random_blocks
+from tests.model.tiny_models import make_hf_model
+from tests.tokenizer_fixtures import make_tokenizer
 
 # Error allowed per output, as a share of sum_k |x_k w_k| + |bias|: a few float32 roundings
 # (each run's sums hold 96 exact products). x in two bfloat16 parts would be off by about
@@ -69,6 +71,26 @@ def test_amx_linears_are_as_accurate_as_float32(
     assert float(relative_error(got, x, weight, bias).mean()) <= 2 * float(fma.mean())
 
 
+def engine_outputs(path, amx: bool, check) -> list:
+    """Greedy outputs with logprobs of prompts of 4 and 52 tokens through an engine."""
+    prompts = [[7 + i, 19, 300 + i, 42] * (1 + 12 * (i % 2)) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    with LLM(
+        str(path), dtype="float32", kv_cache_memory=0.01, max_model_len=128, cpu_amx=amx
+    ) as llm:
+        check(llm.engine.gpu.runner.model)
+        return [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_same_tokens_close_logprobs(fma_outputs: list, amx_outputs: list) -> None:
+    for fma, amx in zip(fma_outputs, amx_outputs, strict=True):
+        assert amx.token_ids == fma.token_ids
+        for want, got in zip(fma.logprobs, amx.logprobs, strict=True):
+            assert want.keys() == got.keys()
+            for token, logprob in want.items():
+                assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+
+
 def test_an_engine_with_amx_linears_gives_the_fma_engines_tokens(
     kernels: cpu_native.NativeKernels, tmp_path
 ) -> None:
@@ -80,22 +102,36 @@ def test_an_engine_with_amx_linears_gives_the_fma_engines_tokens(
     if kernels is not cpu_native.load():
         pytest.skip("the engine runs this machine's build")
     _quantized_tiny_model(tmp_path)
-    prompts = [[7 + i, 19, 300 + i, 42] * (1 + 12 * (i % 2)) for i in range(6)]  # 4 and 52 tokens
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     outputs = {}
     for amx in (False, True):
-        with LLM(
-            str(tmp_path), dtype="float32", kv_cache_memory=0.01, max_model_len=128, cpu_amx=amx
-        ) as llm:
-            model = llm.engine.gpu.runner.model
+
+        def check(model, amx=amx) -> None:
             linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
             coded = [m for m in linears if m.codes is not None]
             assert len(coded) == 12
             assert all(m.amx == amx and (m.packed is None) == amx for m in coded)
-            outputs[amx] = [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
-    for fma, amx in zip(outputs[False], outputs[True], strict=True):
-        assert amx.token_ids == fma.token_ids
-        for want, got in zip(fma.logprobs, amx.logprobs, strict=True):
-            assert want.keys() == got.keys()
-            for token, logprob in want.items():
-                assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+
+        outputs[amx] = engine_outputs(tmp_path, amx, check)
+    assert_same_tokens_close_logprobs(outputs[False], outputs[True])
+
+
+def test_a_float_first_layer_before_amx_layers(kernels: cpu_native.NativeKernels, tmp_path) -> None:
+    """Layer 0 holds trained floats, layer 1 codes: the step's scratch must hold the AMX
+    linears' split of x though the first layer has none."""
+    if kernels is not cpu_native.load():
+        pytest.skip("the engine runs this machine's build")
+    hf = make_hf_model("llama", seed=5, hidden_size=128, intermediate_size=192)
+    with torch.no_grad():
+        for module in hf.model.layers[1].modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(ggml_round_trip(module.weight, "Q4_1"))
+    hf.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+
+    def check(model) -> None:
+        layers = model.model.layers
+        assert all(m.codes is None for m in layers[0].modules() if isinstance(m, PackedLinear))
+        assert all(m.amx for m in layers[1].modules() if isinstance(m, PackedLinear))
+
+    fma = engine_outputs(tmp_path, False, lambda model: None)
+    assert_same_tokens_close_logprobs(fma, engine_outputs(tmp_path, True, check))

@@ -82,8 +82,7 @@ class NativeKernels:
             self.greedy_head = _bind(
                 lib.greedy_head, P, L, L, V, P, P, ctypes.c_double, L, L, P, V, V, I, restype=I
             )
-        # AMX linears (cpu_kernels.c) need the CPU, this build and the OS's leave.
-        self.has_amx = bool(_bind(lib.amx_available, restype=I)())
+        self.has_amx = bool(_bind(lib.amx_available, restype=I)())  # CPU, build and OS allow
         # Scratch of decoder_layers, grown to the largest step and reused; one per thread, as
         # the kernels are shared by every engine of the process, each with its own thread.
         self._scratch = threading.local()
@@ -344,7 +343,8 @@ class NativeKernels:
         for name, (got, want) in expected.items():
             if tuple(got) != want:  # the kernel would read past them
                 raise ValueError(f"{name} must have shape {want}, got {tuple(got)}")
-        floats = self._decoder_layer_work(ctypes.byref(first), b)
+        # The most any layer needs: AMX linears add scratch, and layer 0 may have none.
+        floats = max(self._decoder_layer_work(ctypes.byref(w), b) for w in layers)
         work = getattr(self._scratch, "work", None)
         if work is None or work.numel() < floats:
             work = self._scratch.work = torch.empty(floats)
