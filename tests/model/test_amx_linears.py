@@ -44,10 +44,15 @@ def coded_weight(qtype: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, C
     return weight, coded
 
 
-def relative_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+def error_and_scale(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    """|got - exact| and sum_k |x_k w_k| + |bias|, per output."""
     xd, wd, bd = x.double(), weight.double(), bias.double()
-    exact = xd @ wd.T + bd
-    return (got.double() - exact).abs() / (xd.abs() @ wd.abs().T + bd.abs())
+    return (got.double() - (xd @ wd.T + bd)).abs(), xd.abs() @ wd.abs().T + bd.abs()
+
+
+def relative_error(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    error, scale = error_and_scale(got, x, weight, bias)
+    return error / scale
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"])
@@ -69,6 +74,29 @@ def test_amx_linears_are_as_accurate_as_float32(
     # The FMA path, for scale: each output one chain of k FMAs
     fma = relative_error(kernels.packed_linear(x, coded, bias), x, weight, bias)
     assert float(relative_error(got, x, weight, bias).mean()) <= 2 * float(fma.mean())
+
+
+@pytest.mark.parametrize(
+    "row", ["inf", "nan", "huge", "tiny"], ids=["inf", "nan", "beyond 2^100", "below 2^-100"]
+)
+def test_rows_beyond_amx_range_keep_the_fma_path(kernels: cpu_native.NativeKernels, row) -> None:
+    """Infinities would meet codes of 0 (NaN), a run's sums of huge values overflow before
+    their scale, and the tile unit flushes the subnormal parts of a tiny row: with such a row
+    the whole linear runs on the FMA path, bit for bit."""
+    weight, coded = coded_weight("Q4_1", 48, 64, seed=3)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(4))
+    if row == "tiny":
+        x[7] *= 1e-37
+    else:
+        x[7, 37] = {"inf": float("inf"), "nan": float("nan"), "huge": 3e38}[row]
+    on_amx = CodedWeight(coded.codes, coded.scales, amx=True)
+    got, fma = kernels.packed_linear(x, on_amx, None), kernels.packed_linear(x, coded, None)
+    assert torch.equal(got.view(torch.int32), fma.view(torch.int32))
+    x[7] = 0.0  # a row of zeros is exact on AMX: the linear runs there
+    got, fma = kernels.packed_linear(x, on_amx, None), kernels.packed_linear(x, coded, None)
+    assert not torch.equal(got, fma)
+    error, scale = error_and_scale(got, x, weight, torch.zeros(48))
+    assert bool((error <= TOLERANCE * scale).all())
 
 
 def engine_outputs(path, amx: bool, check) -> list:

@@ -329,8 +329,12 @@ typedef struct {
 /* Floats of scratch that split_rows needs for M rows of K. */
 static long split_floats(long M, long K) {
     long rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-    return rows * K * 3 / 2 + rows * (K / CODE_BLOCK);
+    return rows * K * 3 / 2 + rows * (K / CODE_BLOCK) + 16; /* and a flag (see split_rows) */
 }
+
+/* Rows whose values reach past these stay on the FMA path (see split_rows). */
+#define AMX_LARGEST 0x1p100f
+#define AMX_SMALLEST 0x1p-100f
 
 #ifdef HAVE_AMX
 typedef struct {
@@ -361,13 +365,20 @@ static void configure_tiles(void) {
 }
 
 /* Inside a parallel region (ends with its barrier): x [M, K] into `buffer`
- * (split_floats(M, K) floats) as AMX linears read it. */
-static SplitRows split_rows(const float *x, long M, long K, float *buffer) {
-    SplitRows s = {.rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS};
+ * (split_floats(M, K) floats) as AMX linears read it; 0 where a row cannot go to AMX, and x
+ * must stay on the FMA path: a value beyond AMX_LARGEST (a run's sum of codes times x would
+ * overflow float32 before its scale brings it down; infinities would meet codes of 0), NaN,
+ * or a row whose largest value is below AMX_SMALLEST but not 0 (the tile unit flushes
+ * subnormal parts, which would be all of such a row's lowest). */
+static int split_rows(const float *x, long M, long K, float *buffer, SplitRows *s) {
+    s->rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     unsigned short *parts = (unsigned short *)buffer;
-    float *sums = buffer + s.rows * K * 3 / 2;
-    s.parts = parts;
-    s.sums = sums;
+    float *sums = buffer + s->rows * K * 3 / 2;
+    int *unfit = (int *)(sums + s->rows * (K / CODE_BLOCK)); /* shared by the team */
+    s->parts = parts;
+    s->sums = sums;
+#pragma omp single
+    *unfit = 0;
     /* The part is the top 16 bits of what the parts before it left: a float truncated to a
      * bfloat16. Of x's 24 significant bits, each part takes the first 8 left, and the
      * subtraction is exact, so the third takes the last of them whole. */
@@ -375,22 +386,37 @@ static SplitRows split_rows(const float *x, long M, long K, float *buffer) {
     __m512i odd_halves; /* 16-bit lanes 1, 3, .., 31 of a, then of b */
     for (int i = 0; i < 32; i++) ((short *)&odd_halves)[i] = (short)(2 * i + 1);
 #pragma omp for schedule(static)
-    for (long m = 0; m < s.rows; m++)
+    for (long m = 0; m < s->rows; m++) {
+        vf largest = splat(0.0f);
+        vi nan = {0};
         for (long k = 0; k < K; k += CODE_BLOCK) {
             __m512 a = _mm512_setzero_ps(), b = a;
             if (m < M) {
                 a = _mm512_loadu_ps(x + m * K + k);
                 b = _mm512_loadu_ps(x + m * K + k + 16);
             }
+            largest = max_v(largest, max_v(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            nan |= (a != a) | (b != b);
             sums[m * (K / CODE_BLOCK) + k / CODE_BLOCK] = sum_lanes(a + b);
             for (long p = 0; p < 3; p++) {
                 __m512i part = _mm512_permutex2var_epi16((__m512i)a, odd_halves, (__m512i)b);
-                _mm512_storeu_si512(parts + (p * s.rows + m) * K + k, part);
+                _mm512_storeu_si512(parts + (p * s->rows + m) * K + k, part);
                 a -= (__m512)((__m512i)a & top);
                 b -= (__m512)((__m512i)b & top);
             }
         }
-    return s;
+        float row_max = 0.0f;
+        int any_nan = 0;
+        for (int i = 0; i < LANES; i++) {
+            any_nan |= nan[i];
+            row_max = largest[i] > row_max ? largest[i] : row_max;
+        }
+        if (any_nan || row_max > AMX_LARGEST || (row_max > 0.0f && row_max < AMX_SMALLEST)) {
+#pragma omp atomic write
+            *unfit = 1;
+        }
+    }
+    return !*unfit; /* after the loop's barrier: every thread reads the same */
 }
 
 /* Run `run` of a strip of codes (32 rows of k, 16 codes each) as the instruction's second
@@ -631,10 +657,7 @@ static const SplitRows *split_for(const float *x, long M, long K, const Weight *
                                   long count, float *buffer, SplitRows *split) {
 #ifdef HAVE_AMX
     for (long i = 0; i < count; i++)
-        if (takes_amx(w[i], M)) {
-            *split = split_rows(x, M, K, buffer);
-            return split;
-        }
+        if (takes_amx(w[i], M)) return split_rows(x, M, K, buffer, split) ? split : 0;
 #else
     (void)x, (void)M, (void)K, (void)w, (void)count, (void)buffer, (void)split;
 #endif

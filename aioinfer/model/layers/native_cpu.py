@@ -372,17 +372,16 @@ def _log_coded(model: nn.Module, weight_format: str) -> None:
     coded = [m.weight_form for m in linears if m.codes is not None]
     if coded:
         if any(m.amx for m in linears):
-            longer = "them too, on AMX"
+            reads = "steps of few rows read them on the FMA units, longer steps on AMX"
         elif weight_format == "auto":
-            longer = "their float32 strips"
+            reads = "steps of few rows read them, longer steps their float32 strips"
         else:
-            longer = "them too"
+            reads = "every step reads them"
         logger.info(
-            "%d of %d linear weights are exact byte codes (%.3f GiB); steps of few rows read "
-            "them, longer steps %s (--cpu-weight-format %s)",
+            "%d of %d linear weights are exact byte codes (%.3f GiB); %s (--cpu-weight-format %s)",
             len(coded),
             len(linears),
             sum(w.nbytes for w in coded) / 2**30,
-            longer,
+            reads,
             weight_format,
         )
