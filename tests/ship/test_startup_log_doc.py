@@ -92,7 +92,8 @@ def test_plan_predicts_the_logged_numbers():
 
 
 def test_every_flag_the_doc_names_exists():
-    fields = {f.name for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)}
-    known = {"--" + name.replace("_", "-") for name in fields} | OTHER_FLAGS
+    fields = [f for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)]
+    known = {"--" + f.name.replace("_", "-") for f in fields} | OTHER_FLAGS
+    known |= {"--no-" + f.name.replace("_", "-") for f in fields if f.default is True}
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", DOC.read_text()))
     assert named - known == set()
