@@ -10,6 +10,7 @@ from typing import Any
 _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 32
 MAX_BAD_WORDS = 128
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _is_int(value: object) -> bool:
@@ -173,6 +174,18 @@ class SamplingParams:
     def clone(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
 
+    def checked_copy(self) -> SamplingParams:
+        """A copy with its own lists, checked again: what a request keeps, so that fields a
+        script sets after construction (as vLLM scripts do) are checked before the request is
+        queued, and later changes to this object do not reach it."""
+        lists = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
+        copies: dict[str, Any] = {
+            n: list(v) for n in lists if isinstance(v := getattr(self, n), list)
+        }
+        if isinstance(self.logit_bias, dict):
+            copies["logit_bias"] = dict(self.logit_bias)
+        return replace(self, **copies)
+
     def for_sequence(self, index: int) -> SamplingParams:
         """Sequence `index`'s params (of n): a seeded request's sequences draw from seeds seed,
         seed + 1, ..., wrapped into the 64-bit range a seed may take."""
@@ -320,6 +333,12 @@ class SamplingParams:
             self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1
         ):
             raise bad("truncate_prompt_tokens", "-1 (the context length) or >= 1")
-        for token in self.logit_bias or {}:
+        for token, bias in (self.logit_bias or {}).items():
             if token < 0:
                 raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if math.isfinite(bias) and abs(bias) > FLOAT32_MAX:
+                # the logits are float32: a bias beyond it would be an infinity there
+                raise ValueError(
+                    f"logit_bias values must be within +-{FLOAT32_MAX:.4g} (float32), or -inf, "
+                    f"got {bias!r} for token {token}"
+                )

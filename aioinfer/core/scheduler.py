@@ -142,8 +142,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.waiting.append(request)  # first: a queue that refuses it leaves nothing behind
         self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request in any state and free its blocks at once. Idempotent: returns the

@@ -321,6 +321,7 @@ class AsyncEngine:
                 "LLM.embed; it does not generate text"
             )
         self._check_priority(priority)
+        params = params.checked_copy()
         lora_slot = self.loras.slot_of(lora)
         prompt_token_ids = self.limits.truncate(prompt_token_ids, params)
         max_tokens = self.limits.check_generation(prompt_token_ids, params)
@@ -437,6 +438,8 @@ class AsyncEngine:
 
     def _check_priority(self, priority: int) -> None:
         assert self.scheduler is not None
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.scheduler.policy != "priority":
             raise ValueError(
                 f"priority is only used with --scheduling-policy priority, got {priority}"

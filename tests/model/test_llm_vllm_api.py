@@ -73,6 +73,26 @@ def test_stop_set_after_construction_counts(tiny):
     assert cut.finish_reason == "stop" and cut.text == free[: free.index(stop)]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seed", 1.5), ("top_k", 2.5), ("logprobs", -5), ("prompt_logprobs", -5),
+     ("temperature", "1"), ("max_tokens", 0), ("allowed_token_ids", [-1]), ("min_p", 2.0)],
+)  # fmt: skip
+def test_fields_set_after_construction_are_checked_before_the_request_queues(tiny, field, value):
+    """Fields set after construction (as vLLM scripts do) are checked again when a request is
+    added: each of these once reached the step, where the sampler's error killed the engine
+    for good, or gave wrong output (max_tokens 0 made one token, -1 an allowed token wrap)."""
+    llm, _ = tiny
+    params = SamplingParams(max_tokens=4)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=field):
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    pool = llm.engine.scheduler.kv.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks and not llm.engine.scheduler.requests
+
+
 def test_chat_text_parts_template_kwargs_and_the_rendered_prompt(tiny):
     llm, _ = tiny
     parts = [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "world"}]

@@ -91,6 +91,15 @@ def test_a_low_priority_request_that_started_first_is_the_one_preempted():
     assert (high.num_preemptions, low.num_preemptions > 0) == (0, True)
 
 
+def test_a_request_the_queue_refuses_is_not_left_in_the_scheduler():
+    sched, runner = engine()
+    sched.add(request("a", [5, 6, 7], 1, 0.0))
+    with pytest.raises(TypeError):
+        sched.add(request("b", [5, 6, 7], None, 1.0))  # cannot be ordered against 1
+    assert list(sched.requests) == ["a"]
+    assert admission_order(sched, runner) == ["a"]
+
+
 def test_the_priority_queue_keeps_its_order_through_removals_and_returns():
     queue = PriorityQueue()
     requests = [request(f"r{i}", [5], p, float(i)) for i, p in enumerate([3, 1, 3, 0, 1])]
@@ -151,6 +160,12 @@ def test_the_offline_llm_takes_a_priority_per_prompt():
         assert [index[rid] for rid in first_seen] == [1, 2, 0]
         with pytest.raises(ValueError, match="one entry per prompt"):
             llm.generate(prompts, params, use_tqdm=False, priority=[1])
+        # Priorities that cannot be ordered with ints are refused by name, leaving nothing
+        # queued (a None once reached the queue's comparison, and stayed in the scheduler).
+        for bad in ([None, 1], [1.5, 0], ["b", "a"], [True, 0]):
+            with pytest.raises(ValueError, match="priority must be an integer"):
+                llm.generate(prompts[:2], params, use_tqdm=False, priority=bad)
+            assert not llm.engine.scheduler.requests
     finally:
         llm.shutdown()
     fifo = fake_llm(FakeRunnerFactory())

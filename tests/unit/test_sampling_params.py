@@ -64,6 +64,8 @@ def test_seed_minus_one_means_no_seed_as_in_vllm():
         ("logit_bias", {5: math.inf}, "numbers"),
         ("logit_bias", {5: math.nan}, "numbers"),
         ("logit_bias", {"5": 1.0}, "integer token ids"),
+        ("logit_bias", {5: 1e39}, "float32"),  # an infinity among float32 logits
+        ("logit_bias", {5: -1e39}, "float32"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, fragment):
@@ -103,3 +105,21 @@ def test_has_penalties_and_clone():
     assert p.has_penalties
     q = p.clone(seed=3)
     assert q.seed == 3 and q.repetition_penalty == 1.2 and p.seed is None
+
+
+def test_checked_copy_checks_again_and_owns_its_collections():
+    """What a request keeps: later changes to the caller's object do not reach it, and fields
+    set after construction are checked as on construction."""
+    params = SamplingParams(stop=["a"], stop_token_ids=[3], bad_words=["x"], logit_bias={1: 2.0})
+    copy = params.checked_copy()
+    params.stop.append("b")
+    params.stop_token_ids.append(4)
+    params.bad_words.append("y")
+    params.logit_bias[2] = 1.0
+    assert (copy.stop, copy.stop_token_ids, copy.bad_words) == (["a"], [3], ["x"])
+    assert copy.logit_bias == {1: 2.0}
+    params.top_k = -1  # normalised as on construction
+    assert params.checked_copy().top_k == 0
+    params.top_k = 2.5
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        params.checked_copy()
