@@ -10,6 +10,8 @@ import json
 import math
 import os
 import re
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -57,6 +59,39 @@ def _origins(values: tuple[str, ...]) -> tuple[str, ...]:
 
 def _opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
+
+
+def _type_fits(value: Any, hint: Any) -> bool:
+    """Whether `value` is of the annotated type (the few kinds the configs use)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_fits(value, arg) for arg in typing.get_args(hint))
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):  # an int where a float goes, as Python's own numbers
+        kinds = (int,) if hint is int else (int, float)
+        return isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(
+            _type_fits(v, typing.get_args(hint)[0]) for v in value
+        )
+    return isinstance(value, origin or hint)
+
+
+def _check_types(cfg: object) -> None:
+    """Each field of the annotated type: configs built in code (LLM(...) options) are not
+    checked by the command line's parser, and a string or a float where an int goes would
+    fail later, far from the option's name."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if not _type_fits(value, hints[f.name]):
+            kind = "a finite number" if f.type == "float" else str(f.type)
+            raise ValueError(f"{f.name} must be {kind}, got {value!r:.80}")
 
 
 def _check_positive(cfg: object, *names: str) -> None:
@@ -164,6 +199,7 @@ class ModelConfig:
         # One name as a string (vLLM's LLM(served_model_name=...) takes one or a list).
         names = () if not names else (names,) if isinstance(names, str) else tuple(names)
         object.__setattr__(self, "served_model_name", names)
+        _check_types(self)
         # vLLM's (and torch's) other names for the same types.
         aliases = {"half": "float16", "float": "float32"}
         object.__setattr__(self, "dtype", aliases.get(self.dtype, self.dtype))
@@ -245,6 +281,7 @@ class CacheConfig:
     enable_prefix_caching: bool = _opt(True, "Reuse the KV cache of shared prompt prefixes.")
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_positive(self, "block_size", "kv_cache_memory", "num_gpu_blocks_override")
         _check_positive(self, "kv_cache_memory_bytes")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -356,6 +393,7 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_positive(
             self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "queue_timeout"
         )

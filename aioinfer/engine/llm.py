@@ -30,6 +30,7 @@ from aioinfer.core.pooling import PoolingParams, cosine, score_pairs
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
+from aioinfer.engine.llm_inputs import conversations, normalise_prompts, token_ids, utf8_text
 from aioinfer.engine.llm_options import llm_configs
 from aioinfer.engine.progress import Progress
 from aioinfer.engine.stream import RequestStream, gather_or_cancel
@@ -104,7 +105,7 @@ class LLM:
         "prompt" or "prompt_token_ids". `priority`: one per prompt, with
         scheduling_policy="priority" (lower first), as vLLM's. `lora_request`: a LoRA adapter
         for every prompt, or one (or None) per prompt; needs enable_lora=True."""
-        batch = self._normalise_prompts(prompts)
+        batch = normalise_prompts(prompts)
         encoded = [self._encode(p) for p in batch]
         if priority is not None and len(priority) != len(encoded):
             raise ValueError(
@@ -134,7 +135,7 @@ class LLM:
                 f"beam_width must be <= {cap // 2} (each step reads 2 x beam_width logprobs, "
                 f"at most --max-logprobs {cap}), got {params.beam_width}"
             )
-        prompt_ids = [self._encode(p)[1] for p in self._normalise_prompts(prompts)]
+        prompt_ids = [self._encode(p)[1] for p in normalise_prompts(prompts)]
         loras = _per_prompt(
             lora_request, len(prompt_ids), "lora_request", LoRARequest, optional=True
         )
@@ -172,18 +173,18 @@ class LLM:
             )
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs: the models served here take text only")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded: list[tuple[str | None, list[int]]] = []
-        for conversation in conversations:
+        for conversation in conversations(messages):
             text = chat_prompt_text(
                 self.engine.tokenizer,
-                [template_message(m) for m in cast(list[Message], conversation)],
+                [template_message(m) for m in conversation],
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template or self.engine.model_config.chat_template,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
                 tools=tools,
             )
+            text = utf8_text(text, "messages")
             encoded.append((text, encode_rendered_chat(self.engine.tokenizer, text)))
         return self._run(encoded, sampling_params, use_tqdm, loras=[lora_request] * len(encoded))
 
@@ -238,7 +239,7 @@ class LLM:
         use_tqdm: bool,
         truncate_prompt_tokens: int | None,
     ) -> list[EmbeddingRequestOutput]:
-        batch = self._normalise_prompts(prompts)
+        batch = normalise_prompts(prompts)
         encoded = [self._encode(p) for p in batch]
         params_list = _per_prompt(
             pooling_params or PoolingParams(), len(encoded), "pooling_params", PoolingParams
@@ -263,7 +264,7 @@ class LLM:
         scores its probability; an embedding model scores the cosine similarity of the texts'
         embeddings, each distinct text embedded once."""
         pairs = score_pairs(
-            self._normalise_prompts(data_1), self._normalise_prompts(data_2), ("data_1", "data_2")
+            normalise_prompts(data_1), normalise_prompts(data_2), ("data_1", "data_2")
         )
         pooler = self.engine.pooler
         if pooler is not None and pooler.classifies:
@@ -336,32 +337,23 @@ class LLM:
 
     # ----------------------------------------------------------------- internals
 
-    @staticmethod
-    def _normalise_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, (str, dict)):
-            return [prompts]
-        batch = list(prompts)  # once: a generator would lose what the check below reads
-        if batch and all(isinstance(t, int) for t in batch):
-            return [cast(list[int], batch)]  # one prompt of token ids
-        return cast(list[Prompt], batch)
-
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             prompt = cast(dict[str, Any], prompt)
             if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
                 raise ValueError("multi_modal_data: the models served here take text only")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), token_ids(prompt["prompt_token_ids"])
             if not isinstance(prompt.get("prompt"), str):
                 raise ValueError(
                     f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys "
                     f"{sorted(prompt)}"
                 )
-            text: str = prompt["prompt"]
+            text: str = utf8_text(prompt["prompt"], "prompt")
             return text, self.engine.tokenizer.encode(text)
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(prompt)
-        return None, _token_ids(prompt)
+            return prompt, self.engine.tokenizer.encode(utf8_text(prompt, "prompt"))
+        return None, token_ids(prompt)
 
     def _run(
         self,
@@ -572,14 +564,3 @@ def _per_prompt(
         if not (isinstance(item, kind) or (optional and item is None)):
             raise TypeError(f"{name} must be {kind.__name__} or a list of them, got {item!r:.80}")
     return values
-
-
-def _token_ids(value: Any) -> list[int]:
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        raise ValueError(
-            f"a prompt is a text, a list of int token ids or a dict with 'prompt' or "
-            f"'prompt_token_ids'; got {value!r:.80}"
-        )
-    return list(value)

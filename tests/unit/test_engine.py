@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import math
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.engine.llm import LLM
+from aioinfer.engine.llm_options import llm_configs
 from aioinfer.engine.stream import EngineDeadError
 from tests.tokenizer_fixtures import make_tokenizer
 from tests.unit.fake_runner import FAKE_HIDDEN, FakeRunner, next_token, reference_output
@@ -283,3 +285,46 @@ async def test_the_largest_seed_with_n_2_wraps_instead_of_failing_half_admitted(
         assert [params.for_sequence(i).seed for i in (0, 1)] == [2**64 - 1, 0]
     finally:
         await engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("seed", "abc"), ("max_model_len", 128.5), ("max_model_len", "128"), ("block_size", True),
+     ("kv_cache_memory", math.inf), ("max_num_seqs", 2.0), ("enable_prefix_caching", 1),
+     ("served_model_name", ["a", 3])],
+)  # fmt: skip
+def test_llm_options_of_the_wrong_type_are_refused_by_name(option, value):
+    """Options from code skip the command line's parser: each once failed later, far from its
+    name (an OverflowError for inf), or was taken as another value (128.5 as 128, True as 1)."""
+    with pytest.raises(ValueError, match=f"^{option} must be"):
+        llm_configs(**{option: value})
+    llm_configs(seed=None, max_model_len=128, kv_cache_memory=2, gpu_memory_utilization=1)
+
+
+def test_offline_prompts_and_messages_are_refused_by_name():
+    """Before anything is queued: bytes once read as token ids (one per byte), a lone surrogate
+    reached the tokenizer's TypeError, and malformed messages an AttributeError or the
+    template's error."""
+    llm = fake_llm(FakeRunnerFactory())
+    params = SamplingParams(max_tokens=1)
+    try:
+        for prompts in (b"abc", None, 5):
+            with pytest.raises(TypeError, match="prompts must be"):
+                llm.generate(prompts, params, use_tqdm=False)
+        with pytest.raises(ValueError, match="prompt is not valid Unicode"):
+            llm.generate(["fine", "a\ud800b"], params, use_tqdm=False)
+        cases = [
+            ("hello", TypeError, "messages must be a list"),
+            ([["a"]], TypeError, "a message must be a dict"),
+            ([{"content": "x"}], ValueError, "string 'role'"),
+            ([{"role": "user", "content": 5}], TypeError, "content must be"),
+            ([{"role": "user", "content": "a\ud800"}], ValueError, "messages is not valid Unicode"),
+        ]
+        for messages, error, match in cases:
+            with pytest.raises(error, match=match):
+                llm.chat(messages, params, use_tqdm=False)
+        _assert_idle(llm.engine)
+        [out] = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 1
+    finally:
+        llm.shutdown()

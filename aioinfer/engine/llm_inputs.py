@@ -1,0 +1,73 @@
+"""The offline LLM's inputs checked before any request is queued: prompts (texts, token ids,
+prompt dicts) and chat conversations, each refused with the argument's name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
+
+
+def normalise_prompts(prompts: Any) -> list[Any]:
+    """One prompt (text, token ids or a prompt dict) or several, as a list of prompts."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        # bytes would read as token ids, one per byte
+        raise TypeError(
+            "prompts must be a text, a list of token ids, a prompt dict, or a list of these; "
+            f"got {type(prompts).__name__}"
+        )
+    batch = list(prompts)  # once: a generator would lose what the check below reads
+    if batch and all(isinstance(t, int) for t in batch):
+        return [batch]  # one prompt of token ids
+    return batch
+
+
+def token_ids(value: Any) -> list[int]:
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise ValueError(
+            f"a prompt is a text, a list of int token ids or a dict with 'prompt' or "
+            f"'prompt_token_ids'; got {value!r:.80}"
+        )
+    return list(value)
+
+
+def utf8_text(text: str, name: str) -> str:
+    """`text`, which the tokenizer can encode: a lone surrogate (from a bad \\ud800 escape)
+    cannot be."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        reason = f"{error.reason} at {error.start}"
+        raise ValueError(f"{name} is not valid Unicode text: {reason}") from None
+    return text
+
+
+def conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """One conversation (a list of message dicts) or several, as a list of conversations; each
+    message a dict with a string role and content that is text, a list of parts or None."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+        raise TypeError(
+            "messages must be a list of message dicts, or a list of such lists; got "
+            f"{type(messages).__name__}"
+        )
+    batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    for i, conversation in enumerate(batch):
+        if isinstance(conversation, (str, bytes, dict)) or not isinstance(conversation, Sequence):
+            raise TypeError(
+                f"messages[{i}] must be a list of message dicts, got {conversation!r:.80}"
+            )
+        for message in conversation:
+            if not isinstance(message, dict):
+                raise TypeError(f"a message must be a dict, got {message!r:.80}")
+            if not isinstance(message.get("role"), str):
+                raise ValueError(f"a message needs a string 'role', got {message!r:.80}")
+            content = message.get("content")
+            if not (content is None or isinstance(content, (str, list))):
+                raise TypeError(
+                    "a message's content must be a text, a list of parts or None, got "
+                    f"{content!r:.80}"
+                )
+    return cast(list[list[dict[str, Any]]], batch)
