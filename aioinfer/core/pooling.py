@@ -113,6 +113,12 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("dimensions", "truncate_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer or None, got {value!r:.80}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be a boolean or None, got {self.normalize!r:.80}")
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
         keep = self.truncate_prompt_tokens

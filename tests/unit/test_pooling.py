@@ -94,6 +94,10 @@ def test_params_refuse_what_cannot_be():
         PoolingParams(dimensions=0)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         PoolingParams(truncate_prompt_tokens=0)
+    # Of the wrong type: 2.5 dimensions once failed after the model's work, "no" normalized.
+    for field, value in (("dimensions", 2.5), ("truncate_prompt_tokens", 2.5), ("normalize", "no")):
+        with pytest.raises(ValueError, match=f"{field} must be"):
+            PoolingParams(**{field: value})
     with pytest.raises(ValueError, match="pooling_type must be one of"):
         PoolerConfig("MAX")
 
