@@ -67,6 +67,20 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the 
 # A client's own id for a request: it names the response and comes back as a header.
 REQUEST_ID_HEADER = "X-Request-Id"
 
+
+def client_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-Id for a response id, or None where it is not UTF-8 text (its
+    bytes would then fail the response's JSON after the whole generation ran)."""
+    value = request.headers.get(REQUEST_ID_HEADER)
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
+
+
 BodyBuilder = Callable[[list[RequestOutput]], Mapping[str, Any]]
 
 
@@ -251,7 +265,7 @@ def _response_context(
     vLLM's; `response_id` where given) and what all its responses share. Engine ids stay
     unique whatever clients send."""
     unique = uuid.uuid4().hex
-    client_id = None if response_id is not None else request.headers.get(REQUEST_ID_HEADER)
+    client_id = None if response_id is not None else client_request_id(request)
     if response_id is None:
         response_id = f"{prefix}-{client_id or unique}"
     # A name other than the served model's is an adapter (check_model said so): never the

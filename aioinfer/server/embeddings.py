@@ -22,7 +22,7 @@ from aioinfer.server.bodies import json_response, parse_request
 from aioinfer.server.classify_protocol import ClassifyRequest, classify_response
 from aioinfer.server.completions import (
     CLIENT_CLOSED_REQUEST,
-    REQUEST_ID_HEADER,
+    client_request_id,
     generation_handler,
 )
 from aioinfer.server.embeddings_protocol import (
@@ -103,7 +103,7 @@ async def embed_inputs(
         num_chars(inputs), encode_prompts, engine.tokenizer, inputs, add_special_tokens
     )
     admit(engine, num_inputs, 1, field=field)  # again: the queue may have filled meanwhile
-    client_id = request.headers.get(REQUEST_ID_HEADER)
+    client_id = client_request_id(request)
     unique = uuid.uuid4().hex
     response_id = f"{prefix}-{client_id or unique}"
     engine_id = f"{response_id}-{unique[:8]}" if client_id else response_id

@@ -202,7 +202,14 @@ def _calls_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[st
             )
         schema = dict(schema)
         for key, defs in hoisted.items():
-            for def_name, definition in (schema.pop(key, None) or {}).items():
+            definitions = schema.pop(key, None) or {}
+            if not isinstance(definitions, dict):
+                raise ToolsError(
+                    f"the parameters schema of {name!r} has {key} that is not an object: "
+                    f"{definitions!r:.60}",
+                    "tools",
+                )
+            for def_name, definition in definitions.items():
                 if defs.setdefault(def_name, definition) != definition:
                     raise ToolsError(
                         f"tools define {key}/{def_name} in two different ways, which "

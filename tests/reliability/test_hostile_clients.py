@@ -48,6 +48,31 @@ async def test_an_authorization_header_that_is_not_utf8_is_unauthorized(aiohttp_
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_request_id_that_is_not_utf8_does_not_name_the_response(
+    aiohttp_client, engine, path
+):
+    """Its bytes once became the response's id, which then failed the JSON: a 500 after the
+    whole generation. Such an id is not used; the response gets a fresh one."""
+    client = await aiohttp_client(create_app(engine, ServerConfig()))
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    if path.endswith("completions") and "chat" not in path:
+        del body["messages"]
+    else:
+        del body["prompt"]
+    payload = orjson.dumps(body)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n".encode()
+        + b"X-Request-Id: \xe9\xff\r\n\r\n"
+    )
+    answer = await raw_request(client, head, payload)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    reply = orjson.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert reply["id"].startswith("cmpl-") or reply["id"].startswith("chatcmpl-")
+    assert_pool_free(engine)
+
+
 async def test_echo_with_token_ids_outside_the_vocabulary_is_a_400(aiohttp_client, engine):
     client = await aiohttp_client(create_app(engine, ServerConfig()))
     for prompt in ([-1], [2**63], [5, engine.info.vocab_size]):

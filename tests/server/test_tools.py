@@ -301,6 +301,17 @@ async def test_required_takes_schemas_with_definitions_and_names_bad_tools(real_
     ):
         error = orjson.loads(await response.read())["error"]
     assert response.status == 400 and error["param"] == "tools" and "distinct" in error["message"]
+    # Definitions that are not an object: once a 500 from hoisting them
+    for key in ("$defs", "definitions"):
+        bad = {"type": "function", "function": {"name": "f", "parameters": {key: 5}}}
+        body = {"messages": MESSAGES, "tools": [bad], "tool_choice": "required"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{server.url}/v1/chat/completions", json=body) as response,
+        ):
+            error = orjson.loads(await response.read())["error"]
+        assert response.status == 400 and error["param"] == "tools", error
+        assert f"{key} that is not an object" in error["message"]
 
 
 async def test_a_named_call_cut_short_has_the_same_shape_streamed_or_not(real_oai, real_engine):
