@@ -22,7 +22,7 @@ _SCHEME = "bearer"
 ANTHROPIC_KEY_HEADER = "x-api-key"
 
 
-def _digest(key: str) -> bytes:
+def key_digest(key: str) -> bytes:
     # A header's bytes that are not UTF-8 arrive as surrogates: they hash as those bytes.
     return hashlib.sha256(key.encode("utf-8", errors="surrogateescape")).digest()
 
@@ -41,7 +41,7 @@ def is_key(key: str | None, digests: Sequence[bytes]) -> bool:
     """Whether `key` is one of the keys (given as sha256 digests)."""
     if not key:
         return False
-    candidate = _digest(key.strip())
+    candidate = key_digest(key.strip())
     matched = False
     for digest in digests:
         matched |= hmac.compare_digest(candidate, digest)
@@ -52,7 +52,7 @@ def make_auth_middleware(keys: Sequence[str]) -> Middleware | None:
     """A middleware that requires one of `keys`; None when no key is configured."""
     if not keys:
         return None
-    digests = tuple(_digest(key) for key in keys)
+    digests = tuple(key_digest(key) for key in keys)
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:

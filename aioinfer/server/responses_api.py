@@ -287,7 +287,7 @@ async def retrieve_response(request: web.Request) -> web.StreamResponse:
             param="stream",
         )
     after = request.query.get("starting_after", "-1")
-    if not re.fullmatch(r"-1|\d+", after):
+    if not re.fullmatch(r"-1|[0-9]{1,18}", after):  # ASCII digits, within int64 as OpenAI's
         raise BadRequestError(
             f"starting_after must be a sequence number, got {after!r}", param="starting_after"
         )
@@ -309,7 +309,7 @@ async def list_input_items(request: web.Request) -> web.Response:
                 param="include",
             )
     limit = query.get("limit", "20")
-    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
+    if not (re.fullmatch(r"[0-9]{1,3}", limit) and 1 <= int(limit) <= 100):
         raise BadRequestError(
             f"limit must be an integer from 1 to 100, got {limit!r}", param="limit"
         )

@@ -12,7 +12,6 @@ PURE (no torch, no asyncio).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from typing_extensions import TypedDict
 
+from aioinfer.server.auth import key_digest
 from aioinfer.server.responses_protocol import InputItem, InputMessage, ReasoningItem
 from aioinfer.server.responses_render import ResponseObject, new_id
 
@@ -32,7 +32,7 @@ MAX_STORED_BYTES = 256 * 1024 * 1024
 
 def owner_of(api_key: str | None) -> bytes | None:
     """Who a response belongs to: a digest of the key that made it (None without keys)."""
-    return None if api_key is None else hashlib.sha256(api_key.encode()).digest()
+    return None if api_key is None else key_digest(api_key)
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,8 @@ async def test_input_items_list_the_conversation_before_the_output_page_by_page(
         for params, param in (
             ({"limit": "0"}, "limit"),
             ({"limit": "x"}, "limit"),
+            ({"limit": "1" * 4301}, "limit"),  # past int()'s digit limit: was a 500
+            ({"limit": "٣"}, "limit"),
             ({"order": "up"}, "order"),
             ({"after": "msg_none"}, "after"),
             ({"include": "file_search_call.results"}, "include"),

@@ -327,3 +327,13 @@ def test_input_item_pages_follow_both_cursors_in_either_order():
     assert ids(after="i0") == ([], False)
     with pytest.raises(KeyError, match="before"):
         input_item_page(items, before="i9")
+
+
+def test_a_key_that_is_not_utf8_still_owns_its_responses():
+    """A key from the environment in another encoding arrives with surrogates: hashed from its
+    bytes, as the key check does, not a UnicodeEncodeError (a 500)."""
+    from aioinfer.server.auth import key_digest
+    from aioinfer.server.responses_store import owner_of
+
+    key = b"sk-\xe9t\xe9".decode("utf-8", "surrogateescape")
+    assert owner_of(key) == key_digest(key) != owner_of("sk-ete")
