@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as stdlib_json
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -11,6 +12,10 @@ _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 32
 MAX_BAD_WORDS = 128
 FLOAT32_MAX = 3.4028234663852886e38
+# The most text a structured-outputs spec may hold (its JSON for a schema or the choices), and
+# the most choices: see StructuredOutputsParams._check_size.
+MAX_SPEC_CHARS = 65536
+MAX_CHOICES = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -76,6 +81,26 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.choice must be a list of non-empty strings")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true when set")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """A grammar's compile time grows faster than its text (200k characters of regex: 9 s
+        on two cores), so specs are bounded, as OpenAI bounds its schemas."""
+        if self.choice is not None and len(self.choice) > MAX_CHOICES:
+            raise ValueError(
+                f"structured_outputs.choice must hold at most {MAX_CHOICES} strings, got "
+                f"{len(self.choice)}"
+            )
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            size = len(value) if isinstance(value, str) else len(stdlib_json.dumps(value))
+            if size > MAX_SPEC_CHARS:
+                raise ValueError(
+                    f"structured_outputs.{name} must be at most {MAX_SPEC_CHARS} characters "
+                    f"long, got {size}"
+                )
 
     @property
     def kind(self) -> str:

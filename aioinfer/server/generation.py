@@ -5,6 +5,7 @@ errors for what the engine fails a request with."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
@@ -60,6 +61,12 @@ def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") 
         raise BadRequestError(str(exc), param=param) from None
 
 
+# Grammar compiles run here, not on the loop's default pool: a few large specs (up to a second
+# or two each) then wait for each other instead of holding up every request's off-loop
+# parsing and tokenizing. Threads start on first use.
+_COMPILES = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="aioinfer-grammar")
+
+
 async def prepare_constraints(
     engine: AsyncEngine, params: SamplingParams, param: str | None
 ) -> ConstraintFactory | None:
@@ -69,7 +76,8 @@ async def prepare_constraints(
     if engine.constraints is None or not params.has_constraints:
         return None
     try:
-        return await asyncio.to_thread(engine.constraints.prepare, params)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_COMPILES, engine.constraints.prepare, params)
     except InvalidGrammarError as exc:
         where = {
             "response_format": "response_format.json_schema.schema",

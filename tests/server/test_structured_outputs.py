@@ -219,6 +219,9 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
             "no output among allowed_token_ids",
         ),
         ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+        # Bounded: compile times grow faster than the text (a 1M-character regex took > 120 s)
+        ({"structured_outputs": {"regex": "a" * 70000}}, "structured_outputs", "at most 65536"),
+        ({"structured_outputs": {"choice": ["a"] * 1025}}, "structured_outputs", "at most 1024"),
         (
             {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
             "structured_outputs",
@@ -290,6 +293,8 @@ async def test_constraints_are_built_once_and_off_the_event_loop(
         extra_body={"bad_words": ["the"] * 100},
     )
     assert len(threads) == 2 and threading.main_thread().name not in threads
+    # on their own threads: large compiles do not hold up the loop's default pool
+    assert all(name.startswith("aioinfer-grammar") for name in threads), threads
     assert fills and threading.main_thread().name not in fills
 
 

@@ -123,3 +123,21 @@ def test_checked_copy_checks_again_and_owns_its_collections():
     params.top_k = 2.5
     with pytest.raises(ValueError, match="top_k must be an integer"):
         params.checked_copy()
+
+
+def test_structured_output_specs_are_bounded():
+    """A spec's compile time grows faster than its text: specs stop at MAX_SPEC_CHARS
+    characters (a schema's JSON, the choices') and MAX_CHOICES choices."""
+    from aioinfer.core.sampling_params import MAX_CHOICES, MAX_SPEC_CHARS, StructuredOutputsParams
+
+    StructuredOutputsParams(regex="a" * MAX_SPEC_CHARS)
+    StructuredOutputsParams(choice=["a"] * MAX_CHOICES)
+    for spec, fragment in (
+        ({"regex": "a" * (MAX_SPEC_CHARS + 1)}, "regex must be at most"),
+        ({"grammar": "x" * (MAX_SPEC_CHARS + 1)}, "grammar must be at most"),
+        ({"json": {"enum": ["e" * 100] * 700}}, "json must be at most"),
+        ({"choice": ["c" * 1000] * 70}, "choice must be at most"),
+        ({"choice": ["c"] * (MAX_CHOICES + 1)}, f"at most {MAX_CHOICES} strings"),
+    ):
+        with pytest.raises(ValueError, match=fragment):
+            StructuredOutputsParams(**spec)
