@@ -10,6 +10,7 @@ shapes are in `responses`, their builders in `render`, the OpenAPI document in `
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -524,6 +525,10 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
         limit = self.max_completion_tokens
         if limit is None:
             limit = self.max_tokens
+        elif limit < 1:  # checked here: SamplingParams would name max_tokens
+            raise RequestValidationError(
+                f"max_completion_tokens must be >= 1, got {limit}", "max_completion_tokens"
+            )
         values["max_tokens"] = _capped(limit, defaults)
         if self.logprobs:
             values["logprobs"] = self.top_logprobs or 0
@@ -568,13 +573,13 @@ def _parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] |
         return None
     parsed: dict[int, float] = {}
     for key, bias in logit_bias.items():
-        try:
-            token = int(key)
-        except ValueError:
+        # ASCII digits only: int() also reads " 5", "5_0" (as 50) and other scripts' digits
+        token = int(key) if re.fullmatch(r"-?[0-9]{1,18}", key) else None
+        if token is None:
             raise RequestValidationError(
                 f'logit_bias keys must be token ids written as strings (e.g. "50256"), got {key!r}',
                 "logit_bias",
-            ) from None
+            )
         if not -100.0 <= bias <= 100.0:  # OpenAI's range (the offline API takes any)
             raise RequestValidationError(
                 f"logit_bias values must be in [-100, 100], got {bias} ({key})", "logit_bias"

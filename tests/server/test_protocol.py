@@ -200,6 +200,10 @@ def test_sampling_fields_map_to_sampling_params():
         ({"min_tokens": 20}, "min_tokens"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 500}}, "logit_bias"),
+        # keys int() reads but that are not token ids written out: "5_0" would be 50
+        ({"logit_bias": {" 5": 1}}, "logit_bias"),
+        ({"logit_bias": {"5_0": 1}}, "logit_bias"),
+        ({"logit_bias": {"٣": 1}}, "logit_bias"),
         ({"stop": ["ok", ""]}, "stop"),
     ],
 )
@@ -208,6 +212,14 @@ def test_sampling_param_errors_name_the_field(fields, param):
         completion(**fields).to_sampling_params({})
     assert info.value.param == param
     assert param in info.value.message
+
+
+def test_max_completion_tokens_errors_name_it():
+    """It once reported as max_tokens, a field the request did not send."""
+    with pytest.raises(RequestValidationError) as info:
+        chat(max_completion_tokens=0).to_sampling_params({})
+    assert info.value.param == "max_completion_tokens"
+    assert "max_completion_tokens must be >= 1" in info.value.message
 
 
 @pytest.mark.parametrize(
