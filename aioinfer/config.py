@@ -82,6 +82,16 @@ def _type_fits(value: Any, hint: Any) -> bool:
     return isinstance(value, origin or hint)
 
 
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a finite number",
+    "str": "a string",
+    "bool": "a boolean",
+    "tuple[str, ...]": "a list of strings",
+    "Mapping[str, Any]": "an object",
+}
+
+
 def _check_types(cfg: object) -> None:
     """Each field of the annotated type: configs built in code (LLM(...) options) are not
     checked by the command line's parser, and a string or a float where an int goes would
@@ -90,8 +100,8 @@ def _check_types(cfg: object) -> None:
     for f in fields(cfg):  # type: ignore[arg-type]
         value = getattr(cfg, f.name)
         if not _type_fits(value, hints[f.name]):
-            kind = "a finite number" if f.type == "float" else str(f.type)
-            raise ValueError(f"{f.name} must be {kind}, got {value!r:.80}")
+            kinds = [_TYPE_WORDS.get(t.strip(), t.strip()) for t in str(f.type).split("|")]
+            raise ValueError(f"{f.name} must be {' or '.join(kinds)}, got {value!r:.80}")
 
 
 def _check_positive(cfg: object, *names: str) -> None:

@@ -197,8 +197,7 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise BadRequestError(_TOO_DEEP)
     if not isinstance(data, dict):
-        kind = "an array" if isinstance(data, list) else f"a {type(data).__name__}"
-        raise BadRequestError(f"The body must be a JSON object, got {kind}")
+        raise BadRequestError(f"The body must be a JSON object, got {_json_kind(data)}")
     request[_BODY] = data
     return data
 
@@ -227,3 +226,13 @@ def check_model(name: str | None, engine: AsyncEngine) -> None:
         raise NotFoundError(
             f"The model `{name}` does not exist. Valid models: {valid}.", param="model"
         )
+
+
+def _json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
+    return kinds.get(type(value), "a value")

@@ -21,7 +21,7 @@ _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, _MAX_INPUT_REPR, _MAX_INPUT
 
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     """A readable message naming each offending field (the first few), and the first field."""
-    errors = exc.errors(include_url=False)
+    errors = _matching_alternatives(exc.errors(include_url=False))
     parts = []
     for error in errors[:_MAX_REPORTED_ERRORS]:
         path = format_loc(error["loc"])
@@ -35,6 +35,27 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
         parts.append(f"and {len(errors) - _MAX_REPORTED_ERRORS} more errors")
     param = format_loc(errors[0]["loc"]) if errors else None
     return "Invalid request: " + "; ".join(parts), param or None
+
+
+def _matching_alternatives(errors: list[Any]) -> list[Any]:
+    """Without the errors of a union's alternatives that the value is not even of the type of
+    (`content.str: Input should be a valid string`, for a list), where another alternative
+    took it and failed deeper (`content.list[TextPart][0].text: field required`): that one is
+    the client's mistake."""
+
+    def mismatched(error: Any) -> bool:
+        loc = error["loc"]
+        if not (loc and isinstance(loc[-1], str) and str(error["type"]).endswith("_type")):
+            return False
+        parent = loc[:-1]
+        return any(
+            len(other["loc"]) > len(loc) and other["loc"][: len(parent)] == parent
+            and other["loc"][len(parent)] != loc[-1]
+            for other in errors
+        )  # fmt: skip
+
+    kept = [error for error in errors if not mismatched(error)]
+    return kept or errors
 
 
 def format_loc(loc: Sequence[int | str]) -> str:

@@ -145,7 +145,7 @@ def test_json_depth():
         (ServerConfig, {"shutdown_timeout": -1}, "shutdown_timeout must be >= 0"),
         (ServerConfig, {"watchdog_timeout": -1}, "watchdog_timeout must be >= 0"),
         (ServerConfig, {"watchdog_timeout": float("nan")}, "watchdog_timeout must be >= 0"),
-        (SchedulerConfig, {"queue_timeout": float("nan")}, "queue_timeout must be > 0"),
+        (SchedulerConfig, {"queue_timeout": float("nan")}, "queue_timeout must be a finite"),
         (SchedulerConfig, {"queue_timeout": 0}, "queue_timeout must be > 0"),
         (SchedulerConfig, {"max_queued_requests": 0}, "max_queued_requests must be > 0"),
     ],

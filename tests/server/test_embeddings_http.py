@@ -273,7 +273,7 @@ async def test_rerank_orders_the_documents(pooling_client):
         ("/rerank", {"query": "b " * 200, "documents": ["b"]}, "query", "maximum context"),
         ("/score", {"text_1": "", "text_2": ["b"]}, "text_1", "must not be empty"),
         ("/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2", "must not be empty"),
-        ("/score", {"text_1": [1], "text_2": "b"}, "text_1", "text_1[0]: Input should be"),
+        ("/score", {"text_1": [1], "text_2": "b"}, "text_1[0]", "text_1[0]: Input should be"),
         (
             "/rerank",
             {"query": "a", "documents": ["b"], "truncate_prompt_tokens": 0},
