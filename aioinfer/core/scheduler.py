@@ -139,6 +139,15 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queue management
 
+    def check_priority(self, priority: int) -> None:
+        """ValueError for a priority this scheduler cannot order by."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.policy != "priority":
+            raise ValueError(
+                f"priority is only used with --scheduling-policy priority, got {priority}"
+            )
+
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")

@@ -320,7 +320,7 @@ class AsyncEngine:
                 "This model serves embeddings (--runner pooling): use /v1/embeddings or "
                 "LLM.embed; it does not generate text"
             )
-        self._check_priority(priority)
+        self.scheduler.check_priority(priority)
         params = params.checked_copy()
         lora_slot = self.loras.slot_of(lora)
         prompt_token_ids = self.limits.truncate(prompt_token_ids, params)
@@ -372,7 +372,7 @@ class AsyncEngine:
                 "This model generates text: it does not serve embeddings (--runner pooling "
                 "makes embeddings from it)"
             )
-        self._check_priority(priority)
+        self.scheduler.check_priority(priority)
         prompt_token_ids = pooler.pooled_prompt(self.limits.truncate(prompt_token_ids, params))
         self.limits.check_embedding(prompt_token_ids, params)
         request_id = request_id or self.make_request_id()
@@ -435,15 +435,6 @@ class AsyncEngine:
         assert self.scheduler is not None
         requests = self.scheduler.requests.values()
         await self.loras.remove(name, lambda slot: sum(r.lora_slot == slot for r in requests))
-
-    def _check_priority(self, priority: int) -> None:
-        assert self.scheduler is not None
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.scheduler.policy != "priority":
-            raise ValueError(
-                f"priority is only used with --scheduling-policy priority, got {priority}"
-            )
 
     def _queue(self, stream: RequestStream, requests: list[Request], group: str | None) -> None:
         """Hand a request's sequences, checked and built, to the scheduler."""

@@ -46,10 +46,6 @@ class RequestValidationError(ValueError):
 # --------------------------------------------------------------------------- requests
 
 
-# A union's alternative in pydantic's path of an error: `.str`, `.list[TextPart]`.
-_UNION_ALTERNATIVE_IN_PATH = re.compile(r"\.(?:str|int|list\[\w+\])(?=[.\[:;]|$)")
-
-
 class OpenAIRequest(StrictModel):
     # vLLM's fields for what is not implemented here, and why: refused when set (not null or
     # false), instead of being dropped with the unknown fields.
@@ -73,10 +69,9 @@ class OpenAIRequest(StrictModel):
 
     @staticmethod
     def client_path(text: str) -> str:
-        """A field's path as the client wrote it: pydantic also names the alternative of a
-        union a value was tried as (messages[0].content.list[TextPart][0].text), which the
-        client did not write."""
-        return _UNION_ALTERNATIVE_IN_PATH.sub("", text)
+        """A field's path as the client wrote it, where a request's own union alternatives
+        show in pydantic's (see validation.format_loc for the common ones)."""
+        return text
 
     def check_supported(self) -> None:
         """Refuse valid-looking requests the server cannot serve."""

@@ -7,6 +7,7 @@ PURE: pydantic only.
 from __future__ import annotations
 
 import contextlib
+import re
 import reprlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from pydantic import ValidationError
 
 _MAX_REPORTED_ERRORS = 3
+# Names pydantic gives a union's alternatives in an error's path: str, int, list[TextPart].
+_UNION_ALTERNATIVE = re.compile(r"str|int|list\[\w+\]")
 _MAX_INPUT_REPR = 80
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, _MAX_INPUT_REPR, _MAX_INPUT_REPR
@@ -59,11 +62,14 @@ def _matching_alternatives(errors: list[Any]) -> list[Any]:
 
 
 def format_loc(loc: Sequence[int | str]) -> str:
-    """('messages', 0, 'content') -> 'messages[0].content'."""
+    """('messages', 0, 'content') -> 'messages[0].content'; without the alternative of a union
+    pydantic tried the value as (content.list[TextPart][0].text), which no client wrote."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif _UNION_ALTERNATIVE.fullmatch(part):
+            continue
         else:
             out += f".{part}" if out else str(part)
     return out

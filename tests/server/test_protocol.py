@@ -276,3 +276,17 @@ def test_openapi_document_refs_resolve():
     }
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
     assert {"/v1/models", "/v1/completions", "/tokenize", "/health"} <= set(doc["paths"])
+
+
+def test_a_bad_text_part_is_reported_where_the_client_wrote_it():
+    """Not also as "content.str: Input should be a valid string" (the union's other
+    alternative, which a list is not), nor with pydantic's "list[TextPart]" in the path."""
+    for part, why in (({"type": "text"}, "field required"), ({"type": "text", "text": 5}, "5")):
+        with pytest.raises(RequestValidationError) as info:
+            ChatCompletionRequest.parse({"messages": [{"role": "user", "content": [part]}]})
+        assert info.value.param == "messages[0].content[0].text"
+        assert (
+            info.value.message.startswith("Invalid request: messages[0].content[0].text: ")
+            and why in info.value.message
+        )
+        assert ";" not in info.value.message  # one error, not one per alternative
