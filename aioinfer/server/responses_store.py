@@ -12,6 +12,7 @@ PURE (no torch, no asyncio).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from typing_extensions import TypedDict
 
-from aioinfer.server.auth import key_digest
 from aioinfer.server.responses_protocol import InputItem, InputMessage, ReasoningItem
 from aioinfer.server.responses_render import ResponseObject, new_id
 
@@ -32,7 +32,10 @@ MAX_STORED_BYTES = 256 * 1024 * 1024
 
 def owner_of(api_key: str | None) -> bytes | None:
     """Who a response belongs to: a digest of the key that made it (None without keys)."""
-    return None if api_key is None else key_digest(api_key)
+    if api_key is None:
+        return None
+    # A key's bytes that are not UTF-8 arrive as surrogates: hashed as those bytes, as auth's.
+    return hashlib.sha256(api_key.encode("utf-8", errors="surrogateescape")).digest()
 
 
 @dataclass(frozen=True)
