@@ -41,3 +41,9 @@ class StructuredOutputs(StrictModel):
     choice: list[str] | None = Field(None, description="The output is one of these strings.")
     grammar: str | None = Field(None, description="An EBNF grammar with a `root` rule.")
     json_object: bool | None = Field(None, description="Any JSON object.")
+    # vLLM's switches: taken (as booleans) for what holds here anyway; another whitespace
+    # pattern is refused (see core StructuredOutputsParams).
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None

@@ -220,13 +220,7 @@ class _GenerationRequest(OpenAIRequest):
             spec = self.structured_outputs
             if spec is None:
                 return None
-            return StructuredOutputsParams(
-                json=spec.json_value,
-                regex=spec.regex,
-                choice=spec.choice,
-                grammar=spec.grammar,
-                json_object=spec.json_object,
-            )
+            return StructuredOutputsParams(**spec.model_dump(by_alias=True))  # the same names
         except RequestValidationError:
             raise
         except ValueError as exc:

@@ -222,6 +222,17 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
         # Bounded: compile times grow faster than the text (a 1M-character regex took > 120 s)
         ({"structured_outputs": {"regex": "a" * 70000}}, "structured_outputs", "at most 65536"),
         ({"structured_outputs": {"choice": ["a"] * 1025}}, "structured_outputs", "at most 1024"),
+        # vLLM's switches reach the same checks as offline (they were dropped unread)
+        (
+            {"structured_outputs": {"json_object": True, "whitespace_pattern": " ?"}},
+            "structured_outputs",
+            "whitespace_pattern is not supported",
+        ),
+        (
+            {"structured_outputs": {"choice": ["a"], "disable_fallback": "yes"}},
+            "structured_outputs.disable_fallback",
+            "valid boolean",
+        ),
         (
             {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
             "structured_outputs",
