@@ -186,7 +186,8 @@ class LLM:
             )
             text = utf8_text(text, "messages")
             encoded.append((text, encode_rendered_chat(self.engine.tokenizer, text)))
-        return self._run(encoded, sampling_params, use_tqdm, loras=[lora_request] * len(encoded))
+        loras = _per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
+        return self._run(encoded, sampling_params, use_tqdm, loras=loras)
 
     def embed(
         self,
@@ -557,7 +558,10 @@ def _per_prompt(
 ) -> list[_P]:
     """One params object (a `kind`, or None where optional) for every prompt, or a list of one
     per prompt."""
-    values = list(value) if isinstance(value, Sequence) else [value] * count
+    if isinstance(value, Sequence) and not isinstance(value, str):  # a name is one value
+        values = list(value)
+    else:
+        values = [cast(_P, value)] * count
     if len(values) != count:
         raise ValueError(f"{name} must be one or one per prompt ({count}), got {len(values)}")
     for item in values:

@@ -323,6 +323,8 @@ def test_offline_prompts_and_messages_are_refused_by_name():
         for messages, error, match in cases:
             with pytest.raises(error, match=match):
                 llm.chat(messages, params, use_tqdm=False)
+        with pytest.raises(TypeError, match="lora_request must be LoRARequest"):
+            llm.chat([{"role": "user", "content": "hi"}], params, lora_request="adapter")
         _assert_idle(llm.engine)
         [out] = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 1
