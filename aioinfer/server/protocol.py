@@ -462,8 +462,8 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
                 )
         format_param = self._format_param()
         if self.tool_call_constraint is not None and format_param is not None:
-            raise RequestValidationError(
-                f"tool_choice and {format_param} cannot both constrain the output", "tool_choice"
+            raise RequestValidationError(  # the format first: other APIs rename it
+                f"{format_param} and tool_choice cannot both constrain the output", "tool_choice"
             )
         if self.functions or self.function_call is not None:
             param = "functions" if self.functions else "function_call"

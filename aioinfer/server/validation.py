@@ -100,16 +100,15 @@ def renamed_params(names: Mapping[str, str]) -> Iterator[None]:
     except Exception as exc:
         param = getattr(exc, "param", None)
         if isinstance(param, str):
-            head = _head(param)
-            renamed = exc.param = names.get(head, param)  # type: ignore[attr-defined]
-            # A message that opens with the chat field's path names the new field instead
-            # ("response_format.json_schema.schema is invalid" -> "text.format is invalid").
-            message = getattr(exc, "message", None)
-            first, space, rest = (
-                message.partition(" ") if isinstance(message, str) else ("", "", "")
-            )
-            if renamed != param and head != renamed and _head(first) == head:
-                exc.message = f"{renamed}{space}{rest}"  # type: ignore[attr-defined]
+            exc.param = names.get(_head(param), param)  # type: ignore[attr-defined]
+        # A message that opens with a chat field's path names the new field instead
+        # ("response_format.json_schema.schema is invalid" -> "text.format is invalid").
+        message = getattr(exc, "message", None)
+        if isinstance(message, str):
+            first, space, rest = message.partition(" ")
+            head = _head(first)
+            if names.get(head, head) != head:
+                exc.message = f"{names[head]}{space}{rest}"  # type: ignore[attr-defined]
                 exc.args = (exc.message,)  # type: ignore[attr-defined]
         raise
 

@@ -281,6 +281,10 @@ async def test_with_deepseek_r1_reasoning_the_output_is_a_thinking_block(live_fa
          ["tool_choice", "only allowed when tools"]),
         ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "frob"}}}},
          "invalid_request_error", ["output_config.format is invalid", "frob"]),
+        # named as this API names it (it once said response_format)
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"},
+          "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+         "invalid_request_error", ["output_config.format and tool_choice cannot both"]),
         ({"max_tokens": 0}, "invalid_request_error", ["max_tokens", "greater than"]),
         ({"max_tokens": None}, "invalid_request_error", ["max_tokens"]),
         ({"max_tokens": 500}, "invalid_request_error", ["max_tokens", "context"]),
