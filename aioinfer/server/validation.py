@@ -46,16 +46,19 @@ def _matching_alternatives(errors: list[Any]) -> list[Any]:
     took it and failed deeper (`content.list[TextPart][0].text: field required`): that one is
     the client's mistake."""
 
+    # path -> the steps from it that some error lies deeper than: one pass, as a body may hold
+    # many thousands of errors
+    by_parent: dict[tuple[Any, ...], set[Any]] = {}
+    for error in errors:
+        loc = tuple(error["loc"])
+        for k in range(len(loc) - 1):
+            by_parent.setdefault(loc[:k], set()).add(loc[k])
+
     def mismatched(error: Any) -> bool:
-        loc = error["loc"]
+        loc = tuple(error["loc"])
         if not (loc and isinstance(loc[-1], str) and str(error["type"]).endswith("_type")):
             return False
-        parent = loc[:-1]
-        return any(
-            len(other["loc"]) > len(loc) and other["loc"][: len(parent)] == parent
-            and other["loc"][len(parent)] != loc[-1]
-            for other in errors
-        )  # fmt: skip
+        return bool(by_parent.get(loc[:-1], set()) - {loc[-1]})
 
     kept = [error for error in errors if not mismatched(error)]
     return kept or errors

@@ -290,3 +290,15 @@ def test_a_bad_text_part_is_reported_where_the_client_wrote_it():
             and why in info.value.message
         )
         assert ";" not in info.value.message  # one error, not one per alternative
+
+
+def test_many_bad_text_parts_are_described():
+    """20,000 bad parts make 20,000 errors, each a text part's, none the string alternative's.
+    (The first version of the alternatives filter compared every error with every other: 11 s
+    here, hours for the parts a 16 MiB body holds; it now takes one pass, 0.07 s.)"""
+    parts = [{"type": "text"}] * 20_000
+    with pytest.raises(RequestValidationError) as info:
+        ChatCompletionRequest.parse({"messages": [{"role": "user", "content": parts}]})
+    assert info.value.param == "messages[0].content[0].text"
+    assert "and 19997 more errors" in info.value.message
+    assert "content.str" not in info.value.message and "content:" not in info.value.message
