@@ -42,6 +42,14 @@ IGNORED_FLAGS: dict[str, tuple[int, str]] = {
     "--allowed-methods": (1, "the allowed origins may use every method"),
     "--allowed-headers": (1, "the allowed origins may send any header"),
     "--chat-template-content-format": (1, "a message's text parts are joined for every template"),
+    "--async-scheduling": (0, "steps are scheduled one at a time, each after the last returns"),
+    "--no-async-scheduling": (0, "steps are scheduled one at a time, each after the last returns"),
+    "--disable-frontend-multiprocessing": (0, "the API and the engine are one process"),
+    "--api-server-count": (1, "one process serves the API"),
+    "--max-cudagraph-capture-size": (1, _GRAPHS),
+    "--long-prefill-token-threshold": (1, "prompts are chunked by the token budget alone"),
+    "--max-num-partial-prefills": (1, "prompts are chunked by the token budget alone"),
+    "--max-long-partial-prefills": (1, "prompts are chunked by the token budget alone"),
 }
 RENAMED_FLAGS = {"--enable-log-requests": "--log-requests", "--enable-log-outputs": "--log-prompts"}
 # vLLM flags of one value with another name here, and what differs.
@@ -56,6 +64,7 @@ MULTI_VALUE_FLAGS = ("--api-key", "--lora-modules", "--allowed-origins", "--serv
 SHORT_FLAGS = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
                "-dp": "--data-parallel-size", "-q": "--quantization"}  # fmt: skip
 _OPTIMIZATION_LEVEL = re.compile(r"-O\d?$")  # vLLM's -O3 (compilation level)
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgG])")
 _UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -118,10 +127,18 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
         elif flag in MULTI_VALUE_FLAGS and not eq and value is not None:
             # The first value is taken whatever it looks like (a key may start with "-"). More
             # follow as in vLLM only once the model is known (`vllm serve MODEL --api-key a
-            # b`): before it, a bare word may be the model itself.
+            # b`). Before it, a bare word is the model where it looks like one (`--api-key k
+            # org/name`); any other is refused rather than guessed: a key taken for the model
+            # would be logged and sent to the hub.
             out += [flag, value]
             i += 2
             model_seen = model_flag or positional is not None
+            if not model_seen and i < len(args) and not args[i].startswith("-"):
+                if not _looks_like_model(args[i]):
+                    raise ValueError(
+                        f"{flag} takes several values only after the model (aioinfer serve "
+                        f"MODEL {flag} A B); before it, give {flag} once for each value"
+                    )
             while model_seen and i < len(args) and not args[i].startswith("-"):
                 if args[i] == positional:
                     break
@@ -143,6 +160,11 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
         raise ValueError(f"the model is given twice: {positional!r} and --model {model!r}")
     chosen = positional or model
     return ([chosen] if chosen else []) + out, notes
+
+
+def _looks_like_model(word: str) -> bool:
+    """A local path, a GGUF file, or a hub id of the form owner/name."""
+    return Path(word).exists() or word.endswith(".gguf") or _HUB_ID.fullmatch(word) is not None
 
 
 def _check_fixed(option: str, flag: str, value: str | None) -> None:

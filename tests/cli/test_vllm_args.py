@@ -63,9 +63,17 @@ def test_several_values_after_one_flag_repeat_it_and_lengths_read_as_vllm_reads_
     # An unknown flag keeps its value, so that the parser can name it; one followed by a flag
     # is a switch (it used to take the flag, and the flag's value became a second model).
     assert ours("--max-modle-len", "4096", "M") == ["M", "--max-modle-len", "4096"]
-    assert ours("M", "--async-scheduling", "--max-model-len", "4096") == [
-        "M", "--async-scheduling", "--max-model-len", "4096"
+    assert ours("M", "--enable-sleep-mode", "--max-model-len", "4096") == [
+        "M", "--enable-sleep-mode", "--max-model-len", "4096"
     ]  # fmt: skip
+    # Deployment switches of current vLLM recipes, dropped with a note each, their values too.
+    args, notes = translate(
+        ["M", "--async-scheduling", "--api-server-count", "1", "--disable-frontend-multiprocessing",
+         "--max-cudagraph-capture-size", "64", "--long-prefill-token-threshold", "512"],
+        _flag_kind,
+    )  # fmt: skip
+    assert args == ["M"] and len(notes) == 5
+    assert "scheduled one at a time" in notes[0] and "one process" in notes[1]
 
 
 def test_a_config_file_holds_flags_that_the_command_line_overrides(tmp_path: Path):
@@ -138,21 +146,39 @@ def test_several_served_names_are_aliases_of_the_first():
     assert ModelConfig(served_model_name="one").served_model_name == ("one",)
 
 
+def test_a_second_value_before_the_model_is_the_model_only_where_it_looks_like_one(tmp_path):
+    """`--api-key k1 k2` with no model yet: vLLM reads both as keys; reading k2 as the model
+    logged it and sent it to the hub. Only a path, a GGUF or an owner/name id is the model;
+    anything else is refused, naming neither value."""
+    for argv in (("--api-key", "k1", "secret2"), ("--served-model-name", "alpha", "bravo", "--port", "9")):
+        with pytest.raises(ValueError, match="only after the model") as refused:
+            ours(*argv)
+        assert argv[2] not in str(refused.value)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert ours("--api-key", "k", str(folder)) == [str(folder), "--api-key", "k"]
+    assert ours("--api-key", "k", "small.gguf") == ["small.gguf", "--api-key", "k"]
+    assert ours("M", "--api-key", "k1", "k2") == ["M", "--api-key", "k1", "--api-key", "k2"]
+    assert ours("--model", "M", "--api-key", "k1", "k2") == [
+        "M", "--api-key", "k1", "--api-key", "k2"
+    ]  # fmt: skip
+
+
 def test_command_lines_that_worked_before_keep_their_meaning():
     """The model after a flag of several values is still the model; a key may start with
     "-"; a flag left without its value still fails; a model path may look like a flag name."""
-    assert ours("--api-key", "k", "M") == ["M", "--api-key", "k"]
-    assert ours("--api-key", "k", "M", "--device", "cpu") == [
-        "M",
+    assert ours("--api-key", "k", "org/M") == ["org/M", "--api-key", "k"]
+    assert ours("--api-key", "k", "org/M", "--device", "cpu") == [
+        "org/M",
         "--api-key",
         "k",
         "--device",
         "cpu",
     ]
-    assert ours("--api-key", "k1", "--api-key", "k2", "M") == [
-        "M", "--api-key", "k1", "--api-key", "k2"
+    assert ours("--api-key", "k1", "--api-key", "k2", "org/M") == [
+        "org/M", "--api-key", "k1", "--api-key", "k2"
     ]  # fmt: skip
-    assert ours("--allowed-origins", "*", "M") == ["M", "--allowed-origins", "*"]
+    assert ours("--allowed-origins", "*", "./M") == ["./M", "--allowed-origins", "*"]
     assert ours("M", "--api-key", "-secret") == ["M", "--api-key", "-secret"]
     assert ours("M", "--api-key") == ["M", "--api-key"]  # the parser refuses it
     assert ours("./quantization", "--port", "9") == ["./quantization", "--port", "9"]
