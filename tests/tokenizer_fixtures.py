@@ -13,7 +13,7 @@ import functools
 import importlib.util
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -64,6 +64,30 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@functools.cache
+def make_bos_tokenizer() -> PreTrainedTokenizerFast:
+    """make_tokenizer()'s vocabulary with `<|endoftext|>` as a BOS that encoding adds, as
+    Llama's tokenizers add theirs. Cached: treat it as read-only."""
+    plain = make_tokenizer()
+    backend = Tokenizer.from_str(plain.backend_tokenizer.to_str())
+    bos = SPECIAL_TOKENS[0]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A",
+        pair=f"{bos} $A {bos} $B",
+        special_tokens=[(bos, plain.convert_tokens_to_ids(bos))],
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token="<|im_end|>",
+        pad_token=bos,
         additional_special_tokens=["<|im_start|>"],
         clean_up_tokenization_spaces=False,
     )

@@ -269,6 +269,9 @@ class CompletionRequest(_GenerationRequest):
     )
     suffix: str | None = Field(None, description="Not supported: refused unless empty.")
     best_of: int | None = Field(None, description="Not supported: refused unless 1.")
+    add_special_tokens: bool = Field(
+        True, description="Add the tokenizer's special tokens (a BOS) to text prompts (vLLM's)."
+    )
 
     @field_validator("prompt", mode="before")
     @classmethod

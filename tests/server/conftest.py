@@ -101,6 +101,7 @@ async def build_engine(
     release: threading.Event | None = None,
     step_timeout: float | None = None,
     served_model_name: tuple[str, ...] = (),
+    tokenizer: Any = None,
     **sched: Any,
 ) -> AsyncEngine:
     """`pooler`: a PoolerConfig, for an engine that serves embeddings."""
@@ -117,7 +118,7 @@ async def build_engine(
             hang_at_step=hang_at_step,
             release=release,
         ),
-        tokenizer=make_tokenizer(),
+        tokenizer=tokenizer or make_tokenizer(),
         step_timeout=step_timeout,
     )
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from aioinfer.config import ServerConfig
+from aioinfer.server.app import create_app
 from tests.server.conftest import (
+    build_engine,
     chat_prompt_ids,
     expected_output,
     fake_logprobs,
     text_prompt_ids,
 )
 from tests.server.test_http import MESSAGES, chunks_of, error_of, post
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.tokenizer_fixtures import make_bos_tokenizer, make_tokenizer
 
 PROMPT = "The quick brown fox"
 
@@ -29,6 +32,32 @@ async def test_completions_return_token_ids(client):
         assert choice["token_ids"] == expected_output(prompt_ids, 5)[0]
     _, raw = await post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
     assert "token_ids" not in orjson.loads(raw)["choices"][0]  # only when asked
+
+
+async def test_completions_add_the_bos_unless_told_not_to(aiohttp_client):
+    """vLLM's add_special_tokens: a prompt that already holds its BOS (a chat rendered by the
+    client) must not get a second one."""
+    tok = make_bos_tokenizer()
+    engine = await build_engine(tokenizer=tok)
+    try:
+        client = await aiohttp_client(create_app(engine, ServerConfig()))
+        bos, text = tok.bos_token, "Hello"
+        plain = tok.encode(text, add_special_tokens=False)
+        for body, expected in (
+            ({"prompt": text}, [tok.bos_token_id, *plain]),
+            ({"prompt": bos + text, "add_special_tokens": False}, [tok.bos_token_id, *plain]),
+            ({"prompt": [text, text], "add_special_tokens": False}, plain),
+        ):
+            body |= {"max_tokens": 1, "return_token_ids": True}
+            _, raw = await post(client, "/v1/completions", body)
+            for choice in orjson.loads(raw)["choices"]:
+                assert choice["prompt_token_ids"] == expected, body
+        resp, raw = await post(
+            client, "/v1/completions", {"prompt": text, "add_special_tokens": "no"}
+        )
+        assert resp.status == 400 and error_of(raw, 400)["param"] == "add_special_tokens"
+    finally:
+        await engine.shutdown()
 
 
 async def test_streamed_completions_carry_each_chunk_s_ids_and_the_prompt_s_once(client):
