@@ -133,12 +133,12 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
             out += [flag, value]
             i += 2
             model_seen = model_flag or positional is not None
-            if not model_seen and i < len(args) and not args[i].startswith("-"):
-                if not _looks_like_model(args[i]):
-                    raise ValueError(
-                        f"{flag} takes several values only after the model (aioinfer serve "
-                        f"MODEL {flag} A B); before it, give {flag} once for each value"
-                    )
+            bare = i < len(args) and not args[i].startswith("-")
+            if not model_seen and bare and not _looks_like_model(args[i]):
+                raise ValueError(
+                    f"{flag} takes several values only after the model (aioinfer serve MODEL "
+                    f"{flag} A B); before it, give {flag} once for each value"
+                )
             while model_seen and i < len(args) and not args[i].startswith("-"):
                 if args[i] == positional:
                     break

@@ -117,11 +117,13 @@ class KVCacheManager:
     def _extend_hashes(self, request: Request, num_tokens: int) -> None:
         """Hash each full block of the request's first num_tokens tokens not hashed yet."""
         hashes, bs = request.block_hashes, self.block_size
-        # A LoRA adapter, or LongRoPE's long factors, change every K/V: such requests' chains
-        # start from their own root.
+        # A LoRA adapter, or LongRoPE's long factors, change every K/V, and a cache salt keeps
+        # one tenant's prefixes from another's: such requests' chains start from their own root.
         tags = [f"lora:{request.lora_slot}"] if request.lora_slot else []
         if request.long_rope:
             tags.append("rope:long")
+        if request.cache_salt is not None:  # last, its length first: no salt reads as a tag
+            tags.append(f"salt:{len(request.cache_salt)}:{request.cache_salt}")
         root = " ".join(tags).encode() if tags else None
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else root

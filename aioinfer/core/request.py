@@ -57,6 +57,7 @@ class Request:
         priority: int = 0,
         pooler: PoolerConfig | None = None,
         lora_slot: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must hold at least one token")
@@ -79,6 +80,8 @@ class Request:
         self.pooled: np.ndarray | None = None  # the parts its chunks handed back, folded
         # The LoRA adapter the forward passes apply (its slot in the runner; 0: none).
         self.lora_slot = lora_slot
+        # vLLM's cache_salt: prefixes are shared only among requests of the same salt.
+        self.cache_salt = cache_salt
         # Set once the request is longer than a LongRoPE model's original context: from then
         # on all its tokens turn with the long factors (core/scheduler.py).
         self.long_rope = False

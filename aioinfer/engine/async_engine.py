@@ -304,6 +304,7 @@ class AsyncEngine:
         group: str | None = None,
         lora: str | None = None,
         prompt_only: bool = False,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Admit one request (all n sequences) to the scheduler; raises ValueError for what
         does not fit this model, EngineDeadError once the engine died or was shut down.
@@ -312,7 +313,8 @@ class AsyncEngine:
         orders requests under --scheduling-policy priority (lower first). `group` names the API
         request of several prompts this one is part of (see expire_queued). `lora` names an
         adapter that `add_lora` loaded. `prompt_only`: echo with max_tokens 0, whose one
-        sampled token the client never sees: the metrics do not count it."""
+        sampled token the client never sees: the metrics do not count it. `cache_salt`: prefixes
+        are shared only with requests of the same salt (vLLM's)."""
         self._check_running()
         assert self.scheduler is not None and self.constraints is not None
         if self.pooler is not None:
@@ -345,6 +347,7 @@ class AsyncEngine:
                 constraints=make_constraints() if make_constraints else None,
                 priority=priority,
                 lora_slot=lora_slot,
+                cache_salt=cache_salt,
             )
             for index, child_id in enumerate(child_ids)
         ]

@@ -284,6 +284,7 @@ def _response_context(
         echo_logprobs=(req.logprobs or 0) if isinstance(req, CompletionRequest) else 0,
         cached_tokens={} if request.app[STATE].config.enable_prompt_tokens_details else None,
         lora=lora,
+        cache_salt=req.cache_salt,
     )
 
 

@@ -240,6 +240,7 @@ def start_generation(
             group=base if len(ctx.prompts) > 1 else None,
             lora=ctx.lora,
             prompt_only=prompt_only,
+            cache_salt=ctx.cache_salt,
         )
 
     streams = queue_all(

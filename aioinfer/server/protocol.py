@@ -137,6 +137,9 @@ class _GenerationRequest(OpenAIRequest):
     truncate_prompt_tokens: int | None = Field(
         None, description="Keep only the prompt's last k tokens (-1: what the context holds)."
     )
+    cache_salt: str | None = Field(
+        None, min_length=1, description="Prefixes are shared only within one salt (vLLM's)."
+    )
     priority: int = Field(
         0, description="With --scheduling-policy priority: lower runs first (vLLM's field)."
     )
@@ -452,8 +455,8 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
     include_reasoning: bool | None = Field(
         True, description="With the server's --reasoning-parser: return the reasoning."
     )
-    functions: list[Any] | None = Field(None, description="Not supported.")
-    function_call: Any = Field(None, description="Not supported.")
+    functions: list[Any] | None = Field(None, description="OpenAI's deprecated form of tools.")
+    function_call: Any = Field(None, description="OpenAI's deprecated form of tool_choice.")
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -470,7 +473,9 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
             )
         if self.functions or self.function_call is not None:
             param = "functions" if self.functions else "function_call"
-            raise RequestValidationError(f"{param} is not supported (no function calling)", param)
+            raise RequestValidationError(
+                f"{param} is OpenAI's old function calling: send tools and tool_choice", param
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestValidationError("top_logprobs needs logprobs to be true", "top_logprobs")
         if self.top_logprobs is not None and self.top_logprobs < 0:

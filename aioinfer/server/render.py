@@ -98,6 +98,7 @@ class ResponseContext:
     echo_logprobs: int = 0
     reasoning: ReasoningSplit | None = None  # chat with --reasoning-parser
     lora: str | None = None  # the LoRA adapter the request named as its model (--lora-modules)
+    cache_salt: str | None = None  # vLLM's: prefixes shared only within one salt
     # With --enable-prompt-tokens-details: each prompt's tokens found in the prefix cache.
     cached_tokens: dict[int, int] | None = None
 

@@ -150,7 +150,11 @@ def test_a_second_value_before_the_model_is_the_model_only_where_it_looks_like_o
     """`--api-key k1 k2` with no model yet: vLLM reads both as keys; reading k2 as the model
     logged it and sent it to the hub. Only a path, a GGUF or an owner/name id is the model;
     anything else is refused, naming neither value."""
-    for argv in (("--api-key", "k1", "secret2"), ("--served-model-name", "alpha", "bravo", "--port", "9")):
+    refused_lines = (
+        ("--api-key", "k1", "secret2"),
+        ("--served-model-name", "alpha", "bravo", "--port", "9"),
+    )
+    for argv in refused_lines:
         with pytest.raises(ValueError, match="only after the model") as refused:
             ours(*argv)
         assert argv[2] not in str(refused.value)

@@ -128,6 +128,11 @@ def test_unsupported_fields_are_refused_by_name(factory, fields, param):
     assert param in error.message
 
 
+def test_legacy_function_calling_points_to_tools():
+    for fields in ({"functions": [{"name": "f"}]}, {"function_call": "none"}):
+        assert "send tools and tool_choice" in refused(chat, **fields).message
+
+
 def test_structured_outputs_become_sampling_params():
     json_object = chat(response_format={"type": "json_object"}).to_sampling_params({})
     assert json_object.structured_outputs is not None

@@ -72,6 +72,30 @@ async def test_vllm_usage_flags(aiohttp_client, engine):
     assert "prompt_tokens_details" not in orjson.loads(raw)["usage"]
 
 
+async def test_a_cache_salt_keeps_prefixes_within_it(aiohttp_client, engine):
+    """vLLM's cache_salt, on completions and chat: a prompt cached under one salt is no hit for
+    another salt, nor for none; the same salt hits. An empty salt is refused by name."""
+    config = ServerConfig(enable_prompt_tokens_details=True)
+    client = await aiohttp_client(create_app(engine, config))
+
+    async def cached(route: str, body: dict, salt: str | None) -> int:
+        body = {**body, "max_tokens": 1} | ({"cache_salt": salt} if salt else {})
+        _, raw = await post(client, route, body)
+        return orjson.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    prompt = {"prompt": list(range(7, 7 + 3 * BLOCK_SIZE))}
+    for route, body in (
+        ("/v1/completions", prompt),
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+    ):
+        assert await cached(route, body, "tenant-1") == 0
+        assert await cached(route, body, "tenant-2") == 0
+        assert await cached(route, body, None) == 0
+        assert await cached(route, body, "tenant-1") >= BLOCK_SIZE
+    error = error_of((await post(client, "/v1/completions", {**prompt, "cache_salt": ""}))[1], 400)
+    assert error["param"] == "cache_salt"
+
+
 async def test_ignored_fields_are_logged_once_each(client, caplog):
     """A field the request model does not know (a typo such as max_token) is served as if absent,
     as vLLM does, and named in a warning, once per field and kind of request."""

@@ -49,6 +49,27 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute():
     kv.check_integrity()
 
 
+def test_a_cache_salt_shares_prefixes_only_within_itself():
+    """vLLM's cache_salt: one tenant cannot hit (or time) another's cached prompt. The salt's
+    length goes first, so a salt cannot pose as another tag."""
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    tokens = list(range(9))
+    first = make_request("a", tokens)
+    first.cache_salt = "tenant-1"
+    assert admit(kv, first) == [1, 2, 3]
+    for rid, salt, hit in (("b", "tenant-1", 8), ("c", "tenant-2", 0), ("d", None, 0)):
+        other = make_request(rid, tokens)
+        other.cache_salt = salt
+        assert kv.find_cached_prefix(other)[1] == hit, salt
+    unsalted = make_request("e", tokens)
+    assert admit(kv, unsalted) == [4, 5, 6]
+    for salt in ("", "x", "1:x"):
+        posing = make_request(f"f{salt}", tokens)
+        posing.cache_salt = salt
+        assert kv.find_cached_prefix(posing)[1] == 0, salt
+    kv.check_integrity()
+
+
 def test_free_returns_tail_first_and_cached_blocks_survive_for_later_hits():
     kv = KVCacheManager(num_blocks=6, block_size=2)
     a = make_request("a", [1, 2, 3, 4, 5])
