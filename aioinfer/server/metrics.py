@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -111,6 +111,7 @@ class EngineCollector(Collector):
             yield _histogram(metric, _HISTOGRAM_DOCS[metric], name, histogram)
         if engine.model_config.enable_lora:
             yield _lora_info(engine)
+        yield _cache_config_info(engine)
         yield _by_reason(
             "request_aborted",
             "Requests ended early (once each), by reason: client_disconnect, write_timeout, "
@@ -180,9 +181,32 @@ def _histogram(
     return family
 
 
+def _cache_config_info(engine: AsyncEngine) -> GaugeMetricFamily:
+    """vLLM's cache_config_info: the cache's settings as labels of a gauge at 1."""
+    config = engine.cache_config
+    info = {
+        "block_size": config.block_size,
+        "cache_dtype": "auto",
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "num_gpu_blocks": engine.scheduler.kv.pool.num_blocks if engine.scheduler else None,
+        "num_gpu_blocks_override": config.num_gpu_blocks_override,
+    }
+    gauge = GaugeMetricFamily(
+        PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+    )
+    gauge.add_metric([str(v) for v in info.values()], 1.0)
+    return gauge
+
+
 class ServerMetrics:
     """The registry of one app, over the engine collector."""
 
     def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(get_engine))
+        # process_*, python_gc_* and python_info, as the default registry that vLLM's metrics
+        # live in exports them.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)

@@ -63,6 +63,20 @@ async def test_metrics(aiohttp_client, client, engine):
     assert value(await scrape(other), "time_to_first_token_seconds_count") == 2
 
 
+async def test_process_series_and_cache_config_as_vllm_exports_them(client, engine):
+    """The process_*, python_gc_* and python_info series of the default registry that vLLM's
+    metrics live in, and vLLM's cache_config_info: the cache's settings as labels."""
+    response = await client.get("/metrics")
+    families = {f.name: f for f in text_string_to_metric_families((await response.read()).decode())}
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
+    assert "python_gc_collections" in families and "python_info" in families
+    (info,) = families["aioinfer:cache_config_info"].samples
+    assert info.value == 1
+    assert info.labels["block_size"] == str(engine.cache_config.block_size)
+    assert info.labels["num_gpu_blocks"] == str(engine.scheduler.kv.pool.num_blocks)
+    assert info.labels["enable_prefix_caching"] == "True"
+
+
 async def test_series_exist_at_zero_before_the_first_event(client):
     """As vLLM creates them: a rate() over a series that appears with its first event misses
     that event."""
