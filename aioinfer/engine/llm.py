@@ -100,13 +100,20 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in input order. A prompt is text, a list of token ids, or a dict with
         "prompt" or "prompt_token_ids". `priority`: one per prompt, with
         scheduling_policy="priority" (lower first), as vLLM's. `lora_request`: a LoRA adapter
-        for every prompt, or one (or None) per prompt; needs enable_lora=True."""
+        for every prompt, or one (or None) per prompt; needs enable_lora=True.
+        `tokenization_kwargs`: for the tokenizer's encode of text prompts, as vLLM's
+        ({"add_special_tokens": False} for prompts that hold their BOS)."""
+        if tokenization_kwargs is not None and not isinstance(tokenization_kwargs, dict):
+            raise TypeError(
+                f"tokenization_kwargs must be a dict, got {type(tokenization_kwargs).__name__}"
+            )
         batch = normalise_prompts(prompts)
-        encoded = [self._encode(p) for p in batch]
+        encoded = [self._encode(p, tokenization_kwargs) for p in batch]
         if priority is not None and len(priority) != len(encoded):
             raise ValueError(
                 f"priority must have one entry per prompt ({len(encoded)}), got {len(priority)}"
@@ -338,7 +345,10 @@ class LLM:
 
     # ----------------------------------------------------------------- internals
 
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _encode(
+        self, prompt: Prompt, tokenization_kwargs: dict[str, Any] | None = None
+    ) -> tuple[str | None, list[int]]:
+        kwargs = tokenization_kwargs or {}
         if isinstance(prompt, dict):
             prompt = cast(dict[str, Any], prompt)
             if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
@@ -351,9 +361,9 @@ class LLM:
                     f"{sorted(prompt)}"
                 )
             text: str = utf8_text(prompt["prompt"], "prompt")
-            return text, self.engine.tokenizer.encode(text)
+            return text, self.engine.tokenizer.encode(text, **kwargs)
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(utf8_text(prompt, "prompt"))
+            return prompt, self.engine.tokenizer.encode(utf8_text(prompt, "prompt"), **kwargs)
         return None, token_ids(prompt)
 
     def _run(

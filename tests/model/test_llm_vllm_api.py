@@ -254,6 +254,20 @@ def test_prompts_from_a_generator_and_vllm_names(tiny):
         llm.chat(message, mm_processor_kwargs={"num_crops": 4})
 
 
+def test_tokenization_kwargs_reach_the_tokenizer(tiny):
+    """vLLM's generate(..., tokenization_kwargs=...): for text prompts, plain or in a dict."""
+    llm, _ = tiny
+    text = "The quick brown fox jumps over the lazy dog."
+    full = llm.get_tokenizer().encode(text)
+    cut = {"truncation": True, "max_length": 3}
+    outs = llm.generate(
+        [text, {"prompt": text}, full], SamplingParams(max_tokens=1), False, tokenization_kwargs=cut
+    )
+    assert [o.prompt_token_ids for o in outs] == [full[:3], full[:3], full]
+    with pytest.raises(TypeError, match="tokenization_kwargs must be a dict"):
+        llm.generate(text, tokenization_kwargs=["add_special_tokens"])  # type: ignore[arg-type]
+
+
 def test_detokenize_false_gives_the_same_tokens_and_no_text(tiny):
     llm, _ = tiny
     prompt = [9, 8, 7, 6]
