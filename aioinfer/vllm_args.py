@@ -127,17 +127,17 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
         elif flag in MULTI_VALUE_FLAGS and not eq and value is not None:
             # The first value is taken whatever it looks like (a key may start with "-"). More
             # follow as in vLLM only once the model is known (`vllm serve MODEL --api-key a
-            # b`). Before it, a bare word is the model where it looks like one (`--api-key k
-            # org/name`); any other is refused rather than guessed: a key taken for the model
-            # would be logged and sent to the hub.
+            # b`). Before it, a bare word is the model where it looks like one: a local path or
+            # GGUF, or after flags other than --api-key an owner/name hub id (a key taken for
+            # the model would be logged and sent to the hub). Any other word is refused.
             out += [flag, value]
             i += 2
             model_seen = model_flag or positional is not None
             bare = i < len(args) and not args[i].startswith("-")
-            if not model_seen and bare and not _looks_like_model(args[i]):
+            if not model_seen and bare and not _looks_like_model(args[i], flag != "--api-key"):
                 raise ValueError(
-                    f"{flag} takes several values only after the model (aioinfer serve MODEL "
-                    f"{flag} A B); before it, give {flag} once for each value"
+                    f"{flag} takes several values only after the model: aioinfer serve MODEL "
+                    f"{flag} A B (or {flag} once for each value)"
                 )
             while model_seen and i < len(args) and not args[i].startswith("-"):
                 if args[i] == positional:
@@ -162,9 +162,10 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
     return ([chosen] if chosen else []) + out, notes
 
 
-def _looks_like_model(word: str) -> bool:
-    """A local path, a GGUF file, or a hub id of the form owner/name."""
-    return Path(word).exists() or word.endswith(".gguf") or _HUB_ID.fullmatch(word) is not None
+def _looks_like_model(word: str, hub_id: bool) -> bool:
+    """A local path or GGUF file, or with `hub_id` an id of the form owner/name."""
+    local = Path(word).exists() or word.endswith(".gguf")
+    return local or (hub_id and _HUB_ID.fullmatch(word) is not None)
 
 
 def _check_fixed(option: str, flag: str, value: str | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from aioinfer.core.block_pool import BlockPool, hash_block
@@ -117,14 +118,17 @@ class KVCacheManager:
     def _extend_hashes(self, request: Request, num_tokens: int) -> None:
         """Hash each full block of the request's first num_tokens tokens not hashed yet."""
         hashes, bs = request.block_hashes, self.block_size
+        if len(hashes) >= num_tokens // bs:
+            return
         # A LoRA adapter, or LongRoPE's long factors, change every K/V, and a cache salt keeps
-        # one tenant's prefixes from another's: such requests' chains start from their own root.
+        # one tenant's prefixes from another's: such requests' chains start from their own root,
+        # a digest like any parent's. The salt comes last, after tags it cannot begin with.
         tags = [f"lora:{request.lora_slot}"] if request.lora_slot else []
         if request.long_rope:
             tags.append("rope:long")
-        if request.cache_salt is not None:  # last, its length first: no salt reads as a tag
-            tags.append(f"salt:{len(request.cache_salt)}:{request.cache_salt}")
-        root = " ".join(tags).encode() if tags else None
+        if request.cache_salt is not None:
+            tags.append(f"salt:{request.cache_salt}")
+        root = hashlib.sha256(" ".join(tags).encode()).digest() if tags else None
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else root
             hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs]))

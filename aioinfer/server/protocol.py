@@ -138,7 +138,7 @@ class _GenerationRequest(OpenAIRequest):
         None, description="Keep only the prompt's last k tokens (-1: what the context holds)."
     )
     cache_salt: str | None = Field(
-        None, min_length=1, description="Prefixes are shared only within one salt (vLLM's)."
+        None, min_length=1, max_length=1024, description="Prefixes shared only within a salt."
     )
     priority: int = Field(
         0, description="With --scheduling-policy priority: lower runs first (vLLM's field)."

@@ -255,6 +255,9 @@ class ResponsesRequest(OpenAIRequest):
         None, max_length=16, description="Up to 16 pairs (keys of 64 characters, values of 512)."
     )
     user: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=1024, description="Prefixes shared only within a salt."
+    )
     reasoning: ReasoningSettings | None = Field(None, description="Accepted and ignored.")
     truncation: Literal["auto", "disabled"] | None = Field(
         None, description='Only "disabled": a prompt over the context is a 400.'
@@ -382,6 +385,7 @@ class ResponsesRequest(OpenAIRequest):
                 "repetition_penalty": self.repetition_penalty,
                 "seed": self.seed,
                 "user": self.user,
+                "cache_salt": self.cache_salt,
             }
         )
         with responses_params():

@@ -148,41 +148,49 @@ def test_several_served_names_are_aliases_of_the_first():
 
 def test_a_second_value_before_the_model_is_the_model_only_where_it_looks_like_one(tmp_path):
     """`--api-key k1 k2` with no model yet: vLLM reads both as keys; reading k2 as the model
-    logged it and sent it to the hub. Only a path, a GGUF or an owner/name id is the model;
-    anything else is refused, naming neither value."""
+    logged it and sent it to the hub. After a key, only a local path or a GGUF is the model
+    (a base64 key may read as owner/name); after the other flags, an owner/name id too.
+    Anything else is refused, naming neither value."""
     refused_lines = (
         ("--api-key", "k1", "secret2"),
+        ("--api-key", "k1", "q8Zf0/Ms2pLx9Kw1"),
+        ("--api-key", "k1", "--api-key", "k2", "org/M"),
         ("--served-model-name", "alpha", "bravo", "--port", "9"),
     )
     for argv in refused_lines:
-        with pytest.raises(ValueError, match="only after the model") as refused:
+        with pytest.raises(ValueError, match="only after the model: aioinfer serve MODEL") as no:
             ours(*argv)
-        assert argv[2] not in str(refused.value)
+        assert not {a for a in argv if not a.startswith("-")} & set(str(no.value).split())
     folder = tmp_path / "model"
     folder.mkdir()
     assert ours("--api-key", "k", str(folder)) == [str(folder), "--api-key", "k"]
     assert ours("--api-key", "k", "small.gguf") == ["small.gguf", "--api-key", "k"]
+    assert ours("--served-model-name", "x", "org/M") == ["org/M", "--served-model-name", "x"]
     assert ours("M", "--api-key", "k1", "k2") == ["M", "--api-key", "k1", "--api-key", "k2"]
     assert ours("--model", "M", "--api-key", "k1", "k2") == [
         "M", "--api-key", "k1", "--api-key", "k2"
     ]  # fmt: skip
 
 
-def test_command_lines_that_worked_before_keep_their_meaning():
-    """The model after a flag of several values is still the model; a key may start with
-    "-"; a flag left without its value still fails; a model path may look like a flag name."""
-    assert ours("--api-key", "k", "org/M") == ["org/M", "--api-key", "k"]
-    assert ours("--api-key", "k", "org/M", "--device", "cpu") == [
-        "org/M",
+def test_command_lines_that_worked_before_keep_their_meaning(tmp_path):
+    """The model after a flag of several values is still the model where it cannot be a
+    secret (a hub id after --api-key is refused: see above); a key may start with "-"; a
+    flag left without its value still fails; a model path may look like a flag name."""
+    model = str(tmp_path)
+    assert ours("--api-key", "k", model) == [model, "--api-key", "k"]
+    assert ours("--api-key", "k", model, "--device", "cpu") == [
+        model,
         "--api-key",
         "k",
         "--device",
         "cpu",
     ]
-    assert ours("--api-key", "k1", "--api-key", "k2", "org/M") == [
-        "org/M", "--api-key", "k1", "--api-key", "k2"
+    assert ours("--api-key", "k1", "--api-key", "k2", model) == [
+        model, "--api-key", "k1", "--api-key", "k2"
     ]  # fmt: skip
-    assert ours("--allowed-origins", "*", "./M") == ["./M", "--allowed-origins", "*"]
+    assert ours("--allowed-origins", "*", "org/M") == ["org/M", "--allowed-origins", "*"]
+    with pytest.raises(ValueError, match="only after the model"):
+        ours("--api-key", "k", "org/M")  # worked before: the model must come first now
     assert ours("M", "--api-key", "-secret") == ["M", "--api-key", "-secret"]
     assert ours("M", "--api-key") == ["M", "--api-key"]  # the parser refuses it
     assert ours("./quantization", "--port", "9") == ["./quantization", "--port", "9"]

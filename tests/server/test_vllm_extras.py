@@ -96,6 +96,27 @@ async def test_a_cache_salt_keeps_prefixes_within_it(aiohttp_client, engine):
     assert error["param"] == "cache_salt"
 
 
+async def test_the_responses_api_passes_its_cache_salt_on(client, engine, monkeypatch):
+    """vLLM's ResponsesRequest has cache_salt too: dropped, a tenant would lose its isolation."""
+    salts = []
+    add_request = engine.add_request
+
+    def recording(*args, **kwargs):
+        salts.append(kwargs.get("cache_salt"))
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    body = {"input": "Hello", "max_output_tokens": 2, "store": False}
+    for salt in ("tenant-1", None):
+        response, _ = await post(
+            client, "/v1/responses", body | ({"cache_salt": salt} if salt else {})
+        )
+        assert response.status == 200
+    assert salts == ["tenant-1", None]
+    long = {**body, "cache_salt": "x" * 1025}  # vLLM's limit: the salt is hashed every block
+    assert error_of((await post(client, "/v1/responses", long))[1], 400)["param"] == "cache_salt"
+
+
 async def test_ignored_fields_are_logged_once_each(client, caplog):
     """A field the request model does not know (a typo such as max_token) is served as if absent,
     as vLLM does, and named in a warning, once per field and kind of request."""

@@ -50,8 +50,8 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute():
 
 
 def test_a_cache_salt_shares_prefixes_only_within_itself():
-    """vLLM's cache_salt: one tenant cannot hit (or time) another's cached prompt. The salt's
-    length goes first, so a salt cannot pose as another tag."""
+    """vLLM's cache_salt: one tenant cannot hit (or time) another's cached prompt, nor an
+    unsalted one, nor can an empty salt or one that spells another tag."""
     kv = KVCacheManager(num_blocks=20, block_size=4)
     tokens = list(range(9))
     first = make_request("a", tokens)
@@ -63,7 +63,7 @@ def test_a_cache_salt_shares_prefixes_only_within_itself():
         assert kv.find_cached_prefix(other)[1] == hit, salt
     unsalted = make_request("e", tokens)
     assert admit(kv, unsalted) == [4, 5, 6]
-    for salt in ("", "x", "1:x"):
+    for salt in ("", "x", "tenant-1 ", "lora:0"):
         posing = make_request(f"f{salt}", tokens)
         posing.cache_salt = salt
         assert kv.find_cached_prefix(posing)[1] == 0, salt
