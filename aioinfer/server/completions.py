@@ -261,11 +261,11 @@ def _response_context(
     n: int,
     response_id: str | None = None,
 ) -> ResponseContext:
-    """The response id (`prefix`-<hex> as OpenAI's, or `prefix`-<the client's X-Request-Id> as
-    vLLM's; `response_id` where given) and what all its responses share. Engine ids stay
-    unique whatever clients send."""
+    """The response id (`prefix`-<hex> as OpenAI's, or `prefix`-<the client's X-Request-Id, else
+    the body's request_id> as vLLM's; `response_id` where given) and what all its responses
+    share. Engine ids stay unique whatever clients send."""
     unique = uuid.uuid4().hex
-    client_id = None if response_id is not None else client_request_id(request)
+    client_id = None if response_id is not None else client_request_id(request) or req.request_id
     if response_id is None:
         response_id = f"{prefix}-{client_id or unique}"
     # A name other than the served model's is an adapter (check_model said so): never the

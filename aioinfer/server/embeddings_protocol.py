@@ -14,7 +14,8 @@ from pydantic import Field, field_validator
 from typing_extensions import TypedDict
 
 from aioinfer.core.pooling import PoolingParams
-from aioinfer.server.protocol import OpenAIRequest, RequestValidationError, check_prompt_shape
+from aioinfer.server.protocol import OpenAIRequest, RequestValidationError
+from aioinfer.server.validation import check_prompt_shape
 
 
 class PoolingInputRequest(OpenAIRequest):

@@ -27,7 +27,7 @@ from aioinfer.server.tools import (
     ToolsError,
     tool_constraint,
 )
-from aioinfer.server.validation import describe_validation_error, short_repr
+from aioinfer.server.validation import check_prompt_shape, describe_validation_error, short_repr
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 
@@ -136,6 +136,12 @@ class _GenerationRequest(OpenAIRequest):
     bad_words: list[str] | None = Field(None, description="Words the output never contains.")
     truncate_prompt_tokens: int | None = Field(
         None, description="Keep only the prompt's last k tokens (-1: what the context holds)."
+    )
+    request_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Names the response (cmpl-<request_id>), as vLLM's; X-Request-Id wins.",
     )
     cache_salt: str | None = Field(
         None, min_length=1, max_length=1024, description="Prefixes shared only within a salt."
@@ -544,30 +550,6 @@ def _capped(limit: int | None, defaults: Mapping[str, Any]) -> int | None:
     if cap is None:
         return limit
     return cap if limit is None else min(limit, cap)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_prompt_shape(value: Any) -> Any:
-    """A completions prompt (or embeddings input) as given; ValueError for any other shape."""
-    if is_prompt(value):
-        return value
-    raise ValueError(
-        "must be a string, a list of strings, a list of token ids or a list of token-id "
-        f"lists, none of them empty; got {short_repr(value)}"
-    )
-
-
-def is_prompt(value: Any) -> bool:
-    if isinstance(value, str):
-        return True
-    if not isinstance(value, list) or not value:
-        return False
-    if all(isinstance(p, str) for p in value) or all(_is_int(t) for t in value):
-        return True
-    return all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value)
 
 
 def _parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -34,6 +34,23 @@ async def test_the_client_id_names_the_response_and_comes_back(client, engine):
     assert_pool_free(engine)
 
 
+async def test_the_body_s_request_id_names_the_response_unless_the_header_does(client, engine):
+    """vLLM's request_id field: cmpl-<request_id>; X-Request-Id wins, as in vLLM's server. Two
+    requests with the same one still run apart."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "request_id": "job-7"}
+    answers = await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
+    for response, raw in answers:
+        assert response.status == 200 and orjson.loads(raw)["id"] == "cmpl-job-7"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "request_id": "c1"}
+    _, raw = await post(client, "/v1/chat/completions", chat)
+    assert orjson.loads(raw)["id"] == "chatcmpl-c1"
+    _, raw = await post(client, "/v1/completions", body, headers=HEADERS)
+    assert orjson.loads(raw)["id"] == "cmpl-trace-42"
+    response, raw = await post(client, "/v1/completions", {**body, "request_id": ""})
+    assert response.status == 400 and error_of(raw, 400)["param"] == "request_id"
+    assert_pool_free(engine)
+
+
 async def test_errors_carry_the_id_and_responses_without_one_get_a_fresh_id(client):
     response, raw = await post(client, "/v1/completions", {"prompt": []}, headers=HEADERS)
     assert response.headers["X-Request-Id"] == "trace-42"
