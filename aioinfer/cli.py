@@ -480,6 +480,16 @@ def serve_help(topic: str | None) -> str:
     matches = [_describe_field(f, tp) for f, tp in fields if wanted in f.name.replace("_", "-")]
     if matches:  # a part of flag names, as vLLM's --help=prefix
         return "\n".join(matches)
+    from aioinfer.vllm_args import IGNORED_FLAGS, RENAMED_FLAGS, RENAMED_VALUE_FLAGS
+
+    vllm_flag = f"--{wanted}"
+    if vllm_flag in IGNORED_FLAGS:
+        return f"  {vllm_flag}  (vLLM's) dropped with a note: {IGNORED_FLAGS[vllm_flag][1]}"
+    ours, differs = RENAMED_VALUE_FLAGS.get(vllm_flag, (RENAMED_FLAGS.get(vllm_flag), ""))
+    if ours:
+        return f"  {vllm_flag}  (vLLM's) read as {ours}{differs and ': '}{differs}\n" + serve_help(
+            ours
+        )
     raise KeyError(topic)
 
 

@@ -32,6 +32,11 @@ def test_help_topics():
     assert "--max-num-batched-tokens" in group and "--host" not in group
     with pytest.raises(KeyError):
         serve_help("no-such-flag")
+    # vLLM's flags that are dropped or read under another name say so.
+    assert "dropped with a note: routes are served at /" in serve_help("root-path")
+    renamed = serve_help("--max-num-queued-reqs")
+    assert "read as --max-queued-requests: it bounds" in renamed and "[default: None]" in renamed
+    assert "read as --log-requests\n  --log-requests" in serve_help("enable-log-requests")
 
 
 def test_subprocess_help_version_and_errors():
