@@ -487,9 +487,8 @@ def serve_help(topic: str | None) -> str:
         return f"  {vllm_flag}  (vLLM's) dropped with a note: {IGNORED_FLAGS[vllm_flag][1]}"
     ours, differs = RENAMED_VALUE_FLAGS.get(vllm_flag, (RENAMED_FLAGS.get(vllm_flag), ""))
     if ours:
-        return f"  {vllm_flag}  (vLLM's) read as {ours}{differs and ': '}{differs}\n" + serve_help(
-            ours
-        )
+        head = f"  {vllm_flag}  (vLLM's) read as {ours}{differs and ': '}{differs}"
+        return head + "\n" + serve_help(ours)
     raise KeyError(topic)
 
 

@@ -21,6 +21,8 @@ from typing import Any
 from aioinfer.engine.llm_options import FIXED_VLLM_OPTIONS
 
 _GRAPHS = "CUDA graphs cover every decode batch shape"
+_ONE_STEP = "steps are scheduled one at a time, each after the last returns"
+_BUDGET = "prompts are chunked by the token budget alone"
 # vLLM flags that change nothing here, with the number of values each takes, and why.
 IGNORED_FLAGS: dict[str, tuple[int, str]] = {
     "--trust-remote-code": (0, "no code from a model repository is ever run"),
@@ -42,14 +44,14 @@ IGNORED_FLAGS: dict[str, tuple[int, str]] = {
     "--allowed-methods": (1, "the allowed origins may use every method"),
     "--allowed-headers": (1, "the allowed origins may send any header"),
     "--chat-template-content-format": (1, "a message's text parts are joined for every template"),
-    "--async-scheduling": (0, "steps are scheduled one at a time, each after the last returns"),
-    "--no-async-scheduling": (0, "steps are scheduled one at a time, each after the last returns"),
+    "--async-scheduling": (0, _ONE_STEP),
+    "--no-async-scheduling": (0, _ONE_STEP),
     "--disable-frontend-multiprocessing": (0, "the API and the engine are one process"),
     "--api-server-count": (1, "one process serves the API"),
     "--max-cudagraph-capture-size": (1, _GRAPHS),
-    "--long-prefill-token-threshold": (1, "prompts are chunked by the token budget alone"),
-    "--max-num-partial-prefills": (1, "prompts are chunked by the token budget alone"),
-    "--max-long-partial-prefills": (1, "prompts are chunked by the token budget alone"),
+    "--long-prefill-token-threshold": (1, _BUDGET),
+    "--max-num-partial-prefills": (1, _BUDGET),
+    "--max-long-partial-prefills": (1, _BUDGET),
 }
 RENAMED_FLAGS = {"--enable-log-requests": "--log-requests", "--enable-log-outputs": "--log-prompts"}
 # vLLM flags of one value with another name here, and what differs.
