@@ -7,7 +7,8 @@ the numbers of the startup log:
     weights      = parameters x dtype bytes                (tied embeddings counted once)
                    + 1.25 bytes per GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K linear weight on
                      the CPU (the exact byte codes of --cpu-weight-format auto; coded: - 4 bytes
-                     too, and in auto on a CPU with AMX)
+                     too, and in auto on a CPU with AMX, where the 4- and 5-bit types' weight
+                     parts add 4 bytes a weight and 4 a run of 32)
     CPU:  available KV = --kv-cache-memory GiB
     CUDA: available KV = total x --gpu-memory-utilization - weights - peak activations - non-torch
     bytes per block    = 2 (K and V) x block_size x kv_heads x head_dim x layers x dtype bytes
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -388,8 +390,10 @@ def coded_weight_bytes(resolved: Any, weight_format: str, *, amx: bool = False) 
     """Bytes the byte codes of a GGUF's decoder linears add to its float32 weights on the CPU
     (negative where they replace them): 1.25 a weight beside them ("auto"), 1.25 - 4 instead
     ("coded", or "auto" with `amx` on a CPU with AMX, where steps of many rows read the codes
-    on AMX), for the tensors whose type makes them codes. The engine finds
-    codes from the weights' values: blocks a tuned quantizer made (imatrix) may not be codes
+    on AMX), for the tensors whose type makes them codes; in "auto" on AMX, those of 4- and
+    5-bit types also keep their weight parts, 4 bytes a weight and 4 a run of 32 (the
+    offsets' run), for the steps of the most rows. The engine finds codes from the
+    weights' values: blocks a tuned quantizer made (imatrix) may not be codes
     it finds, and a float checkpoint whose values happen to be codes gets them, so there the
     plan is an estimate; it also assumes the native kernels build."""
     gguf_file = resolved.gguf_file or resolved.converted_from  # or the file of a cache entry
@@ -399,13 +403,15 @@ def coded_weight_bytes(resolved: Any, weight_format: str, *, amx: bool = False) 
     from aioinfer.model.kernels.packed_weights import (
         CODED_BYTES_PER_WEIGHT,
         CODED_GGUF_TYPES,
+        PARTS_GGUF_TYPES,
         STRIP,
+        parts_shape,
     )
     from aioinfer.model.loader.resolve import open_gguf
 
     reader = resolved.gguf_reader or open_gguf(gguf_file)
     coded = {
-        t.name: int(t.n_elements)
+        t.name: t
         for t in reader.tensors
         if t.name.startswith("blk.")
         and len(t.shape) == 2
@@ -414,13 +420,20 @@ def coded_weight_bytes(resolved: Any, weight_format: str, *, amx: bool = False) 
     }
     # A layer's gate and up run as one pass, from codes only if both have them.
     partner = {".ffn_gate.": ".ffn_up.", ".ffn_up.": ".ffn_gate."}
-    elements = sum(
-        n
-        for name, n in coded.items()
+    kept = [
+        t
+        for name, t in coded.items()
         if not any(a in name and name.replace(a, b) not in coded for a, b in partner.items())
-    )
-    strips = weight_format == "auto" and not (amx and amx_expected())
-    return int(elements * (CODED_BYTES_PER_WEIGHT - (0 if strips else 4)))
+    ]
+    on_amx = amx and amx_expected()
+    strips = weight_format == "auto" and not on_amx
+    total = sum(int(t.n_elements) for t in kept) * (CODED_BYTES_PER_WEIGHT - (0 if strips else 4))
+    if weight_format == "auto" and on_amx:
+        for t in kept:
+            if t.tensor_type.name in PARTS_GGUF_TYPES:
+                k, n = int(t.shape[0]), int(t.shape[1])
+                total += 2 * math.prod(parts_shape(n // STRIP, k))
+    return int(total)
 
 
 def _dtype_name(name: str, device: str) -> str:
@@ -453,7 +466,7 @@ def format_plan(plan: MemoryPlan) -> str:
     codes = plan.weights_bytes - floats  # the exact byte codes of a GGUF's linears
     why = f"{plan.num_parameters:,} parameters x {DTYPE_BYTES[plan.dtype]} bytes"
     if codes:
-        why += f" {'+' if codes > 0 else '-'} {abs(codes) / GiB:.4f} GiB for byte codes"
+        why += f" {'+' if codes > 0 else '-'} {abs(codes) / GiB:.4f} GiB for coded linears"
     lines = [
         f"Plan for {plan.served_name}: device={plan.device}, dtype={plan.dtype}, "
         f"max_model_len={plan.max_model_len}, block_size={plan.block_size}",

@@ -18,7 +18,7 @@ from torch import nn
 
 from aioinfer import LLM, SamplingParams
 from aioinfer.bench import latency
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.kernels import cpu_native, packed_weights
 from aioinfer.model.kernels.packed_weights import CodedWeight, code_weight
 from aioinfer.model.layers.native_cpu import PackedLinear, use_native_kernels
 from tests.model.tiny_models import make_hf_model
@@ -103,7 +103,7 @@ def test_blocks_off_the_extreme_codes_are_coded_exactly(
     needs_17_bits = (scales.view(torch.int32) & 0xFF != 0).any()
     assert needs_17_bits == qtype.endswith("_K")
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
-    expected = kernels.packed_linear(x, cpu_native.pack_weight(weight), None)
+    expected = kernels.packed_linear(x, packed_weights.pack_weight(weight), None)
     assert same_bits(kernels.packed_linear(x, coded, None), expected)
 
 
@@ -230,7 +230,7 @@ def test_coded_linears_give_the_float_strips_results_bit_for_bit(
     weight = ggml_round_trip(torch.randn(n, k, generator=gen) * 0.1, "Q4_1")
     coded = code_weight(weight, kernels.code_runs)
     assert coded is not None
-    strips = cpu_native.pack_weight(weight)
+    strips = packed_weights.pack_weight(weight)
     b = torch.randn(n, generator=gen) if bias else None
     x = torch.randn(m, k, generator=gen)
     expected = kernels.packed_linear(x, strips, b)
@@ -255,7 +255,7 @@ def test_coded_weights_are_checked_before_the_kernel_reads_them(
         kernels.packed_linear(x, CodedWeight(coded.codes, coded.scales[:, :1].contiguous()), None)
     with pytest.raises(ValueError, match="int8"):
         kernels.packed_linear(x, CodedWeight(coded.codes.int(), coded.scales), None)
-    wrong_strips = cpu_native.pack_weight(torch.randn(32, 96))
+    wrong_strips = packed_weights.pack_weight(torch.randn(32, 96))
     with pytest.raises(ValueError, match="differ"):
         kernels.packed_linear(x, CodedWeight(coded.codes, coded.scales, wrong_strips), None)
 
@@ -274,9 +274,9 @@ def test_decoder_layers_with_coded_weights_give_the_float_results_bit_for_bit(
     linears = ("q", "k", "v", "o", "gate", "up", "down")
     kinds = iter(SIMPLE_QUANTS * 2)
     for name in linears:
-        weight = ggml_round_trip(cpu_native.unpack_weight(tensors[name]), next(kinds))
-        tensors[name] = cpu_native.pack_weight(weight)
-    coded = {name: code_weight(cpu_native.unpack_weight(tensors[name]), kernels.code_runs)
+        weight = ggml_round_trip(packed_weights.unpack_weight(tensors[name]), next(kinds))
+        tensors[name] = packed_weights.pack_weight(weight)
+    coded = {name: code_weight(packed_weights.unpack_weight(tensors[name]), kernels.code_runs)
              for name in linears}  # fmt: skip
     assert all(c is not None for c in coded.values())
     both = {name: CodedWeight(c.codes, c.scales, tensors[name]) for name, c in coded.items()}
@@ -382,8 +382,8 @@ def test_decoder_layer_weights_refuse_a_gate_and_up_of_different_forms(
     tensors = small_layer_tensors(torch.Generator().manual_seed(2))
     coded = {}
     for name in ("gate", "up"):
-        weight = ggml_round_trip(cpu_native.unpack_weight(tensors[name]), "Q4_1")
-        tensors[name] = cpu_native.pack_weight(weight)
+        weight = ggml_round_trip(packed_weights.unpack_weight(tensors[name]), "Q4_1")
+        tensors[name] = packed_weights.pack_weight(weight)
         coded[name] = code_weight(weight, kernels.code_runs)
     gate, up = coded["gate"], coded["up"]
     for pair in (

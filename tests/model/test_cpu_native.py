@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.kernels import cpu_native, packed_weights
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.native_cpu import (
@@ -266,7 +266,7 @@ def test_one_thread_gives_the_numbers_of_many(kernels: cpu_native.NativeKernels)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(576, 1536, generator=gen)
     x = torch.randn(16, 1536, generator=gen)
-    packed = cpu_native.pack_weight(w)
+    packed = packed_weights.pack_weight(w)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -324,7 +324,7 @@ def test_backend_selection_names_what_runs_and_refuses_what_cannot() -> None:
 
 
 def test_kernels_refuse_tensors_they_would_misread(kernels: cpu_native.NativeKernels) -> None:
-    packed = cpu_native.pack_weight(torch.randn(16, 8))
+    packed = packed_weights.pack_weight(torch.randn(16, 8))
     with pytest.raises(ValueError, match="float32"):
         kernels.packed_linear(torch.randn(2, 8, dtype=torch.float64), packed, None)
     with pytest.raises(ValueError, match="contiguous"):
@@ -464,7 +464,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 2, 1, 32, 128
 
 
 def random_packed(n: int, k: int, gen: torch.Generator | None = None) -> torch.Tensor:
-    return cpu_native.pack_weight(torch.randn(n, k, generator=gen) * 0.1)
+    return packed_weights.pack_weight(torch.randn(n, k, generator=gen) * 0.1)
 
 
 def small_layer_tensors(gen: torch.Generator | None = None) -> dict[str, torch.Tensor | None]:

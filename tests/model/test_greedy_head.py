@@ -14,7 +14,7 @@ import torch
 
 from aioinfer import SamplingParams
 from aioinfer.engine.llm import LLM
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.kernels import cpu_native, packed_weights
 from aioinfer.model.kernels.greedy_head import MAX_STRIPS, ROWS, GreedyHead
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
@@ -62,7 +62,7 @@ def test_matches_the_float32_head_and_stays_within_its_bound(
     m = (1, 2, 13, 14, 15, 31, 64, 65, 150)[case % 9]
     weight = torch.randn(v, k, generator=gen) * (0.02, 1.0, 30.0)[case % 3]
     x = torch.randn(m, k, generator=gen) * (1e-3, 1.0, 1e4)[case % 3]
-    packed = cpu_native.pack_weight(weight)
+    packed = packed_weights.pack_weight(weight)
     head = screen_of(packed, kernels)
     got = head(x)
     assert got is not None
@@ -82,7 +82,7 @@ def test_ties_and_near_ties_go_to_the_first_index(kernels: cpu_native.NativeKern
     weight[1500] = weight[37]  # an exact tie across strips
     weight[900] = weight[37] * (1 + 2e-7)  # within bfloat16's blur, but larger in float32
     weight[901] = weight[37] * (1 - 2e-7)
-    packed = cpu_native.pack_weight(weight)
+    packed = packed_weights.pack_weight(weight)
     head = screen_of(packed, kernels)
     x = torch.stack([weight[37], -weight[37], weight[1500] * 3, torch.randn(k, generator=gen)])
     got = head(x)
@@ -91,7 +91,7 @@ def test_ties_and_near_ties_go_to_the_first_index(kernels: cpu_native.NativeKern
     assert expected[0] == 900  # the slightly larger copy, which the screen alone cannot see
 
     weight[900] = weight[901] = weight[37]  # now three exact copies and one more: 37 wins
-    packed = cpu_native.pack_weight(weight)
+    packed = packed_weights.pack_weight(weight)
     got = screen_of(packed, kernels)(x[:1])
     assert got is not None and got.tolist() == [37]
     assert full_head_argmax(kernels, x[:1], packed).tolist() == [37]
@@ -103,7 +103,7 @@ def test_float32_overrules_the_screens_own_maximum(kernels: cpu_native.NativeKer
     weight = torch.randn(1024, 32, generator=torch.Generator().manual_seed(2)) * 1e-3
     weight[3, :2] = torch.tensor([1.0035, 0.0])
     weight[700, :2] = torch.tensor([1.0, 0.002])
-    packed = cpu_native.pack_weight(weight)
+    packed = packed_weights.pack_weight(weight)
     head = screen_of(packed, kernels)
     x = torch.zeros(1, 32)
     x[0, :2] = 1.0
@@ -115,7 +115,7 @@ def test_float32_overrules_the_screens_own_maximum(kernels: cpu_native.NativeKer
 def test_rows_it_cannot_settle_come_back_as_none(kernels: cpu_native.NativeKernels) -> None:
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(64 * (MAX_STRIPS + 8), 64, generator=gen)
-    head = screen_of(cpu_native.pack_weight(weight), kernels)
+    head = screen_of(packed_weights.pack_weight(weight), kernels)
     assert head(torch.randn(3, 64, generator=gen)) is not None
     # Every logit 0: all strips are within reach of the max.
     assert head(torch.zeros(1, 64)) is None
@@ -137,13 +137,13 @@ def test_logits_near_the_float_range_take_the_full_head(
     weight = torch.zeros(32, 4)
     weight[0] = torch.tensor([2.0**64, 0, 2.0**64, -(2.0**64)])
     weight[20, 0] = 1.75 * 2.0**64
-    packed = cpu_native.pack_weight(weight)
+    packed = packed_weights.pack_weight(weight)
     assert full_head_argmax(kernels, x, packed).tolist() == [0]
     assert screen_of(packed, kernels)(x) is None
 
     weight = torch.randn(64, 16, generator=torch.Generator().manual_seed(3))
     weight[:16] = 9e37
-    packed = cpu_native.pack_weight(weight)
+    packed = packed_weights.pack_weight(weight)
     head = screen_of(packed, kernels)
     assert head(torch.zeros(1, 16)) is None
     assert head(torch.full((1, 16), 1e-20)) is None
@@ -151,13 +151,15 @@ def test_logits_near_the_float_range_take_the_full_head(
 
 def test_heads_it_cannot_screen_are_refused(kernels: cpu_native.NativeKernels) -> None:
     weight = torch.randn(64, 32)
-    assert GreedyHead.build(cpu_native.pack_weight(weight), kernels) is not None
+    assert GreedyHead.build(packed_weights.pack_weight(weight), kernels) is not None
     assert (
-        GreedyHead.build(cpu_native.pack_weight(torch.randn(48, 32)), kernels) is None
+        GreedyHead.build(packed_weights.pack_weight(torch.randn(48, 32)), kernels) is None
     )  # 3 strips
-    assert GreedyHead.build(cpu_native.pack_weight(torch.randn(64, 34)[:, :33]), kernels) is None
+    assert (
+        GreedyHead.build(packed_weights.pack_weight(torch.randn(64, 34)[:, :33]), kernels) is None
+    )
     weight[3, 4] = 3e38  # becomes inf in bfloat16
-    assert GreedyHead.build(cpu_native.pack_weight(weight), kernels) is None
+    assert GreedyHead.build(packed_weights.pack_weight(weight), kernels) is None
     avx2 = cpu_native.load("haswell")
     if avx2 is not None:
         assert not avx2.has_greedy_head

@@ -145,6 +145,9 @@ typedef struct {
     const signed char *codes;
     const float *scales;
     long amx; /* with codes: steps of many rows read them on AMX (see AMX linears) */
+    /* With codes on AMX, or NULL: each code * scale as two bfloat16 parts, and the offsets as
+     * runs after K, for the steps of many rows (see "AMX linears from weight parts"). */
+    const unsigned short *parts;
 } Weight;
 #define CODE_BLOCK 32
 
@@ -306,7 +309,8 @@ static void decode_tile(const Tile *coded, long vecs, int gated, const Tile *pan
  * 64-row linear with it took 1.4-1.7x as long as the same tile work without it, the vector
  * units' work adding to the tile unit's rather than overlapping it (software pipelining the
  * scaling one run behind made no difference). SmolLM2's linears run 1.5-2x faster than on
- * the FMA units at 16 to 4096 rows.
+ * the FMA units at 16 to 4096 rows. Steps of 128 rows or more over weights that also have
+ * parts skip the scaling (see "AMX linears from weight parts", below).
  */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && LANES == 16
 #define HAVE_AMX 1
@@ -318,18 +322,26 @@ static void decode_tile(const Tile *coded, long vecs, int gated, const Tile *pan
 #define AMX_MIN_ROWS (ROWS + 1) /* steps of one FMA row tile keep the codes' FMA path */
 #define AMX_BLOCK_BYTES (512 * 1024) /* x's parts taken per pass over the weights, as in L2 */
 
-/* x [M, K] as AMX linears read it: parts [3][rows][K] bfloat16 (rows = M rounded up to a tile,
- * the padding zero) and sums [rows][K / 32], the float32 sum of each run of 32. */
+/* Columns of x's parts for K: K, then the sum of each run of 32 of the row, zeros up to a whole
+ * run (the offsets' columns of weight parts, see "AMX linears from weight parts"). */
+static long split_cols(long K) {
+    const long runs = K / CODE_BLOCK;
+    return K + (runs + CODE_BLOCK - 1) / CODE_BLOCK * CODE_BLOCK;
+}
+
+/* x [M, K] as AMX linears read it: parts [3][rows][cols] bfloat16 (rows = M rounded up to a
+ * tile, the padding zero; cols = split_cols(K)) and sums [rows][K / 32], the float32 sum of
+ * each run of 32. */
 typedef struct {
     const unsigned short *parts;
     const float *sums;
-    long rows;
+    long rows, cols;
 } SplitRows;
 
 /* Floats of scratch that split_rows needs for M rows of K. */
 static long split_floats(long M, long K) {
     long rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-    return rows * K * 3 / 2 + rows * (K / CODE_BLOCK) + 16; /* and a flag (see split_rows) */
+    return rows * split_cols(K) * 3 / 2 + rows * (K / CODE_BLOCK) + 16; /* and a flag */
 }
 
 /* Rows whose values reach past these stay on the FMA path (see split_rows). */
@@ -364,6 +376,9 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
+/* The mask of the first n of 16 lanes (none for n <= 0). */
+static inline unsigned run_lanes(long n) { return n <= 0 ? 0 : n >= 16 ? 0xFFFFu : (1u << n) - 1; }
+
 /* Inside a parallel region (ends with its barrier): x [M, K] into `buffer`
  * (split_floats(M, K) floats) as AMX linears read it; 0 where a row cannot go to AMX, and x
  * must stay on the FMA path: a value beyond AMX_LARGEST (a run's sum of codes times x would
@@ -371,10 +386,12 @@ static void configure_tiles(void) {
  * or a row whose largest value is below AMX_SMALLEST but not 0 (the tile unit flushes
  * subnormal parts, which would be all of such a row's lowest). */
 static int split_rows(const float *x, long M, long K, float *buffer, SplitRows *s) {
+    const long runs = K / CODE_BLOCK, cols = split_cols(K);
     s->rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    s->cols = cols;
     unsigned short *parts = (unsigned short *)buffer;
-    float *sums = buffer + s->rows * K * 3 / 2;
-    int *unfit = (int *)(sums + s->rows * (K / CODE_BLOCK)); /* shared by the team */
+    float *sums = buffer + s->rows * cols * 3 / 2;
+    int *unfit = (int *)(sums + s->rows * runs); /* shared by the team */
     s->parts = parts;
     s->sums = sums;
 #pragma omp single
@@ -389,18 +406,24 @@ static int split_rows(const float *x, long M, long K, float *buffer, SplitRows *
     for (long m = 0; m < s->rows; m++) {
         vf largest = splat(0.0f);
         vi nan = {0};
-        for (long k = 0; k < K; k += CODE_BLOCK) {
+        float *row_sums = sums + m * runs;
+        for (long k = 0; k < cols; k += CODE_BLOCK) { /* x's runs, then their sums' */
             __m512 a = _mm512_setzero_ps(), b = a;
-            if (m < M) {
+            if (m < M && k < K) {
                 a = _mm512_loadu_ps(x + m * K + k);
                 b = _mm512_loadu_ps(x + m * K + k + 16);
+                largest = max_v(largest, max_v(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+                nan |= (a != a) | (b != b);
+                row_sums[k / CODE_BLOCK] = sum_lanes(a + b);
+            } else if (m < M) {
+                const __mmask16 lanes_a = _cvtu32_mask16(run_lanes(runs - (k - K)));
+                const __mmask16 lanes_b = _cvtu32_mask16(run_lanes(runs - (k - K) - 16));
+                a = _mm512_maskz_loadu_ps(lanes_a, row_sums + (k - K));
+                b = _mm512_maskz_loadu_ps(lanes_b, row_sums + (k - K) + 16);
             }
-            largest = max_v(largest, max_v(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-            nan |= (a != a) | (b != b);
-            sums[m * (K / CODE_BLOCK) + k / CODE_BLOCK] = sum_lanes(a + b);
             for (long p = 0; p < 3; p++) {
                 __m512i part = _mm512_permutex2var_epi16((__m512i)a, odd_halves, (__m512i)b);
-                _mm512_storeu_si512(parts + (p * s->rows + m) * K + k, part);
+                _mm512_storeu_si512(parts + (p * s->rows + m) * cols + k, part);
                 a -= (__m512)((__m512i)a & top);
                 b -= (__m512)((__m512i)b & top);
             }
@@ -475,7 +498,7 @@ static inline __attribute__((always_inline)) void amx_tile(const AmxTile *t, con
     float acc[AMX_BLOCK_ROWS][32] __attribute__((aligned(64)));
     float c[2][2][16][16] __attribute__((aligned(64)));
     unsigned short tiles[2][512] __attribute__((aligned(64)));
-    const long K = t->K, rows = t->x->rows;
+    const long K = t->K, rows = t->x->rows, cols = t->x->cols;
     for (long j = 0; j < strips; j++) {
         vf init = t->bias[j] ? load(t->bias[j]) : splat(0.0f);
         for (long i = 0; i < t->m1 - t->m0; i++) store(acc[i] + j * STRIP, init);
@@ -492,7 +515,7 @@ static inline __attribute__((always_inline)) void amx_tile(const AmxTile *t, con
         _tile_loadd(6, tiles[0], 64);
         if (strips == 2) _tile_loadd(7, tiles[1], 64);
         for (long r = t->m0; r < t->m1; r += 2 * AMX_ROWS) {
-            const unsigned short *a = t->x->parts + r * K + run * CODE_BLOCK;
+            const unsigned short *a = t->x->parts + r * cols + run * CODE_BLOCK;
             const int two = t->m1 - r > AMX_ROWS; /* row tiles from r: 2, or the last 1 */
             _tile_zero(0);
             if (strips == 2) _tile_zero(1);
@@ -501,12 +524,12 @@ static inline __attribute__((always_inline)) void amx_tile(const AmxTile *t, con
                 if (strips == 2) _tile_zero(3);
             }
             for (long p = 0; p < 3; p++) {
-                const unsigned short *part = a + p * rows * K;
-                _tile_loadd(4, part, K * 2);
+                const unsigned short *part = a + p * rows * cols;
+                _tile_loadd(4, part, cols * 2);
                 _tile_dpbf16ps(0, 4, 6);
                 if (strips == 2) _tile_dpbf16ps(1, 4, 7);
                 if (two) {
-                    _tile_loadd(5, part + AMX_ROWS * K, K * 2);
+                    _tile_loadd(5, part + AMX_ROWS * cols, cols * 2);
                     _tile_dpbf16ps(2, 5, 6);
                     if (strips == 2) _tile_dpbf16ps(3, 5, 7);
                 }
@@ -543,7 +566,7 @@ static void amx_linear_tiles(const SplitRows *x, long M, long K, const Weight *w
     const long tile_cols = gated ? STRIP : 2 * STRIP;
     const long num_tiles = (N + tile_cols - 1) / tile_cols; /* the last may be half wide */
     const long runs = K / CODE_BLOCK;
-    long block = AMX_BLOCK_BYTES / (K * 6) / (2 * AMX_ROWS) * (2 * AMX_ROWS);
+    long block = AMX_BLOCK_BYTES / (x->cols * 6) / (2 * AMX_ROWS) * (2 * AMX_ROWS);
     block = block < 2 * AMX_ROWS ? 2 * AMX_ROWS : block > AMX_BLOCK_ROWS ? AMX_BLOCK_ROWS : block;
     configure_tiles();
     for (long m0 = 0; m0 < x->rows; m0 += block) {
@@ -568,6 +591,95 @@ static void amx_linear_tiles(const SplitRows *x, long M, long K, const Weight *w
     }
     _tile_release();
 }
+
+/* ------------------------------------------------------------------ AMX linears from weight parts
+ *
+ * For steps of many rows, a coded weight can also be held as parts: each code * scale (exact
+ * in float32) as two bfloat16s, hi + lo exactly, which holds where it has at most 16
+ * significant bits, as a float16 scale times a code of up to 5 bits has (GGUF's Q4_0, Q4_1,
+ * Q5_0 and Q5_1). The offsets follow as extra runs: offset * the run's sum of x is one more
+ * product of x's split columns (split_cols) with the weight's. Then no run needs its own
+ * scaling: the tile unit sums every run of a column in its float32 accumulators, five
+ * products a multiply-add (x's three parts times hi, its first two times lo; the sixth, lo
+ * times lo, is below 2^-24 of the product and dropped), against three and a per-run scaling
+ * for the codes (above). At 4096 rows over SmolLM2's linears 1.2-1.3x faster, at 64 rows
+ * 1.1-1.4x, at 48 even, at 32 and fewer slower (the parts, 4 bytes a weight, come from
+ * memory on every step); against float64 the error stays below 2^-22 of sum |x w|. The
+ * parts take 4 bytes a weight besides the codes, as float32 strips would.
+ * Layout: [N / 16][split_cols(K) / 32][2][16][16][2] bfloat16, per strip and run the hi tile
+ * then the lo tile, each as codes_to_tile lays out a run. Tiles: 0-3 the sums of 4 row tiles
+ * of one strip, 4-5 x's parts, 6-7 the weight's hi and lo. */
+#define AMX_PARTS_MIN_ROWS 128
+#define AMX_PARTS_GROUP (4 * AMX_ROWS) /* rows of the 4 tiles of sums */
+
+/* Tile C += x's three parts of row tile T times the weight's hi (tile 6), and its first two
+ * parts times lo (tile 7); a0: part 0 of the row tiles' run, parts `part` apart. */
+#define PARTS_PRODUCTS(C, T)                                                                    \
+    do {                                                                                        \
+        const unsigned short *a = a0 + (T) * AMX_ROWS * cols;                                  \
+        _tile_loadd(4, a, cols * 2);                                                            \
+        _tile_dpbf16ps(C, 4, 6);                                                                \
+        _tile_dpbf16ps(C, 4, 7);                                                                \
+        _tile_loadd(5, a + part, cols * 2);                                                     \
+        _tile_dpbf16ps(C, 5, 6);                                                                \
+        _tile_dpbf16ps(C, 5, 7);                                                                \
+        _tile_loadd(4, a + 2 * part, cols * 2);                                                 \
+        _tile_dpbf16ps(C, 4, 6);                                                                \
+    } while (0)
+
+/* sums [4][16][16] = rows [r, r + 16 * tiles) of x times the strip of weight parts w. */
+static inline void parts_group(const SplitRows *x, long r, long tiles, const unsigned short *w,
+                               float (*sums)[16][16]) {
+    const long cols = x->cols, part = x->rows * cols;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long run = 0; run < cols / CODE_BLOCK; run++) {
+        const unsigned short *b = w + run * 1024; /* hi tile, then lo */
+        for (long line = 0; line < 32; line++) /* 4 runs on, into L2: 10-20 % at 64 rows */
+            _mm_prefetch((const char *)(b + 4 * 1024 + line * 32), _MM_HINT_T1);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
+        const unsigned short *a0 = x->parts + r * cols + run * CODE_BLOCK;
+        PARTS_PRODUCTS(0, 0);
+        if (tiles > 1) PARTS_PRODUCTS(1, 1);
+        if (tiles > 2) PARTS_PRODUCTS(2, 2);
+        if (tiles > 3) PARTS_PRODUCTS(3, 3);
+    }
+    _tile_stored(0, sums[0], 64);
+    if (tiles > 1) _tile_stored(1, sums[1], 64);
+    if (tiles > 2) _tile_stored(2, sums[2], 64);
+    if (tiles > 3) _tile_stored(3, sums[3], 64);
+}
+
+/* linear_tiles' path for weights with parts (see there): groups of 64 rows, each over every
+ * strip (the weight's parts stay in L2 or L3 between groups). */
+static void amx_parts_linear_tiles(const SplitRows *x, long M, const Weight *w, long N,
+                                   const float *bias, const Weight *up, const float *up_bias,
+                                   float *y, int accumulate) {
+    const long strip_parts = x->cols / CODE_BLOCK * 1024; /* bfloat16s a strip */
+    float sums[4][16][16] __attribute__((aligned(64)));
+    float up_sums[4][16][16] __attribute__((aligned(64)));
+    configure_tiles();
+    for (long r = 0; r < x->rows; r += AMX_PARTS_GROUP) {
+        const long tiles = (x->rows - r) / AMX_ROWS < 4 ? (x->rows - r) / AMX_ROWS : 4;
+#pragma omp for schedule(static) nowait
+        for (long s = 0; s < N / STRIP; s++) {
+            parts_group(x, r, tiles, w->parts + s * strip_parts, sums);
+            if (up) parts_group(x, r, tiles, up->parts + s * strip_parts, up_sums);
+            const vf b = bias ? load(bias + s * STRIP) : splat(0.0f);
+            const vf ub = up && up_bias ? load(up_bias + s * STRIP) : splat(0.0f);
+            for (long i = 0; i < tiles * AMX_ROWS && r + i < M; i++) {
+                float *out = y + (r + i) * N + s * STRIP;
+                vf sum = load(sums[i / AMX_ROWS][i % AMX_ROWS]) + b;
+                if (up) sum = silu_times(sum, load(up_sums[i / AMX_ROWS][i % AMX_ROWS]) + ub);
+                store(out, accumulate ? load(out) + sum : sum);
+            }
+        }
+    }
+    _tile_release();
+}
 #else
 int amx_available(void) { return 0; }
 #endif
@@ -582,6 +694,10 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
                          const float *bias, const Weight *up, const float *up_bias, float *y,
                          int accumulate, const SplitRows *split) {
 #ifdef HAVE_AMX
+    if (split && w->parts && M >= AMX_PARTS_MIN_ROWS && (!up || up->parts)) {
+        amx_parts_linear_tiles(split, M, w, N, bias, up, up_bias, y, accumulate);
+        return;
+    }
     if (split && w->amx) {
         amx_linear_tiles(split, M, K, w, N, bias, up, up_bias, y, accumulate);
         return;
@@ -714,6 +830,44 @@ void code_runs(const float *w, long runs, const float *scale, const float *offse
         }
         fits[r] = (unsigned char)fit;
     }
+}
+
+/* A coded weight's parts (see "AMX linears from weight parts"): codes [strips][K][16] and
+ * scales [strips][K / 32][2][16] into parts [strips][split_cols(K) / 32][2][16][16][2]
+ * (bfloat16 bit patterns). Returns 1 where every code * scale and offset is hi + lo exactly
+ * with each part 0 or in [2^-100, 2^12], else 0 (parts then unusable). */
+int weight_parts(const signed char *codes, const float *scales, long strips, long K,
+                 unsigned short *parts, int num_threads) {
+    const long runs = K / CODE_BLOCK, cols = split_cols(K);
+    int fits = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(&& : fits)
+    for (long s = 0; s < strips; s++) {
+        for (long k = 0; k < cols; k++) {
+            unsigned short *tile = parts + (s * (cols / CODE_BLOCK) + k / CODE_BLOCK) * 1024 +
+                                   (k % CODE_BLOCK) / 2 * 32 + k % 2;
+            for (long c = 0; c < STRIP; c++) {
+                float value = 0.0f;
+                if (k < K)
+                    value = codes[(s * K + k) * STRIP + c] *
+                            scales[((s * runs) + k / CODE_BLOCK) * 2 * STRIP + c];
+                else if (k - K < runs)
+                    value = scales[((s * runs) + (k - K)) * 2 * STRIP + STRIP + c];
+                unsigned bits, lo_bits;
+                memcpy(&bits, &value, 4);
+                float hi, lo;
+                unsigned hi_bits = bits & 0xFFFF0000u;
+                memcpy(&hi, &hi_bits, 4);
+                lo = value - hi; /* exact: what the truncation left */
+                memcpy(&lo_bits, &lo, 4);
+                const float a = fabsf(hi), b = fabsf(lo);
+                fits = fits && !(lo_bits & 0xFFFFu) && (a == 0.0f || (a >= 0x1p-100f && a <= 0x1p12f)) &&
+                       (b == 0.0f || b >= 0x1p-100f);
+                tile[c * 2] = (unsigned short)(hi_bits >> 16);
+                tile[512 + c * 2] = (unsigned short)(lo_bits >> 16);
+            }
+        }
+    }
+    return fits;
 }
 
 /* ------------------------------------------------------------------ paged decode attention

@@ -32,6 +32,7 @@ from aioinfer.model.kernels.packed_weights import (
     WeightStruct,
     check_float32,
     packed_shape,
+    parts_shape,
     weight_struct,
 )
 from aioinfer.model.loader.gguf_cache import cache_root
@@ -76,6 +77,7 @@ class NativeKernels:
         )
         self._decoder_layer_work = _bind(lib.decoder_layer_work_floats, W, L, restype=L)
         self._code_runs = _bind(lib.code_runs, P, L, P, P, V, V, I)
+        self._weight_parts = _bind(lib.weight_parts, V, P, L, L, V, I, restype=I)
         # The exact greedy LM head (model/kernels/greedy_head.py) needs AVX512-BF16.
         self.has_greedy_head = bool(_bind(lib.greedy_head_available, restype=I)())
         if self.has_greedy_head:
@@ -130,6 +132,16 @@ class NativeKernels:
             fits.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return codes, fits
+
+    def weight_parts(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+        """A coded weight's parts for AMX linears (packed_weights.parts_shape), or None where
+        some weight does not split into two bfloat16s."""
+        weight_struct(CodedWeight(codes, scales))  # checks the layout the kernel reads
+        strips, k, _ = codes.shape
+        parts = torch.empty(parts_shape(strips, k), dtype=torch.int16)
+        fits = self._weight_parts(codes.data_ptr(), scales.data_ptr(), strips, k,
+                                  parts.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return parts if fits else None
 
     def paged_decode_attention(
         self,
@@ -445,7 +457,8 @@ class DecoderLayerWeights(ctypes.Structure):
 
 
 def _form(weight: PackedWeight) -> tuple[bool, bool]:
-    """(has strips, has codes)."""
+    """(has strips, has codes); parts may differ (the kernel runs a gated pass from parts only
+    where both have them)."""
     if isinstance(weight, CodedWeight):
         return weight.strips is not None, True
     return True, False
@@ -491,20 +504,6 @@ def _check_indices(t: torch.Tensor, dtype: torch.dtype) -> None:
             f"native CPU kernels take contiguous {dtype} CPU index tensors, got {t.dtype} on "
             f"{t.device}, contiguous={t.is_contiguous()}"
         )
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A linear weight [N, K] (N a multiple of 16) as strips [N / 16, K, 16], contiguous."""
-    n, k = weight.shape
-    if n % STRIP:
-        raise ValueError(f"out_features must be a multiple of {STRIP}, got {n}")
-    return weight.detach().reshape(n // STRIP, STRIP, k).transpose(1, 2).contiguous()
-
-
-def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack_weight`: strips [N / 16, K, 16] -> [N, K]."""
-    strips, k, _ = packed.shape
-    return packed.transpose(1, 2).reshape(strips * STRIP, k)
 
 
 def compiler_flags(march: str) -> list[str]:

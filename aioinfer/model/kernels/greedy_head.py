@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from aioinfer.model.kernels.cpu_native import STRIP, NativeKernels, unpack_weight
+from aioinfer.model.kernels.cpu_native import STRIP, NativeKernels
+from aioinfer.model.kernels.packed_weights import unpack_weight
 
 # Strips a row may leave for float32 before the full head is cheaper: each is K x 16 floats of
 # weights read again (on SmolLM2's real rows the median is 1, the mean about 5).

@@ -32,6 +32,9 @@ CODE_BLOCK = 32  # weights per scale and offset along a row; must match CODE_BLO
 CODED_BYTES_PER_WEIGHT = 1 + 2 * 4 / CODE_BLOCK
 # GGUF tensor types whose blocks (from ggml's quantizers) dequantize to such codes.
 CODED_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"})
+# GGUF tensor types whose code * scale (a float16 times a code of at most 5 bits) splits into
+# two bfloat16 parts exactly: their weights also keep parts on AMX (NativeKernels.weight_parts).
+PARTS_GGUF_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1"})
 # Significant bits a scale may have for code * scale to be exact (codes of 7 bits and a sign).
 SCALE_BITS = 17
 # (runs [R, 32], scale [R], offset [R]) -> (codes [R, 32] int8, whether each run fits [R]).
@@ -47,12 +50,14 @@ class CodedWeight:
     of 32 along K); with `strips` (pack_weight's) too, the kernels read the codes for steps of
     few rows and the strips for the rest, each where it is faster; with `amx`, steps of more
     rows read the codes on AMX instead (cpu_kernels.c, "AMX linears"; only where the kernels
-    have AMX)."""
+    have AMX), and with `parts` (NativeKernels.weight_parts) too, steps of the most rows read
+    those instead (cpu_kernels.c, "AMX linears from weight parts")."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     strips: torch.Tensor | None = None
     amx: bool = False
+    parts: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -100,6 +105,16 @@ def code_weight(weight: torch.Tensor, code_runs: CodeRuns) -> CodedWeight | None
         .permute(0, 2, 3, 1)
         .contiguous(),
     )
+
+
+def parts_shape(strips: int, k: int) -> tuple[int, ...]:
+    """The shape of a coded weight's parts (NativeKernels.weight_parts), for `strips` strips of
+    K = k: int16 [strips, runs, 2, 16, 16, 2], the runs those of K and then the offsets', one
+    column a run of K, up to a whole run (split_cols in cpu_kernels.c); per strip and run the
+    bfloat16 bit patterns of hi, then lo, of code * scale (or the offsets), each [pair of
+    k][column][k of the pair] as the tile unit reads them."""
+    runs = k // CODE_BLOCK
+    return (strips, runs + -(-runs // CODE_BLOCK), 2, CODE_BLOCK // 2, STRIP, 2)
 
 
 def _symmetric(runs: torch.Tensor, extreme_code: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,6 +211,20 @@ def _fit(
     return codes.reshape(runs.shape[0], -1), scale, offset, taken
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight [N, K] (N a multiple of 16) as strips [N / 16, K, 16], contiguous."""
+    n, k = weight.shape
+    if n % STRIP:
+        raise ValueError(f"out_features must be a multiple of {STRIP}, got {n}")
+    return weight.detach().reshape(n // STRIP, STRIP, k).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_weight`: strips [N / 16, K, 16] -> [N, K]."""
+    strips, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(strips * STRIP, k)
+
+
 # A linear weight as the kernels take it: float32 strips from `pack_weight`, or byte codes from
 # `code_weight` (above), which rebuild the same floats from 1.25 bytes a weight.
 PackedWeight = torch.Tensor | CodedWeight
@@ -209,6 +238,7 @@ class WeightStruct(ctypes.Structure):
         ("codes", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
         ("amx", ctypes.c_long),
+        ("parts", ctypes.c_void_p),
     ]
 
 
@@ -239,9 +269,22 @@ def weight_struct(packed: PackedWeight) -> WeightStruct:
                     f"strips {tuple(strips.shape)} and codes {tuple(codes.shape)} differ"
                 )
         strips_pointer = None if strips is None else strips.data_ptr()
-        return WeightStruct(strips_pointer, codes.data_ptr(), scales.data_ptr(), packed.amx)
+        parts = packed.parts
+        if parts is not None:
+            shape = parts_shape(num_strips, k)
+            if parts.dtype != torch.int16 or not parts.is_contiguous() or parts.shape != shape:
+                raise ValueError(f"weight parts must be contiguous int16 {shape}")
+            if not packed.amx:
+                raise ValueError("weight parts are read on AMX only: set amx")
+        return WeightStruct(
+            strips_pointer,
+            codes.data_ptr(),
+            scales.data_ptr(),
+            packed.amx,
+            None if parts is None else parts.data_ptr(),
+        )
     _check_strips(packed)
-    return WeightStruct(packed.data_ptr(), None, None, 0)
+    return WeightStruct(packed.data_ptr(), None, None, 0, None)
 
 
 def _check_strips(strips: torch.Tensor) -> None:

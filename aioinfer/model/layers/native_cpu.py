@@ -25,11 +25,15 @@ from aioinfer.model.kernels.cpu_native import (
     STRIP,
     DecoderLayerWeights,
     NativeKernels,
+)
+from aioinfer.model.kernels.greedy_head import GreedyHead
+from aioinfer.model.kernels.packed_weights import (
+    CodedWeight,
+    PackedWeight,
+    code_weight,
     pack_weight,
     unpack_weight,
 )
-from aioinfer.model.kernels.greedy_head import GreedyHead
-from aioinfer.model.kernels.packed_weights import CodedWeight, PackedWeight, code_weight
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
@@ -44,7 +48,9 @@ class PackedLinear(nn.Module):
     packed as float32 strips; with `code` "auto" or "coded", also or only held as byte codes
     where they rebuild every weight bit for bit (GGUF's simple quantizations; see
     packed_weights.py). With `amx` on a CPU with AMX, steps of many rows read the codes on
-    AMX instead of float32 strips, which are not kept then."""
+    AMX instead of float32 strips, which are not kept then; with `code` "auto", codes whose
+    weights split into two bfloat16 parts are kept as those too, for the steps of the most
+    rows (cpu_kernels.c, "AMX linears from weight parts")."""
 
     def __init__(
         self, linear: nn.Linear, kernels: NativeKernels, *, code: str = "float32", amx: bool = False
@@ -60,9 +66,14 @@ class PackedLinear(nn.Module):
             self.packed = nn.Parameter(pack_weight(linear.weight), requires_grad=False)
         self.codes: nn.Parameter | None = None
         self.scales: nn.Parameter | None = None
+        self.parts: nn.Parameter | None = None
         if coded is not None:  # parameters, so that the model's weight memory counts them
             self.codes = nn.Parameter(coded.codes, requires_grad=False)
             self.scales = nn.Parameter(coded.scales, requires_grad=False)
+            if self.amx and code == "auto":  # as strips would be beside codes on the FMA path
+                parts = kernels.weight_parts(coded.codes, coded.scales)
+                if parts is not None:
+                    self.parts = nn.Parameter(parts, requires_grad=False)
         self.bias = linear.bias
         self.kernels = kernels
         # On a model's LM head: its rows' argmax without every logit (set by use_native_kernels).
@@ -76,14 +87,14 @@ class PackedLinear(nn.Module):
         if self.codes is None or self.scales is None:
             assert self.packed is not None
             return self.packed
-        return CodedWeight(self.codes, self.scales, self.packed, self.amx)
+        return CodedWeight(self.codes, self.scales, self.packed, self.amx, self.parts)
 
     def drop_codes(self) -> None:
         """Keep the weight as float32 strips only (the same floats)."""
         if self.packed is None:
             weight = self.weight_form.decode()  # type: ignore[union-attr]
             self.packed = nn.Parameter(pack_weight(weight), requires_grad=False)
-        self.codes = self.scales = None
+        self.codes = self.scales = self.parts = None
         self.amx = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +104,7 @@ class PackedLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        form = ", ".join(n for n in ("packed", "codes") if getattr(self, n) is not None)
+        form = ", ".join(n for n in ("packed", "codes", "parts") if getattr(self, n) is not None)
         form += ", amx" if self.amx else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {form}"
 
@@ -371,7 +382,14 @@ def _log_coded(model: nn.Module, weight_format: str) -> None:
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     coded = [m.weight_form for m in linears if m.codes is not None]
     if coded:
-        if any(m.amx for m in linears):
+        parts = [m.parts for m in linears if m.parts is not None]
+        if parts:
+            reads = (
+                "steps of few rows read them on the FMA units, longer steps on AMX, steps of "
+                f"128 rows or more bfloat16 weight parts of {len(parts)} of them "
+                f"({sum(p.nbytes for p in parts) / 2**30:.3f} GiB)"
+            )
+        elif any(m.amx for m in linears):
             reads = "steps of few rows read them on the FMA units, longer steps on AMX"
         elif weight_format == "auto":
             reads = "steps of few rows read them, longer steps their float32 strips"
