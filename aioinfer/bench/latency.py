@@ -72,15 +72,17 @@ class LatencyResult:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of parameters one batch-1 decode step reads. Each parameter counts once (tied
     weights are one object); a table used only by embedding layers counts one row; a linear
-    held in both forms (packed_weights.py) counts its codes."""
+    held in more than one form (packed_weights.py) counts its codes."""
     from torch import nn
 
     users: dict[int, tuple[Any, bool]] = {}
     for module in model.modules():
-        # A native linear with byte codes beside its float32 strips reads the codes at batch 1.
+        # A native linear with byte codes beside its float32 strips or its weight parts reads
+        # the codes at batch 1: the other forms serve steps of many rows.
         coded = getattr(module, "codes", None) is not None
+        other_forms = [getattr(module, "packed", None), getattr(module, "parts", None)]
         for param in module.parameters(recurse=False):
-            if coded and param is getattr(module, "packed", None):
+            if coded and any(param is form for form in other_forms):
                 continue
             _, only_embeddings = users.get(id(param), (param, True))
             users[id(param)] = (param, only_embeddings and isinstance(module, nn.Embedding))

@@ -31,6 +31,27 @@ def test_weight_bytes_counts_what_a_decode_step_reads(variant):
     assert latency.weight_bytes(hf) == hf_decode_bytes(hf)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["codes and strips", "codes and parts"])
+def test_weight_bytes_of_a_coded_linear_are_its_codes(amx: bool) -> None:
+    """Batch-1 steps read a coded linear's codes and scales, not the float32 strips or the
+    weight parts that steps of many rows read."""
+    from aioinfer.model.kernels import cpu_native
+    from aioinfer.model.layers.native_cpu import PackedLinear
+    from tests.model.test_coded_weights import ggml_round_trip
+
+    kernels = cpu_native.load()
+    if kernels is None or (amx and not kernels.has_amx):
+        pytest.skip("needs the native kernels" + (" with AMX" if amx else ""))
+    linear = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        linear.weight.copy_(ggml_round_trip(linear.weight, "Q4_1"))
+    packed = PackedLinear(linear, kernels, code="auto", amx=amx)
+    other = packed.parts if amx else packed.packed
+    assert packed.codes is not None and packed.scales is not None and other is not None
+    read = packed.codes.nbytes + packed.scales.nbytes + linear.bias.nbytes
+    assert latency.weight_bytes(packed) == read
+
+
 def test_latency_bench_on_a_tiny_model(tmp_path):
     hf = make_variant("llama")
     hf.save_pretrained(tmp_path / "model")
