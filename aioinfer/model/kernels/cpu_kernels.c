@@ -409,12 +409,14 @@ static int split_rows(const float *x, long M, long K, float *buffer, SplitRows *
         float *row_sums = sums + m * runs;
         for (long k = 0; k < cols; k += CODE_BLOCK) { /* x's runs, then their sums' */
             __m512 a = _mm512_setzero_ps(), b = a;
-            if (m < M && k < K) {
-                a = _mm512_loadu_ps(x + m * K + k);
-                b = _mm512_loadu_ps(x + m * K + k + 16);
-                largest = max_v(largest, max_v(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-                nan |= (a != a) | (b != b);
-                row_sums[k / CODE_BLOCK] = sum_lanes(a + b);
+            if (k < K) {
+                if (m < M) {
+                    a = _mm512_loadu_ps(x + m * K + k);
+                    b = _mm512_loadu_ps(x + m * K + k + 16);
+                    largest = max_v(largest, max_v(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+                    nan |= (a != a) | (b != b);
+                }
+                row_sums[k / CODE_BLOCK] = sum_lanes(a + b); /* 0 in padding rows */
             } else if (m < M) {
                 const __mmask16 lanes_a = _cvtu32_mask16(run_lanes(runs - (k - K)));
                 const __mmask16 lanes_b = _cvtu32_mask16(run_lanes(runs - (k - K) - 16));
