@@ -170,6 +170,7 @@ def bench_throughput(
         "auto", help="auto, coded or float32: exact byte codes of GGUF weights (serve --help)."
     ),
     cpu_amx: bool = typer.Option(True, help="AMX linears where the CPU has AMX (serve --help)."),
+    rounds: int = typer.Option(1, help="Runs of each engine, in turn; each ratio and the median."),
 ) -> None:
     """Offline throughput through LLM, optionally against transformers' generate."""
     from aioinfer.bench.throughput import main as run
@@ -186,7 +187,8 @@ def bench_throughput(
         "cpu_weight_format": cpu_weight_format,
         "cpu_amx": cpu_amx,
     }
-    run(model, num_prompts, input_len, output_len, vs, hf_batch_size, seed, result_file, options)
+    run(model, num_prompts, input_len, output_len, vs, hf_batch_size, seed, result_file, options,
+        rounds)  # fmt: skip
 
 
 @bench_app.command("serve")

@@ -3,13 +3,17 @@ through transformers' batched `generate` in the same run, on the same weights.
 
 Prompts are random token ids (seeded), every request generates exactly `output_len` tokens
 (EOS ignored), decoding is greedy. Throughput counts output tokens (and all tokens) over the
-wall time of the whole batch, prefill included, as vLLM's `bench throughput` does.
+wall time of the whole batch, prefill included, as vLLM's `bench throughput` does. With
+`rounds`, the two engines run in turn that many times (a fresh engine of ours each round, so no
+round finds the last one's prompts cached) and the table gives each round's ratio and their
+median: on a shared machine one run's ratio can move by a third.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -22,6 +26,7 @@ class ThroughputResult:
     input_tokens: int
     output_tokens: int
     seconds: float
+    round: int = 1
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -125,18 +130,25 @@ def print_table(results: list[ThroughputResult]) -> None:
     from rich.table import Table
 
     table = Table(title="Offline throughput")
-    for column in ("engine", "prompts", "in tok", "out tok", "seconds", "out tok/s", "total tok/s"):
+    columns = ("round", "engine", "prompts", "in tok", "out tok", "seconds", "out tok/s",
+               "total tok/s")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(
-            r.engine, str(r.num_prompts), str(r.input_tokens), str(r.output_tokens),
+            str(r.round), r.engine, str(r.num_prompts), str(r.input_tokens), str(r.output_tokens),
             f"{r.seconds:.1f}", f"{r.output_tokens_per_s:.1f}", f"{r.total_tokens_per_s:.1f}",
         )  # fmt: skip
     console = Console()
     console.print(table)
-    if len(results) == 2:
-        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
-        console.print(f"aioinfer / {results[1].engine} output throughput: {ratio:.2f}x")
+    ours = [r for r in results if r.engine == "aioinfer"]
+    peers = [r for r in results if r.engine != "aioinfer"]
+    if peers:
+        pairs = zip(ours, peers, strict=True)
+        ratios = [a.output_tokens_per_s / b.output_tokens_per_s for a, b in pairs]
+        each = "; ".join(f"{ratio:.2f}x" for ratio in ratios)
+        median = f" (median {statistics.median(ratios):.2f}x)" if len(ratios) > 1 else ""
+        console.print(f"aioinfer / {peers[0].engine} output throughput: {each}{median}")
 
 
 def main(
@@ -149,25 +161,36 @@ def main(
     seed: int,
     result_file: str | None,
     options: dict[str, Any],
+    rounds: int = 1,
 ) -> list[ThroughputResult]:
+    """Ours, then the peer's, `rounds` times; the results in that order."""
     from aioinfer.engine.llm import LLM
 
     if vs not in (None, "transformers"):
         raise ValueError(f"--vs must be 'transformers', got {vs!r}")
-    llm = LLM(model, **options)
-    try:
-        vocab = llm.engine.info.vocab_size
-        workload = make_workload(
-            num_prompts, _parse_len(input_len), _parse_len(output_len), vocab, seed
-        )
-        # One short warm-up request, so one-time costs do not count.
-        run_ours(llm, workload[:1])
-        results = [run_ours(llm, workload)]
-        peer = copy_weights(llm) if vs == "transformers" else None
-    finally:
-        llm.shutdown()  # frees our KV cache before the peer runs
-    if peer is not None:
-        results.append(run_transformers(*peer, workload, hf_batch_size))
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {rounds}")
+    results: list[ThroughputResult] = []
+    peer = None
+    for round_ in range(1, rounds + 1):
+        first = len(results)
+        llm = LLM(model, **options)
+        try:
+            vocab = llm.engine.info.vocab_size
+            workload = make_workload(
+                num_prompts, _parse_len(input_len), _parse_len(output_len), vocab, seed
+            )
+            # One short warm-up request, so one-time costs do not count.
+            run_ours(llm, workload[:1])
+            results.append(run_ours(llm, workload))
+            if vs == "transformers" and peer is None:
+                peer = copy_weights(llm)
+        finally:
+            llm.shutdown()  # frees our KV cache before the peer runs
+        if peer is not None:
+            results.append(run_transformers(*peer, workload, hf_batch_size))
+        for result in results[first:]:
+            result.round = round_
     print_table(results)
     if result_file:
         with open(result_file, "w") as f:

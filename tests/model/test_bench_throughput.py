@@ -40,3 +40,41 @@ def test_throughput_bench_against_transformers(tmp_path):
 def test_throughput_bench_refuses_an_unknown_peer(tmp_path):
     with pytest.raises(ValueError, match="--vs"):
         throughput.main("", 1, "4", "4", "vllm", 1, 0, None, OPTIONS)
+    with pytest.raises(ValueError, match="--rounds must be at least 1, got 0"):
+        throughput.main("", 1, "4", "4", None, 1, 0, None, OPTIONS, rounds=0)
+
+
+@pytest.mark.parametrize("vs", [None, "transformers"])
+def test_throughput_bench_in_rounds_alternates_the_engines(tmp_path, capsys, monkeypatch, vs):
+    """Each round a fresh engine of ours (its prompts not cached from the last round), then
+    the peer; the table gives each round's ratio and their median."""
+    from aioinfer.engine import llm as llm_module
+
+    make_variant("llama").save_pretrained(tmp_path / "model")
+    make_tokenizer().save_pretrained(tmp_path / "model")
+    result_file = tmp_path / "throughput.json"
+    engines_built, real_llm = [], llm_module.LLM
+    monkeypatch.setattr(
+        llm_module, "LLM", lambda *a, **k: engines_built.append(1) or real_llm(*a, **k)
+    )
+
+    results = throughput.main(
+        str(tmp_path / "model"), num_prompts=3, input_len="40", output_len="3", vs=vs,
+        hf_batch_size=3, seed=2, result_file=str(result_file), options=OPTIONS, rounds=3,
+    )  # fmt: skip
+
+    assert len(engines_built) == 3
+    engines = ["aioinfer", "transformers"] if vs else ["aioinfer"]
+    assert [r.engine for r in results] == engines * 3
+    assert [r.round for r in results] == [n for n in (1, 2, 3) for _ in engines]
+    assert all(r.output_tokens == 9 and r.input_tokens == 120 for r in results)
+    saved = json.loads(result_file.read_text())
+    assert [(r["engine"], r["round"]) for r in saved] == [(r.engine, r.round) for r in results]
+    printed = capsys.readouterr().out
+    if vs:
+        ratios = [a.output_tokens_per_s / b.output_tokens_per_s
+                  for a, b in zip(results[::2], results[1::2], strict=True)]  # fmt: skip
+        assert "; ".join(f"{x:.2f}x" for x in ratios) in printed
+        assert f"(median {sorted(ratios)[1]:.2f}x)" in printed
+    else:
+        assert "output throughput" not in printed
