@@ -4,6 +4,7 @@ token counts, the JSON file, and our engine's memory freed before the peer runs.
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -57,6 +58,12 @@ def test_throughput_bench_in_rounds_alternates_the_engines(tmp_path, capsys, mon
     monkeypatch.setattr(
         llm_module, "LLM", lambda *a, **k: engines_built.append(1) or real_llm(*a, **k)
     )
+    peer_threads, real_peer = [], throughput.run_transformers
+    monkeypatch.setattr(
+        throughput,
+        "run_transformers",
+        lambda *a: peer_threads.append(threading.current_thread()) or real_peer(*a),
+    )
 
     results = throughput.main(
         str(tmp_path / "model"), num_prompts=3, input_len="40", output_len="3", vs=vs,
@@ -64,6 +71,9 @@ def test_throughput_bench_in_rounds_alternates_the_engines(tmp_path, capsys, mon
     )  # fmt: skip
 
     assert len(engines_built) == 3
+    # The peer runs on threads that end, so no OpenMP team of its outlives it (see main).
+    assert len(peer_threads) == (3 if vs else 0)
+    assert all(t is not threading.main_thread() and not t.is_alive() for t in peer_threads)
     engines = ["aioinfer", "transformers"] if vs else ["aioinfer"]
     assert [r.engine for r in results] == engines * 3
     assert [r.round for r in results] == [n for n in (1, 2, 3) for _ in engines]
