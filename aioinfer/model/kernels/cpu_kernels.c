@@ -604,10 +604,12 @@ static void amx_linear_tiles(const SplitRows *x, long M, long K, const Weight *w
  * scaling: the tile unit sums every run of a column in its float32 accumulators, five
  * products a multiply-add (x's three parts times hi, its first two times lo; the sixth, lo
  * times lo, is below 2^-24 of the product and dropped), against three and a per-run scaling
- * for the codes (above). At 4096 rows over SmolLM2's linears 1.2-1.3x faster, at 64 rows
- * 1.1-1.4x, at 48 even, at 32 and fewer slower (the parts, 4 bytes a weight, come from
- * memory on every step); against float64 the error stays below 2^-22 of sum |x w|. The
- * parts take 4 bytes a weight besides the codes, as float32 strips would.
+ * for the codes (above). Over SmolLM2's linears: at 4096 rows 1.2-1.5x faster; at 128-256
+ * rows 1.1x; at 64 rows 1.1-1.4x alone but no faster in the engine's decode steps, whose
+ * parts (4 bytes a weight) come from memory every step beside the KV cache; hence steps of
+ * AMX_PARTS_MIN_ROWS and more. Against float64 the error is an FMA chain's (one accumulator
+ * over K): 1-2e-7 of sum |x w| on plain inputs, up to 1.1e-6 where x spans 2^-20 .. 2^20.
+ * The parts take 4 bytes a weight besides the codes, as float32 strips would.
  * Layout: [N / 16][split_cols(K) / 32][2][16][16][2] bfloat16, per strip and run the hi tile
  * then the lo tile, each as codes_to_tile lays out a run. Tiles: 0-3 the sums of 4 row tiles
  * of one strip, 4-5 x's parts, 6-7 the weight's hi and lo. */
