@@ -217,10 +217,12 @@ def test_zero_weights_keep_their_sign(kernels: cpu_native.NativeKernels) -> None
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     # Rows around the micro-tile (14 with AVX-512, 6 with AVX2: codes or strips when a weight
-    # has both) and DECODE_IN_REGISTERS_ROWS (28, 12: registers or a panel with codes alone),
-    # odd and even strip counts, several row blocks (85 rows each at K = 1536).
+    # has both), the 15- and 16-row transposed tiles (AVX-512), DECODE_IN_REGISTERS_ROWS (28,
+    # 12: registers or a panel with codes alone), odd and even strip counts, several row
+    # blocks (85 rows each at K = 1536).
     [(1, 16, 32), (2, 48, 96), (6, 32, 576), (13, 96, 64), (14, 16, 1536), (15, 48, 32),
-     (28, 64, 576), (29, 80, 96), (64, 192, 576), (200, 48, 1536)],
+     (16, 80, 1536), (17, 32, 64), (28, 64, 576), (29, 80, 96), (64, 192, 576),
+     (200, 48, 1536)],
 )  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
 def test_coded_linears_give_the_float_strips_results_bit_for_bit(
@@ -260,7 +262,7 @@ def test_coded_weights_are_checked_before_the_kernel_reads_them(
         kernels.packed_linear(x, CodedWeight(coded.codes, coded.scales, wrong_strips), None)
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 40, 300])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 40, 300])
 def test_decoder_layers_with_coded_weights_give_the_float_results_bit_for_bit(
     kernels: cpu_native.NativeKernels, tokens: int
 ) -> None:

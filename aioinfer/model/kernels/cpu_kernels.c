@@ -136,10 +136,11 @@ typedef struct {
  *   codes a weight only where that rebuilds every float32 weight bit for bit (it does for the
  *   blocks of GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K), and code * scale is exact,
  *   so the FMAs below see the same floats as from strips: the same results, from 1.25 bytes a
- *   weight instead of 4. Decoding costs a convert and an FMA per weight vector: where a step's rows
- *   are few the memory it saves wins (batch-1 linears 1.8-2.7x faster, 8 rows 1.1-1.3x), at
- *   16 to 20 rows the two forms are even, and from about 32 rows the FMA units are the limit
- *   and strips are faster by 5-10 %; with both forms each step takes the faster. */
+ *   weight instead of 4. Decoding costs a convert and an FMA per weight vector: where a step's
+ *   rows are few the memory it saves wins (batch-1 linears 1.8-2.7x faster, 8 rows 1.1-1.3x,
+ *   16 rows in one transposed tile about 1.15x), at 17 to 20 rows the two forms are even, and
+ *   from about 32 rows the FMA units are the limit and strips are faster by 5-10 %; with both
+ *   forms each step takes the faster. */
 typedef struct {
     const float *strips;
     const signed char *codes;
@@ -285,6 +286,71 @@ static void decode_tile(const Tile *coded, long vecs, int gated, const Tile *pan
         }
     }
 }
+
+/* Coded weights over a step of 15 or 16 rows (concurrency 16's decode steps), with 16 lanes:
+ * 14 + 2 rows as above decode every weight twice and leave the second tile's FMAs starved,
+ * and the strips' memory stream is the limit (a 16-row step reads 4 bytes a weight). Here
+ * one tile takes all 16 rows and one strip: 16 accumulators, one decode per weight vector, and
+ * x transposed into [K][16] so that the 16 broadcasts of each k come from one pointer with
+ * constant offsets (x's 16 row pointers would not fit the general registers). The same FMAs
+ * in the same order as the other tiles: bit-equal results. On two Zen 4 cores, SmolLM2's 30
+ * layers of linears over 16 rows, one after another, took 20.4 ms (167 GFLOP/s) against 23.4
+ * as 14 + 2 from codes and 25-33 from strips; a 16-sequence decode step 29-31 ms against 34. */
+#if LANES == 16
+#define T_ROWS 16
+#define T_MIN_ROWS (ROWS + 1)
+
+/* Rows [0, rows) of x [rows, K] as xt [K][T_ROWS], the missing rows zero. */
+static void transpose_rows(const float *x, long rows, long K, float *xt) {
+    for (long k = 0; k < K; k++)
+        for (long i = 0; i < T_ROWS; i++) xt[k * T_ROWS + i] = i < rows ? x[i * K + k] : 0.0f;
+}
+
+/* The sums of one strip of codes (strip-aligned codes and scales) over the 16 rows of xt,
+ * from init: acc[i] = init + sum over k of xt[k][i] * weight[k]. */
+static inline __attribute__((always_inline)) void transposed_sums(const float *xt, long K,
+                                                                  const signed char *codes,
+                                                                  const float *scales,
+                                                                  vf init, vf acc[T_ROWS]) {
+    for (long i = 0; i < T_ROWS; i++) acc[i] = init;
+    for (long k = 0; k < K; k++) {
+        __builtin_prefetch(codes + (k + PREFETCH_ROWS) * STRIP, 0, 3);
+        const vf b = decode_weights(codes, scales, k);
+        const float *xk = xt + k * T_ROWS;
+        for (long i = 0; i < T_ROWS; i++) acc[i] += splat(xk[i]) * b;
+    }
+}
+
+/* Tile t's rows x 16 columns (strip-aligned: t.codes and t.scales at lane 0), as micro_tile
+ * writes them, from the first `rows` rows of xt. */
+static void transposed_tile(const Tile t, const float *xt, long rows) {
+    vf acc[T_ROWS];
+    transposed_sums(xt, t.K, t.codes, t.scales, t.bias ? load(t.bias) : splat(0.0f), acc);
+    if (t.up_codes) { /* the gate's sums wait on the stack while the up projection's run */
+        vf up[T_ROWS];
+        transposed_sums(xt, t.K, t.up_codes, t.up_scales,
+                        t.up_bias ? load(t.up_bias) : splat(0.0f), up);
+        for (long i = 0; i < rows; i++) store(t.y + i * t.N, silu_times(acc[i], up[i]));
+        return;
+    }
+    for (long i = 0; i < rows; i++) {
+        float *out = t.y + i * t.N;
+        store(out, t.accumulate ? load(out) + acc[i] : acc[i]);
+    }
+}
+
+/* This thread's xt buffer, grown to the largest K and kept for the thread's life. */
+static float *transposed_buffer(long K) {
+    static __thread float *buffer;
+    static __thread long capacity;
+    if (capacity < K) {
+        free(buffer);
+        buffer = aligned_alloc(64, K * T_ROWS * sizeof(float)); /* K % 32 == 0 for codes */
+        capacity = buffer ? K : 0;
+    }
+    return buffer;
+}
+#endif
 
 /* ------------------------------------------------------------------ AMX linears
  *
@@ -718,7 +784,15 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
     int panel_tried = 0;
     for (long m0 = 0; m0 < M; m0 += block) {
         long m1 = m0 + block < M ? m0 + block : M;
-        int coded = w->codes && (!w->strips || m1 - m0 <= ROWS);
+        const float *xt = 0; /* x's rows transposed for transposed_tile, or NULL */
+#if LANES == 16
+        if (w->codes && (!gated || up->codes) && m1 - m0 >= T_MIN_ROWS && m1 - m0 <= T_ROWS) {
+            float *buffer = transposed_buffer(K);
+            if (buffer) transpose_rows(x + m0 * K, m1 - m0, K, buffer);
+            xt = buffer;
+        }
+#endif
+        int coded = w->codes && (!w->strips || m1 - m0 <= ROWS || xt);
         int use_panel = coded && m1 - m0 > DECODE_IN_REGISTERS_ROWS;
 #pragma omp for schedule(static) nowait
         for (long p = 0; p < num_tiles; p++) {
@@ -750,6 +824,20 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
                     t = decoded;
                 }
             }
+#if LANES == 16
+            if (xt) { /* coded, strip-aligned (col % 32 == 0 or gated col % 16 == 0) */
+                t.y = y + m0 * N + col;
+                for (long j = 0; j < (gated ? 1 : vecs); j++) {
+                    Tile s = t;
+                    s.codes += j * K * STRIP;
+                    s.scales += j * (K / CODE_BLOCK) * 2 * STRIP;
+                    s.bias = bias ? bias + col + j * STRIP : 0;
+                    s.y += j * STRIP;
+                    transposed_tile(s, xt, m1 - m0);
+                }
+                continue;
+            }
+#endif
             for (long m = m0; m < m1; m += ROWS) {
                 t.x = x + m * K;
                 t.y = y + m * N + col;
