@@ -1866,6 +1866,23 @@ static void screen_rows(const unsigned *xb, long KP, const unsigned *w, long row
     }
 }
 
+/* Steps of 15 or 16 rows in one tile, as transposed_tile does for the linears: 16 rows x 1
+ * strip, each bfloat16 weight vector loaded once, the rows' pairs broadcast from xbt [KP][16]
+ * (the missing row zero). The same dot products as screen_tile's. */
+static void screen_transposed(const unsigned *xbt, long KP, const unsigned *w, float *y,
+                              long V) {
+    __m512 acc[T_ROWS];
+    for (long i = 0; i < T_ROWS; i++) acc[i] = _mm512_setzero_ps();
+    for (long k = 0; k < KP; k++) {
+        __builtin_prefetch(w + (k + PREFETCH_ROWS) * STRIP, 0, 3);
+        const __m512bh b = (__m512bh)_mm512_loadu_si512(w + k * STRIP);
+        const unsigned *xk = xbt + k * T_ROWS;
+        for (long i = 0; i < T_ROWS; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], b, (__m512bh)_mm512_set1_epi32((int)xk[i]));
+    }
+    for (long i = 0; i < T_ROWS; i++) _mm512_storeu_ps(y + i * V, acc[i]);
+}
+
 typedef double vd __attribute__((vector_size(64)));
 
 typedef long vl __attribute__((vector_size(64)));
@@ -1985,6 +2002,16 @@ int greedy_head(const float *x, long M, long K, const unsigned *wb, const float 
     if (amx) /* the padding rows of the last tile */
         memset(xb + M * KP, 0, ((M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS - M) * KP * 4);
 #endif
+    unsigned *xbt = 0; /* xb transposed for screen_transposed, or NULL */
+    int transposed = M > SCREEN_ROWS && M <= T_ROWS;
+#ifdef HAVE_AMX
+    transposed = transposed && !amx;
+#endif
+    if (transposed) {
+        xbt = (unsigned *)transposed_buffer(KP); /* KP x 16 floats: room for the pairs */
+        for (long k = 0; xbt && k < KP; k++)
+            for (long i = 0; i < T_ROWS; i++) xbt[k * T_ROWS + i] = i < M ? xb[i * KP + k] : 0;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -1993,7 +2020,11 @@ int greedy_head(const float *x, long M, long K, const unsigned *wb, const float 
             screen_amx(xb, M, KP, wb, scratch, V);
         } else
 #endif
-        {
+        if (xbt) {
+#pragma omp for schedule(static)
+            for (long p = 0; p < V / STRIP; p++)
+                screen_transposed(xbt, KP, wb + p * KP * STRIP, scratch + p * STRIP, V);
+        } else {
 #pragma omp for schedule(static)
             for (long p = 0; p < V / (2 * STRIP); p++)
                 for (long m = 0; m < M; m += SCREEN_ROWS)
