@@ -345,7 +345,7 @@ static float *transposed_buffer(long K) {
     static __thread long capacity;
     if (capacity < K) {
         free(buffer);
-        buffer = aligned_alloc(64, K * T_ROWS * sizeof(float)); /* K % 32 == 0 for codes */
+        buffer = aligned_alloc(64, K * T_ROWS * sizeof(float)); /* K x 64 bytes: aligned */
         capacity = buffer ? K : 0;
     }
     return buffer;
