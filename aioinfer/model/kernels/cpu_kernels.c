@@ -339,17 +339,6 @@ static void transposed_tile(const Tile t, const float *xt, long rows) {
     }
 }
 
-/* This thread's xt buffer, grown to the largest K and kept for the thread's life. */
-static float *transposed_buffer(long K) {
-    static __thread float *buffer;
-    static __thread long capacity;
-    if (capacity < K) {
-        free(buffer);
-        buffer = aligned_alloc(64, K * T_ROWS * sizeof(float)); /* K x 64 bytes: aligned */
-        capacity = buffer ? K : 0;
-    }
-    return buffer;
-}
 #endif
 
 /* ------------------------------------------------------------------ AMX linears
@@ -784,12 +773,11 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
     int panel_tried = 0;
     for (long m0 = 0; m0 < M; m0 += block) {
         long m1 = m0 + block < M ? m0 + block : M;
-        const float *xt = 0; /* x's rows transposed for transposed_tile, or NULL */
+        float *xt = 0; /* x's rows transposed for transposed_tile (K x 64 bytes), or NULL */
 #if LANES == 16
         if (w->codes && (!gated || up->codes) && m1 - m0 >= T_MIN_ROWS && m1 - m0 <= T_ROWS) {
-            float *buffer = transposed_buffer(K);
-            if (buffer) transpose_rows(x + m0 * K, m1 - m0, K, buffer);
-            xt = buffer;
+            xt = aligned_alloc(64, K * T_ROWS * sizeof(float));
+            if (xt) transpose_rows(x + m0 * K, m1 - m0, K, xt);
         }
 #endif
         int coded = w->codes && (!w->strips || m1 - m0 <= ROWS || xt);
@@ -844,6 +832,7 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
                 run_tile(t, m1 - m < ROWS ? m1 - m : ROWS, vecs);
             }
         }
+        free(xt);
     }
     free(panel);
 }
@@ -1816,8 +1805,9 @@ void apply_token_bitmask(float *logits, long V, const long *rows, long num_rows,
  * 16-row decode step takes 3.3 ms instead of 5.3 (plus 0.3 for the argmax).
  * wb [V / 16][K / 2][16] bfloat16 pairs (W_v,2i in the low half), wp packed_linear's strips,
  * norms [V] the rows' norms |W_v| rounded up, norm_max their largest; V % 32 == 0, K even;
- * scratch M * V floats, xb M * K / 2 words, each for M rounded up to 16 rows (AMX tiles). Returns 0, or 1 where a row is not finite or has more than max_strips
- * strips left: the caller then computes the logits.
+ * scratch M * V floats, xb M * K / 2 words, each for M rounded up to 16 rows (AMX tiles; and
+ * the 16 rows of screen_transposed, which takes xb as [K / 2][16]). Returns 0, or 1 where a row
+ * is not finite or has more than max_strips strips left: the caller then computes the logits.
  */
 #if defined(__AVX512BF16__) && LANES == 16
 #include <immintrin.h>
@@ -1995,23 +1985,24 @@ int greedy_head(const float *x, long M, long K, const unsigned *wb, const float 
     const long KP = K / 2;
     for (long i = 0; i < M * K; i++)
         if (!(fabsf(x[i]) < 1e38f)) return 1; /* NaN, inf, or too close to bfloat16's range */
-    for (long i = 0; i < M * KP; i++)
-        xb[i] = bf16_bits(x[2 * i]) | bf16_bits(x[2 * i + 1]) << 16;
 #ifdef HAVE_AMX
     const int amx = K % 32 == 0 && M >= AMX_SCREEN_MIN_ROWS && amx_available();
+#else
+    const int amx = 0;
+#endif
+    /* 15 or 16 rows: xb as [KP][16] for screen_transposed, the missing row zero */
+    const int transposed = M > SCREEN_ROWS && M <= T_ROWS && !amx;
+    const long row_step = transposed ? 1 : KP, k_step = transposed ? T_ROWS : 1;
+    for (long r = 0; r < (transposed ? T_ROWS : M); r++)
+        for (long k = 0; k < KP; k++) {
+            const float *pair = x + r * K + 2 * k;
+            xb[r * row_step + k * k_step] =
+                r < M ? bf16_bits(pair[0]) | bf16_bits(pair[1]) << 16 : 0;
+        }
+#ifdef HAVE_AMX
     if (amx) /* the padding rows of the last tile */
         memset(xb + M * KP, 0, ((M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS - M) * KP * 4);
 #endif
-    unsigned *xbt = 0; /* xb transposed for screen_transposed, or NULL */
-    int transposed = M > SCREEN_ROWS && M <= T_ROWS;
-#ifdef HAVE_AMX
-    transposed = transposed && !amx;
-#endif
-    if (transposed) {
-        xbt = (unsigned *)transposed_buffer(KP); /* KP x 16 floats: room for the pairs */
-        for (long k = 0; xbt && k < KP; k++)
-            for (long i = 0; i < T_ROWS; i++) xbt[k * T_ROWS + i] = i < M ? xb[i * KP + k] : 0;
-    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -2020,10 +2011,10 @@ int greedy_head(const float *x, long M, long K, const unsigned *wb, const float 
             screen_amx(xb, M, KP, wb, scratch, V);
         } else
 #endif
-        if (xbt) {
+        if (transposed) {
 #pragma omp for schedule(static)
             for (long p = 0; p < V / STRIP; p++)
-                screen_transposed(xbt, KP, wb + p * KP * STRIP, scratch + p * STRIP, V);
+                screen_transposed(xb, KP, wb + p * KP * STRIP, scratch + p * STRIP, V);
         } else {
 #pragma omp for schedule(static)
             for (long p = 0; p < V / (2 * STRIP); p++)
