@@ -773,7 +773,9 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
     int panel_tried = 0;
     for (long m0 = 0; m0 < M; m0 += block) {
         long m1 = m0 + block < M ? m0 + block : M;
-        float *xt = 0; /* x's rows transposed for transposed_tile (K x 64 bytes), or NULL */
+        /* x's rows transposed for transposed_tile (K x 64 bytes), or NULL: each thread its
+         * own copy, which costs less than the barrier one shared copy would need */
+        float *xt = 0;
 #if LANES == 16
         if (w->codes && (!gated || up->codes) && m1 - m0 >= T_MIN_ROWS && m1 - m0 <= T_ROWS) {
             xt = aligned_alloc(64, K * T_ROWS * sizeof(float));
