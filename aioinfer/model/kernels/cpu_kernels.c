@@ -774,7 +774,7 @@ static void linear_tiles(const float *x, long M, long K, const Weight *w, long N
     for (long m0 = 0; m0 < M; m0 += block) {
         long m1 = m0 + block < M ? m0 + block : M;
         /* x's rows transposed for transposed_tile (K x 64 bytes), or NULL: each thread its
-         * own copy, which costs less than the barrier one shared copy would need */
+         * own copy (about 1 us at K = 576, 3 at 1536), so that none waits for another */
         float *xt = 0;
 #if LANES == 16
         if (w->codes && (!gated || up->codes) && m1 - m0 >= T_MIN_ROWS && m1 - m0 <= T_ROWS) {
