@@ -2,6 +2,10 @@
 name. The classes live in aioinfer.core.sampling_params."""
 
 from aioinfer.core.beam_search import BeamSearchParams
-from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
+from aioinfer.core.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
-__all__ = ["BeamSearchParams", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]

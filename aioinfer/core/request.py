@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from aioinfer.core.detokenizer import IncrementalDetokenizer
     from aioinfer.core.pooling import PoolerConfig
 
+# vLLM's bound on a cache_salt: a salt is hashed into each new block's key.
+MAX_CACHE_SALT_CHARS = 1024
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

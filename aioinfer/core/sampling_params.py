@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as stdlib_json
 import math
 from dataclasses import dataclass, replace
@@ -110,6 +111,15 @@ class StructuredOutputsParams:
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what each output of a request in flight holds. The offline LLM returns only
+    final outputs, whatever a request asks, as vLLM's LLM does."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output. Every check raises ValueError naming the field."""
@@ -144,6 +154,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # vLLM's field for custom sampling code: carried along, read by nothing here.
     extra_args: dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
@@ -152,6 +163,13 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if isinstance(flag := getattr(self, name), bool):  # vLLM reads True as 1
                 setattr(self, name, 1 if flag else None)
+        if self.output_kind in tuple(RequestOutputKind) and not isinstance(self.output_kind, bool):
+            self.output_kind = RequestOutputKind(self.output_kind)
+        else:
+            raise ValueError(
+                "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got "
+                f"{self.output_kind!r}"
+            )
         self._check_types()
         self._check_ranges()
         if self.seed == -1:  # vLLM's "no seed"

@@ -30,8 +30,18 @@ from aioinfer.core.pooling import PoolingParams, cosine, score_pairs
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
-from aioinfer.engine.llm_inputs import conversations, normalise_prompts, token_ids, utf8_text
+from aioinfer.engine.llm_inputs import (
+    EncodedPrompt,
+    cache_salt,
+    conversations,
+    normalise_prompts,
+    per_prompt,
+    token_ids,
+    utf8_text,
+)
 from aioinfer.engine.llm_options import llm_configs
+from aioinfer.engine.metrics import EngineCollector
+from aioinfer.engine.metrics_reader import Metric, read_metrics
 from aioinfer.engine.progress import Progress
 from aioinfer.engine.stream import RequestStream, gather_or_cancel
 
@@ -51,7 +61,6 @@ class TokensPrompt(TypedDict):
 Prompt = str | list[int] | TextPrompt | TokensPrompt | dict[str, Any]
 Message = dict[str, Any]
 _T = TypeVar("_T")
-_P = TypeVar("_P")
 
 
 class LLM:
@@ -86,6 +95,11 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.engine.default_sampling)
 
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now, as vLLM's LLM gives them: the series /metrics serves
+        (named `aioinfer:...`), each a Counter, Gauge, Histogram or Vector."""
+        return read_metrics(EngineCollector(lambda: self.engine))
+
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prompt prefixes, so that the next batch computes every prompt
         again (vLLM's; between calls no request holds a block, so it always does)."""
@@ -103,7 +117,8 @@ class LLM:
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in input order. A prompt is text, a list of token ids, or a dict with
-        "prompt" or "prompt_token_ids". `priority`: one per prompt, with
+        "prompt" or "prompt_token_ids", and optionally "cache_salt" (vLLM's: cached prefixes
+        are shared only among prompts of one salt). `priority`: one per prompt, with
         scheduling_policy="priority" (lower first), as vLLM's. `lora_request`: a LoRA adapter
         for every prompt, or one (or None) per prompt; needs enable_lora=True.
         `tokenization_kwargs`: for the tokenizer's encode of text prompts, as vLLM's
@@ -118,7 +133,7 @@ class LLM:
             raise ValueError(
                 f"priority must have one entry per prompt ({len(encoded)}), got {len(priority)}"
             )
-        loras = _per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
+        loras = per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
         return self._run(encoded, sampling_params, use_tqdm, priority, loras)
 
     def beam_search(
@@ -142,8 +157,8 @@ class LLM:
                 f"beam_width must be <= {cap // 2} (each step reads 2 x beam_width logprobs, "
                 f"at most --max-logprobs {cap}), got {params.beam_width}"
             )
-        prompt_ids = [self._encode(p)[1] for p in normalise_prompts(prompts)]
-        loras = _per_prompt(
+        prompt_ids = [self._encode(p).ids for p in normalise_prompts(prompts)]
+        loras = per_prompt(
             lora_request, len(prompt_ids), "lora_request", LoRARequest, optional=True
         )
         return beam_search(self, prompt_ids, params, loras)
@@ -180,7 +195,7 @@ class LLM:
             )
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs: the models served here take text only")
-        encoded: list[tuple[str | None, list[int]]] = []
+        encoded: list[EncodedPrompt] = []
         for conversation in conversations(messages):
             text = chat_prompt_text(
                 self.engine.tokenizer,
@@ -192,8 +207,8 @@ class LLM:
                 tools=tools,
             )
             text = utf8_text(text, "messages")
-            encoded.append((text, encode_rendered_chat(self.engine.tokenizer, text)))
-        loras = _per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
+            encoded.append(EncodedPrompt(text, encode_rendered_chat(self.engine.tokenizer, text)))
+        loras = per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
         return self._run(encoded, sampling_params, use_tqdm, loras=loras)
 
     def embed(
@@ -249,7 +264,7 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         batch = normalise_prompts(prompts)
         encoded = [self._encode(p) for p in batch]
-        params_list = _per_prompt(
+        params_list = per_prompt(
             pooling_params or PoolingParams(), len(encoded), "pooling_params", PoolingParams
         )
         if truncate_prompt_tokens is not None:
@@ -347,28 +362,31 @@ class LLM:
 
     def _encode(
         self, prompt: Prompt, tokenization_kwargs: dict[str, Any] | None = None
-    ) -> tuple[str | None, list[int]]:
+    ) -> EncodedPrompt:
         kwargs = tokenization_kwargs or {}
         if isinstance(prompt, dict):
             prompt = cast(dict[str, Any], prompt)
             if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
                 raise ValueError("multi_modal_data: the models served here take text only")
+            salt = cache_salt(prompt)
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), token_ids(prompt["prompt_token_ids"])
+                ids = token_ids(prompt["prompt_token_ids"])
+                return EncodedPrompt(prompt.get("prompt"), ids, salt)
             if not isinstance(prompt.get("prompt"), str):
                 raise ValueError(
                     f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got keys "
                     f"{sorted(prompt)}"
                 )
             text: str = utf8_text(prompt["prompt"], "prompt")
-            return text, self.engine.tokenizer.encode(text, **kwargs)
+            return EncodedPrompt(text, self.engine.tokenizer.encode(text, **kwargs), salt)
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(utf8_text(prompt, "prompt"), **kwargs)
-        return None, token_ids(prompt)
+            ids = self.engine.tokenizer.encode(utf8_text(prompt, "prompt"), **kwargs)
+            return EncodedPrompt(prompt, ids)
+        return EncodedPrompt(None, token_ids(prompt))
 
     def _run(
         self,
-        encoded: list[tuple[str | None, list[int]]],
+        encoded: list[EncodedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
@@ -376,7 +394,7 @@ class LLM:
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = _per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams)
+        params_list = per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams)
         priorities = list(priority) if priority is not None else [0] * len(encoded)
         loras = loras or [None] * len(encoded)
         return self._run_task(self._generate_all(encoded, params_list, use_tqdm, priorities, loras))
@@ -426,7 +444,7 @@ class LLM:
 
     async def _generate_all(
         self,
-        encoded: list[tuple[str | None, list[int]]],
+        encoded: list[EncodedPrompt],
         params_list: list[SamplingParams],
         use_tqdm: bool,
         priorities: list[int],
@@ -449,16 +467,21 @@ class LLM:
         with self._batch(streams, lambda: progress):
             # Every request is validated and queued before the first step runs; one that fails
             # validation aborts those queued before it.
-            for (text, ids), params, priority, lora in zip(
+            for prompt, params, priority, lora in zip(
                 encoded, params_list, priorities, loras, strict=True
             ):
                 # A truncated prompt keeps its text, as in vLLM; its ids are the kept ones.
-                ids = self.engine.truncate_prompt(ids, params)
+                ids = self.engine.truncate_prompt(prompt.ids, params)
                 params = self._fit_max_tokens(ids, params)
-                name = lora.lora_name if lora is not None else None
-                streams.append(
-                    self.engine.add_request(ids, params, prompt=text, priority=priority, lora=name)
+                stream = self.engine.add_request(
+                    ids,
+                    params,
+                    prompt=prompt.text,
+                    priority=priority,
+                    lora=lora.lora_name if lora is not None else None,
+                    cache_salt=prompt.cache_salt,
                 )
+                streams.append(stream)
             if use_tqdm:
                 progress = Progress(len(streams), self.engine)
             outputs = await asyncio.gather(
@@ -470,7 +493,7 @@ class LLM:
 
     async def _embed_all(
         self,
-        encoded: list[tuple[str | None, list[int]]],
+        encoded: list[EncodedPrompt],
         params_list: list[PoolingParams],
         use_tqdm: bool,
     ) -> list[EmbeddingRequestOutput]:
@@ -487,8 +510,10 @@ class LLM:
         tokens_before = self.engine.stats.prompt_tokens
         with self._batch(streams, lambda: progress):
             # All are validated and queued before the first step runs, as in _generate_all.
-            for (text, ids), params in zip(encoded, params_list, strict=True):
-                streams.append(self.engine.add_pooling_request(ids, params, prompt=text))
+            for prompt, params in zip(encoded, params_list, strict=True):
+                streams.append(
+                    self.engine.add_pooling_request(prompt.ids, params, prompt=prompt.text)
+                )
             if use_tqdm:
                 progress = Progress(len(streams), self.engine, "prompt", tokens_before)
             return await gather_or_cancel(
@@ -561,20 +586,3 @@ class LLM:
             tokenizer = self.engine.tokenizer
             text = self._token_texts[token_id] = tokenizer.decode([token_id])
         return text
-
-
-def _per_prompt(
-    value: _P | Sequence[_P], count: int, name: str, kind: type, optional: bool = False
-) -> list[_P]:
-    """One params object (a `kind`, or None where optional) for every prompt, or a list of one
-    per prompt."""
-    if isinstance(value, Sequence) and not isinstance(value, str):  # a name is one value
-        values = list(value)
-    else:
-        values = [cast(_P, value)] * count
-    if len(values) != count:
-        raise ValueError(f"{name} must be one or one per prompt ({count}), got {len(values)}")
-    for item in values:
-        if not (isinstance(item, kind) or (optional and item is None)):
-            raise TypeError(f"{name} must be {kind.__name__} or a list of them, got {item!r:.80}")
-    return values

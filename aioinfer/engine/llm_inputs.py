@@ -4,7 +4,22 @@ prompt dicts) and chat conversations, each refused with the argument's name."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from aioinfer.core.request import MAX_CACHE_SALT_CHARS
+
+_P = TypeVar("_P")
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt as it is queued: its text (None where it came as token ids), its token ids,
+    and its cache salt (vLLM's: cached prefixes are shared only among prompts of one salt)."""
+
+    text: str | None
+    ids: list[int]
+    cache_salt: str | None = None
 
 
 def normalise_prompts(prompts: Any) -> list[Any]:
@@ -32,6 +47,16 @@ def token_ids(value: Any) -> list[int]:
             f"'prompt_token_ids'; got {value!r:.80}"
         )
     return list(value)
+
+
+def cache_salt(prompt: dict[str, Any]) -> str | None:
+    """A prompt dict's `cache_salt`, checked as the server checks it."""
+    salt = prompt.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ValueError(
+            f"cache_salt must be a text of 1 to {MAX_CACHE_SALT_CHARS} characters, got {salt!r:.80}"
+        )
+    return salt
 
 
 def utf8_text(text: str, name: str) -> str:
@@ -71,3 +96,20 @@ def conversations(messages: Any) -> list[list[dict[str, Any]]]:
                     f"{content!r:.80}"
                 )
     return cast(list[list[dict[str, Any]]], batch)
+
+
+def per_prompt(
+    value: _P | Sequence[_P], count: int, name: str, kind: type, optional: bool = False
+) -> list[_P]:
+    """One params object (a `kind`, or None where optional) for every prompt, or a list of one
+    per prompt."""
+    if isinstance(value, Sequence) and not isinstance(value, str):  # a name is one value
+        values = list(value)
+    else:
+        values = [cast(_P, value)] * count
+    if len(values) != count:
+        raise ValueError(f"{name} must be one or one per prompt ({count}), got {len(values)}")
+    for item in values:
+        if not (isinstance(item, kind) or (optional and item is None)):
+            raise TypeError(f"{name} must be {kind.__name__} or a list of them, got {item!r:.80}")
+    return values

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator
 
+from aioinfer.core.request import MAX_CACHE_SALT_CHARS
 from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
 from aioinfer.engine.tokenizer import check_template_kwargs
 from aioinfer.server.formats import ResponseFormat, StrictModel, StructuredOutputs
@@ -144,7 +145,10 @@ class _GenerationRequest(OpenAIRequest):
         description="Names the response (cmpl-<request_id>), as vLLM's; X-Request-Id wins.",
     )
     cache_salt: str | None = Field(
-        None, min_length=1, max_length=1024, description="Prefixes shared only within a salt."
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="Prefixes shared only within a salt.",
     )
     priority: int = Field(
         0, description="With --scheduling-policy priority: lower runs first (vLLM's field)."

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
+from aioinfer.core.request import MAX_CACHE_SALT_CHARS
 from aioinfer.server.formats import JsonSchemaFormat, ResponseFormat, StrictModel
 from aioinfer.server.protocol import (
     ChatCompletionRequest,
@@ -256,7 +257,10 @@ class ResponsesRequest(OpenAIRequest):
     )
     user: str | None = Field(None, max_length=256)
     cache_salt: str | None = Field(
-        None, min_length=1, max_length=1024, description="Prefixes shared only within a salt."
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="Prefixes shared only within a salt.",
     )
     reasoning: ReasoningSettings | None = Field(None, description="Accepted and ignored.")
     truncation: Literal["auto", "disabled"] | None = Field(

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+from prometheus_client.core import CounterMetricFamily
 
 from aioinfer import (
     LLM,
@@ -18,7 +19,9 @@ from aioinfer import (
     TokensPrompt,
 )
 from aioinfer.core.step import Logprob
+from aioinfer.engine.metrics_reader import Counter, Gauge, Histogram, Metric, Vector, read_metrics
 from aioinfer.engine.tokenizer import template_message
+from aioinfer.sampling_params import RequestOutputKind
 from aioinfer.server.protocol import ChatCompletionRequest
 from tests.tokenizer_fixtures import make_tokenizer
 
@@ -364,3 +367,87 @@ def test_beam_search_matches_the_search_over_transformers_logits(tiny):
     assert finished_early  # the search met end-of-sequence tokens (this tiny model's)
     with pytest.raises(ValueError, match=r"beam_width must be <= 10 .*got 11"):
         llm.beam_search([prompts[0]], BeamSearchParams(beam_width=11, max_tokens=2))
+
+
+def test_get_metrics_counts_a_batch_as_vllm_s_reader_shapes_it(tiny):
+    llm, _ = tiny
+
+    def by_name() -> dict[str, Metric]:
+        return {m.name: m for m in llm.get_metrics() if "reason" not in "".join(m.labels)}
+
+    before = by_name()
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    after = by_name()
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert generated == 8
+    prefilled = 8 - sum(o.num_cached_tokens for o in outs)
+    for name, grew_by in (("aioinfer:generation_tokens", generated),
+                          ("aioinfer:prompt_tokens", prefilled)):  # fmt: skip
+        assert isinstance(after[name], Counter)
+        assert after[name].value - before[name].value == grew_by  # type: ignore[attr-defined]
+    lengths, earlier = (
+        after["aioinfer:request_generation_tokens"],
+        before["aioinfer:request_generation_tokens"],
+    )
+    assert isinstance(lengths, Histogram) and isinstance(earlier, Histogram)
+    assert (lengths.count - earlier.count, lengths.sum - earlier.sum) == (2, 8)
+    counts = list(lengths.buckets.values())
+    assert counts == sorted(counts) and lengths.buckets["+Inf"] == lengths.count
+    assert lengths.labels == {"model_name": llm.engine.model_name}
+    running = after["aioinfer:num_requests_running"]
+    assert isinstance(running, Gauge) and running.value == 0.0
+    finished = [m for m in llm.get_metrics() if m.name == "aioinfer:request_success"]
+    assert {m.labels["finished_reason"] for m in finished} >= {"length", "stop", "abort"}
+
+
+def test_metrics_reader_makes_a_vector_of_counters_per_position():
+    family = CounterMetricFamily(
+        "aioinfer:accepted_per_pos", "x", labels=("model_name", "position")
+    )
+    for position, count in ((1, 3), (0, 5), (3, 1)):
+        family.add_metric(["m", str(position)], float(count))
+
+    class One:
+        def collect(self):
+            yield family
+
+    (vector,) = read_metrics(One())
+    assert vector == Vector("aioinfer:accepted_per_pos", {"model_name": "m"}, [5, 3, 0, 1])
+
+
+def test_output_kind_is_vllm_s_and_the_offline_llm_returns_final_outputs(tiny):
+    llm, _ = tiny
+    prompt = [21, 22, 23]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    whole = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+    for kind in RequestOutputKind:  # vLLM's LLM asks every request for its final output only
+        out = llm.generate([prompt], greedy.clone(output_kind=kind), use_tqdm=False)[0]
+        assert out.finished and out.outputs[0].token_ids == whole.token_ids
+        assert out.outputs[0].text == whole.text and len(whole.token_ids) == 6
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    for bad in ("delta", 3, True, None):
+        with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+            SamplingParams(output_kind=bad)  # type: ignore[arg-type]
+
+
+def test_a_prompt_s_cache_salt_shares_cached_prefixes_only_within_it(tiny):
+    llm, _ = tiny
+    llm.reset_prefix_cache()
+    ids = list(range(300, 350))  # 50 tokens: three whole blocks can be cached
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(prompt: dict) -> int:
+        return llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached({"prompt_token_ids": ids, "cache_salt": "a"}) == 0
+    assert cached({"prompt_token_ids": ids, "cache_salt": "a"}) > 0
+    assert cached({"prompt_token_ids": ids, "cache_salt": "b"}) == 0
+    assert cached({"prompt_token_ids": ids}) == 0
+    assert cached({"prompt_token_ids": ids}) > 0
+    text = llm.get_tokenizer().decode(ids)
+    assert cached({"prompt": text, "cache_salt": "c"}) == 0
+    for bad in ("", 5, "x" * 1025):
+        with pytest.raises(ValueError, match="cache_salt must be a text of 1 to 1024"):
+            llm.generate({"prompt_token_ids": ids, "cache_salt": bad}, params, use_tqdm=False)
+    assert llm.engine.num_unfinished == 0 and llm.engine.scheduler.kv.usage == 0.0

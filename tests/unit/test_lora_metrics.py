@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from aioinfer.server.metrics import adapters_of
+from aioinfer.engine.metrics import adapters_of
 
 
 def test_the_adapters_of_requests_are_named_once_and_sorted():
