@@ -56,7 +56,7 @@ def cache_salt(prompt: dict[str, Any]) -> str | None:
         raise ValueError(
             f"cache_salt must be a text of 1 to {MAX_CACHE_SALT_CHARS} characters, got {salt!r:.80}"
         )
-    return salt
+    return None if salt is None else utf8_text(salt, "cache_salt")  # it is hashed as UTF-8
 
 
 def utf8_text(text: str, name: str) -> str:

@@ -450,4 +450,6 @@ def test_a_prompt_s_cache_salt_shares_cached_prefixes_only_within_it(tiny):
     for bad in ("", 5, "x" * 1025):
         with pytest.raises(ValueError, match="cache_salt must be a text of 1 to 1024"):
             llm.generate({"prompt_token_ids": ids, "cache_salt": bad}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="cache_salt is not valid Unicode text"):
+        llm.generate({"prompt_token_ids": ids, "cache_salt": "\ud800"}, params, use_tqdm=False)
     assert llm.engine.num_unfinished == 0 and llm.engine.scheduler.kv.usage == 0.0
