@@ -3,9 +3,16 @@ name. The classes live in aioinfer.core.sampling_params."""
 
 from aioinfer.core.beam_search import BeamSearchParams
 from aioinfer.core.sampling_params import (
+    GuidedDecodingParams,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
 )
 
-__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "BeamSearchParams",
+    "GuidedDecodingParams",
+    "RequestOutputKind",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

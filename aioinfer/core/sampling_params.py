@@ -109,6 +109,7 @@ class StructuredOutputsParams:
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+GuidedDecodingParams = StructuredOutputsParams  # vLLM 0.10's name
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -155,6 +156,8 @@ class SamplingParams:
     # vLLM's field for custom sampling code: carried along, read by nothing here.
     extra_args: dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM 0.10's name for structured_outputs (and GuidedDecodingParams for its class).
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
@@ -170,6 +173,12 @@ class SamplingParams:
                 "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got "
                 f"{self.output_kind!r}"
             )
+        if self.guided_decoding is not None:
+            if self.structured_outputs not in (None, self.guided_decoding):
+                raise ValueError(
+                    "set structured_outputs or guided_decoding (its old name), not both"
+                )
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         self._check_types()
         self._check_ranges()
         if self.seed == -1:  # vLLM's "no seed"

@@ -317,6 +317,30 @@ def test_vllm_s_module_paths():
     )
     assert (RequestOutput, CompletionOutput) == (aioinfer.RequestOutput, aioinfer.CompletionOutput)
     assert LogprobAgain is Logprob and TokenLogprobs(1, -0.1, 1)[1] == Logprob(-0.1, 1)
+    from aioinfer.lora.request import LoRARequest
+
+    assert LoRARequest is aioinfer.LoRARequest
+
+
+def test_vllm_0_10_s_guided_decoding_constrains_the_output(tiny):
+    """vLLM 0.10's names for structured outputs: GuidedDecodingParams, and guided_decoding
+    given to SamplingParams or set on it afterwards, as outlines does."""
+    from aioinfer.sampling_params import GuidedDecodingParams
+
+    llm, _ = tiny
+    choices = ["yes", "no", "maybe"]
+    given = SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(choice=choices))
+    later = SamplingParams(max_tokens=8, seed=5)
+    later.guided_decoding = GuidedDecodingParams(choice=choices)
+    for params in (given, later):
+        outs = llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
+        assert all(o.outputs[0].text in choices for o in outs)
+    assert given.structured_outputs == GuidedDecodingParams(choice=choices)
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(
+            guided_decoding=GuidedDecodingParams(regex="a"),
+            structured_outputs=GuidedDecodingParams(regex="b"),
+        )
 
 
 @torch.no_grad()

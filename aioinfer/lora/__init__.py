@@ -1,0 +1,1 @@
+"""vLLM's `vllm.lora` package path; see request.py."""
