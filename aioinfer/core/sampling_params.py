@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import json as stdlib_json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 # Below this temperature sampling is greedy (vLLM's threshold).
@@ -192,6 +192,13 @@ class SamplingParams:
         if self.is_greedy:
             # Greedy ignores the truncation knobs; normalise them so the sampler can skip work.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # As vLLM's (a msgspec struct): a misspelt or unknown field set on the object fails,
+        # where a dataclass would take it and every request would ignore it.
+        if name not in _SAMPLING_FIELDS:
+            raise AttributeError(f"SamplingParams has no field {name!r}")
+        object.__setattr__(self, name, value)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -394,3 +401,6 @@ class SamplingParams:
                     f"logit_bias values must be within +-{FLOAT32_MAX:.4g} (float32), or -inf, "
                     f"got {bias!r} for token {token}"
                 )
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))

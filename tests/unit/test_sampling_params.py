@@ -141,3 +141,12 @@ def test_structured_output_specs_are_bounded():
     ):
         with pytest.raises(ValueError, match=fragment):
             StructuredOutputsParams(**spec)
+
+
+def test_an_unknown_field_set_afterwards_fails_as_in_vllm():
+    params = SamplingParams()
+    params.max_tokens = 5  # a field: taken, and checked when the request queues
+    assert params.checked_copy().max_tokens == 5
+    with pytest.raises(AttributeError, match="SamplingParams has no field 'max_token'"):
+        params.max_token = 5  # type: ignore[attr-defined]
+    assert not hasattr(params, "max_token")
