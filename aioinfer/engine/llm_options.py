@@ -39,9 +39,21 @@ FIXED_VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
 }
 
 
+# vLLM's older `task` option, by the runner each task asks for.
+_TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling",
+                 "classify": "pooling", "score": "pooling"}  # fmt: skip
+
+
 def _drop_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     """The options without vLLM's that change nothing here; raises for a value they cannot take."""
     kept = {k: v for k, v in options.items() if k not in _IGNORED_VLLM_OPTIONS}
+    if "task" in kept:
+        task = kept.pop("task")
+        if task not in _TASK_RUNNERS:
+            raise ValueError(f"task must be one of {sorted(_TASK_RUNNERS)}, got {task!r}")
+        runner = _TASK_RUNNERS[task]
+        if kept.setdefault("runner", runner) != runner:
+            raise ValueError(f"task={task!r} asks for runner {runner!r}, got {kept['runner']!r}")
     for name, (only, why) in FIXED_VLLM_OPTIONS.items():
         value = kept.pop(name, only)
         if value != only and not (only is None and not value):  # {} or "" mean None

@@ -301,6 +301,16 @@ def test_llm_options_of_the_wrong_type_are_refused_by_name(option, value):
     llm_configs(seed=None, max_model_len=128, kv_cache_memory=2, gpu_memory_utilization=1)
 
 
+def test_vllm_s_task_option_picks_the_runner():
+    runner_of = {task: llm_configs(task=task)[0].runner for task in ("embed", "score", "generate")}
+    assert runner_of == {"embed": "pooling", "score": "pooling", "generate": "generate"}
+    assert llm_configs()[0].runner == "auto"
+    with pytest.raises(ValueError, match="task must be one of"):
+        llm_configs(task="reward")
+    with pytest.raises(ValueError, match="task='embed' asks for runner 'pooling', got 'generate'"):
+        llm_configs(task="embed", runner="generate")
+
+
 def test_offline_prompts_and_messages_are_refused_by_name():
     """Before anything is queued: bytes once read as token ids (one per byte), a lone surrogate
     reached the tokenizer's TypeError, and malformed messages an AttributeError or the
