@@ -60,6 +60,8 @@ class TokensPrompt(TypedDict):
 
 Prompt = str | list[int] | TextPrompt | TokensPrompt | dict[str, Any]
 Message = dict[str, Any]
+# vLLM's: whether to show a progress bar, or a callable that makes one (tqdm's signature).
+UseTqdm = bool | Callable[..., Any]
 _T = TypeVar("_T")
 
 
@@ -100,9 +102,10 @@ class LLM:
         (named `aioinfer:...`), each a Counter, Gauge, Histogram or Vector."""
         return read_metrics(EngineCollector(lambda: self.engine))
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, device: str | None = None) -> bool:
         """Forget the cached prompt prefixes, so that the next batch computes every prompt
-        again (vLLM's; between calls no request holds a block, so it always does)."""
+        again (vLLM's; between calls no request holds a block, so it always does). `device`:
+        vLLM's choice of cache, of which there is one here."""
         scheduler = self.engine.scheduler
         assert scheduler is not None  # set once the engine started, before __init__ returned
         return scheduler.kv.reset_prefix_cache()
@@ -111,7 +114,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
@@ -141,7 +144,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: BeamSearchParams,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: UseTqdm = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search (core/beam_search.py): the best params.beam_width sequences of
@@ -167,7 +170,7 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
@@ -215,7 +218,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Embeddings in input order, from a pooling model (`LLM(model, runner="pooling")`, or
@@ -226,7 +229,7 @@ class LLM:
     def classify(
         self,
         prompts: Prompt | Sequence[Prompt],
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         truncate_prompt_tokens: int | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities in input order, from a `*ForSequenceClassification` checkpoint;
@@ -259,7 +262,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
         truncate_prompt_tokens: int | None,
     ) -> list[EmbeddingRequestOutput]:
         batch = normalise_prompts(prompts)
@@ -279,7 +282,7 @@ class LLM:
         data_1: Prompt | Sequence[Prompt],
         data_2: Prompt | Sequence[Prompt],
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
         """Each pair's score: data_1's one text against each of data_2 (1:N), or pair by pair
@@ -314,7 +317,10 @@ class LLM:
         return results
 
     def _cross_encode(
-        self, pairs: list[tuple[Prompt, Prompt]], truncate_prompt_tokens: int | None, use_tqdm: bool
+        self,
+        pairs: list[tuple[Prompt, Prompt]],
+        truncate_prompt_tokens: int | None,
+        use_tqdm: UseTqdm,
     ) -> list[ScoringRequestOutput]:
         assert self.engine.pooler is not None
         self.engine.pooler.check_cross_encoder()
@@ -388,7 +394,7 @@ class LLM:
         self,
         encoded: list[EncodedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
         priority: Sequence[int] | None = None,
         loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
@@ -446,7 +452,7 @@ class LLM:
         self,
         encoded: list[EncodedPrompt],
         params_list: list[SamplingParams],
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
         priorities: list[int],
         loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
@@ -483,7 +489,7 @@ class LLM:
                 )
                 streams.append(stream)
             if use_tqdm:
-                progress = Progress(len(streams), self.engine)
+                progress = Progress(len(streams), self.engine, use_tqdm=use_tqdm)
             outputs = await asyncio.gather(
                 *(collect(s, p.n) for s, p in zip(streams, params_list, strict=True))
             )
@@ -495,7 +501,7 @@ class LLM:
         self,
         encoded: list[EncodedPrompt],
         params_list: list[PoolingParams],
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
     ) -> list[EmbeddingRequestOutput]:
         streams: list[RequestStream] = []
         progress: Progress | None = None
@@ -515,7 +521,7 @@ class LLM:
                     self.engine.add_pooling_request(prompt.ids, params, prompt=prompt.text)
                 )
             if use_tqdm:
-                progress = Progress(len(streams), self.engine, "prompt", tokens_before)
+                progress = Progress(len(streams), self.engine, "prompt", tokens_before, use_tqdm)
             return await gather_or_cancel(
                 collect(s, p) for s, p in zip(streams, params_list, strict=True)
             )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
@@ -11,7 +12,9 @@ if TYPE_CHECKING:
 
 class Progress:
     """A rich progress bar with output tokens per second (input tokens for embeddings, which
-    output none: `counter` "prompt", counted from `start_tokens` when given)."""
+    output none: `counter` "prompt", counted from `start_tokens` when given). `use_tqdm`: a
+    callable given as vLLM's `use_tqdm` (say functools.partial(tqdm, leave=False)) makes the
+    bar instead, as vLLM calls it."""
 
     def __init__(
         self,
@@ -19,9 +22,13 @@ class Progress:
         engine: AsyncEngine,
         counter: str = "generation",
         start_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+        self.tqdm = None
+        if callable(use_tqdm):
+            self.tqdm = use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
         self.engine = engine
         self.counter = counter
         self.label = "output" if counter == "generation" else "input"
@@ -35,7 +42,8 @@ class Progress:
             transient=False,
         )
         self.task = self.bar.add_task("generate", total=total, speed="")
-        self.bar.start()
+        if self.tqdm is None:
+            self.bar.start()
 
     def _tokens(self) -> int:
         return int(getattr(self.engine.stats, f"{self.counter}_tokens"))
@@ -43,7 +51,15 @@ class Progress:
     def advance(self) -> None:
         tokens = self._tokens() - self.start_tokens
         rate = tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.update(self.task, advance=1, speed=f"{rate:.1f} {self.label} tok/s")
+        speed = f"{rate:.1f} {self.label} tok/s"
+        if self.tqdm is not None:
+            self.tqdm.postfix = speed  # shown by the update's refresh
+            self.tqdm.update(1)
+            return
+        self.bar.update(self.task, advance=1, speed=speed)
 
     def close(self) -> None:
+        if self.tqdm is not None:
+            self.tqdm.close()
+            return
         self.bar.stop()

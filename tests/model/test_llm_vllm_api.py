@@ -290,7 +290,7 @@ def test_reset_prefix_cache_makes_the_next_batch_compute_its_prompts_again(tiny)
     first = llm.generate([prompt], params, use_tqdm=False)[0]
     again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert again.num_cached_tokens > 0
-    assert llm.reset_prefix_cache() is True
+    assert llm.reset_prefix_cache(device=None) is True
     fresh = llm.generate([prompt], params, use_tqdm=False)[0]
     assert fresh.num_cached_tokens == 0
     assert fresh.outputs[0].token_ids == again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -477,3 +477,26 @@ def test_a_prompt_s_cache_salt_shares_cached_prefixes_only_within_it(tiny):
     with pytest.raises(ValueError, match="cache_salt is not valid Unicode text"):
         llm.generate({"prompt_token_ids": ids, "cache_salt": "\ud800"}, params, use_tqdm=False)
     assert llm.engine.num_unfinished == 0 and llm.engine.scheduler.kv.usage == 0.0
+
+
+def test_use_tqdm_as_a_callable_makes_the_bar(tiny):
+    """vLLM's use_tqdm may be a tqdm-like callable (functools.partial(tqdm, leave=False)): it
+    is called with the total and advanced once per finished prompt."""
+    llm, _ = tiny
+    bars: list[FakeBar] = []
+
+    class FakeBar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.count, self.closed, self.postfix = kwargs, 0, False, None
+            bars.append(self)
+
+        def update(self, n: int) -> None:
+            self.count += n
+
+        def close(self) -> None:
+            self.closed = True
+
+    llm.generate([[5, 6], [7, 8], [9]], SamplingParams(max_tokens=3), use_tqdm=FakeBar)
+    (bar,) = bars
+    assert bar.kwargs["total"] == 3 and bar.count == 3 and bar.closed
+    assert bar.postfix.endswith("output tok/s")
