@@ -44,6 +44,12 @@ class RequestOutput:
     # here: the engine's are in /metrics and the log).
     lora_request: LoRARequest | None = None
     metrics: Any = None
+    # vLLM's fields for what the models here never have (an encoder's prompt, images, K/V sent
+    # to another instance): always empty, so that code reading them runs.
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    multi_modal_placeholders: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

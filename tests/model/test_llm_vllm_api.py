@@ -236,6 +236,8 @@ def test_prompts_from_a_generator_and_vllm_names(tiny):
     outs = llm.generate((p for p in prompts), SamplingParams(max_tokens=2), use_tqdm=False)
     assert [o.prompt_token_ids for o in outs] == [[5, 6], [7, 8, 9], [10, 11]]
     assert isinstance(outs[0], RequestOutput) and isinstance(outs[0].outputs[0], CompletionOutput)
+    assert (outs[0].encoder_prompt, outs[0].kv_transfer_params) == (None, None)
+    assert outs[0].multi_modal_placeholders == {} and outs[0].encoder_prompt_token_ids is None
     typed = [TokensPrompt(prompt_token_ids=[5, 6]), TextPrompt(prompt="hello")]
     outs = llm.generate(typed, SamplingParams(max_tokens=2), use_tqdm=False)
     assert outs[1].prompt == "hello" and outs[1].prompt_token_ids == llm.get_tokenizer().encode(
