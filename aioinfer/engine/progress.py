@@ -26,14 +26,15 @@ class Progress:
     ) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-        self.tqdm = None
-        if callable(use_tqdm):
-            self.tqdm = use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
         self.engine = engine
         self.counter = counter
         self.label = "output" if counter == "generation" else "input"
         self.start_tokens = self._tokens() if start_tokens is None else start_tokens
         self.start = time.perf_counter()
+        if callable(use_tqdm):
+            self.tqdm = use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+            return
+        self.tqdm = None
         self.bar = Progress(
             TextColumn("Processed prompts"),
             BarColumn(),
@@ -42,8 +43,7 @@ class Progress:
             transient=False,
         )
         self.task = self.bar.add_task("generate", total=total, speed="")
-        if self.tqdm is None:
-            self.bar.start()
+        self.bar.start()
 
     def _tokens(self) -> int:
         return int(getattr(self.engine.stats, f"{self.counter}_tokens"))
