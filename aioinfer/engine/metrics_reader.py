@@ -69,9 +69,8 @@ def _without(labels: dict[str, str], name: str) -> tuple[tuple[str, str], ...]:
 def _vectors(name: str, samples: list[Sample]) -> list[Metric]:
     by_series: dict[tuple[tuple[str, str], ...], dict[int, int]] = {}
     for s in samples:
-        by_series.setdefault(_without(s.labels, "position"), {})[int(s.labels["position"])] = int(
-            s.value
-        )
+        counts = by_series.setdefault(_without(s.labels, "position"), {})
+        counts[int(s.labels["position"])] = int(s.value)
     return [
         Vector(name, dict(labels), [counts.get(i, 0) for i in range(max(counts, default=-1) + 1)])
         for labels, counts in by_series.items()

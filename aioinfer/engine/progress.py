@@ -24,8 +24,6 @@ class Progress:
         start_tokens: int | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
     ) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
         self.engine = engine
         self.counter = counter
         self.label = "output" if counter == "generation" else "input"
@@ -34,6 +32,8 @@ class Progress:
         if callable(use_tqdm):
             self.tqdm = use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
             return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
         self.tqdm = None
         self.bar = Progress(
             TextColumn("Processed prompts"),
