@@ -6,6 +6,7 @@ from aioinfer.core.sampling_params import (
     GuidedDecodingParams,
     RequestOutputKind,
     SamplingParams,
+    SamplingType,
     StructuredOutputsParams,
 )
 
@@ -14,5 +15,6 @@ __all__ = [
     "GuidedDecodingParams",
     "RequestOutputKind",
     "SamplingParams",
+    "SamplingType",
     "StructuredOutputsParams",
 ]

@@ -132,10 +132,12 @@ class Request:
 
     @property
     def skips_prefix_cache(self) -> bool:
-        """Whether every prompt token must be computed here: for its prompt logprobs, or for a
-        pooling that reads every token's hidden state."""
-        return self.wants_prompt_logprobs or (
-            self.pooler is not None and self.pooler.reads_every_token
+        """Whether every prompt token must be computed here: for its prompt logprobs, for a
+        pooling that reads every token's hidden state, or as its sampling params ask."""
+        return (
+            self.wants_prompt_logprobs
+            or bool(self.sampling_params.skip_reading_prefix_cache)
+            or (self.pooler is not None and self.pooler.reads_every_token)
         )
 
     @property

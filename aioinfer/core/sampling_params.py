@@ -112,6 +112,14 @@ _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 GuidedDecodingParams = StructuredOutputsParams  # vLLM 0.10's name
 
 
+class SamplingType(enum.IntEnum):
+    """vLLM's: how a request's tokens are drawn (`SamplingParams.sampling_type`)."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
 class RequestOutputKind(enum.IntEnum):
     """vLLM's: what each output of a request in flight holds. The offline LLM returns only
     final outputs, whatever a request asks, as vLLM's LLM does."""
@@ -158,6 +166,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # vLLM 0.10's name for structured_outputs (and GuidedDecodingParams for its class).
     guided_decoding: StructuredOutputsParams | None = None
+    # vLLM's: True computes every prompt token rather than taking a cached prefix (None: only
+    # for prompt logprobs, which need every token computed).
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
@@ -223,6 +234,37 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @classmethod
+    def from_optional(cls, **fields: Any) -> SamplingParams:
+        """vLLM's constructor for request bodies where an absent field arrives as None: None
+        takes the field's default, and logit_bias's token ids may be strings (JSON keys)."""
+        defaults = {
+            "n": 1,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+        }
+        for name, default in defaults.items():
+            if fields.get(name) is None:
+                fields[name] = default
+        bias = fields.get("logit_bias")
+        if isinstance(bias, dict):
+            try:
+                fields["logit_bias"] = {int(token): value for token, value in bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"logit_bias must map integer token ids to numbers, got {bias!r}"
+                ) from None
+        return cls(**fields)
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0
@@ -279,6 +321,12 @@ class SamplingParams:
             "spaces_between_special_tokens",
             "detokenize",
         )
+        skip = self.skip_reading_prefix_cache
+        if not (skip is None or isinstance(skip, bool)):
+            raise ValueError(
+                "skip_reading_prefix_cache must be a boolean or null, got "
+                f"{self.skip_reading_prefix_cache!r}"
+            )
         for name in ints:
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")

@@ -296,6 +296,12 @@ def test_reset_prefix_cache_makes_the_next_batch_compute_its_prompts_again(tiny)
     fresh = llm.generate([prompt], params, use_tqdm=False)[0]
     assert fresh.num_cached_tokens == 0
     assert fresh.outputs[0].token_ids == again.outputs[0].token_ids == first.outputs[0].token_ids
+    # vLLM's skip_reading_prefix_cache: the prompt is cached now, yet computed again.
+    skipping = params.clone(skip_reading_prefix_cache=True)
+    recomputed = llm.generate([prompt], skipping, use_tqdm=False)[0]
+    assert recomputed.num_cached_tokens == 0
+    assert recomputed.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens > 0
 
 
 def test_vllm_s_module_paths():
@@ -306,7 +312,7 @@ def test_vllm_s_module_paths():
     from aioinfer.logprobs import Logprob as LogprobAgain
     from aioinfer.outputs import CompletionOutput, RequestOutput
     from aioinfer.pooling_params import PoolingParams
-    from aioinfer.sampling_params import SamplingParams, StructuredOutputsParams
+    from aioinfer.sampling_params import SamplingParams, SamplingType, StructuredOutputsParams
 
     assert (SamplingParams, StructuredOutputsParams) == (
         aioinfer.SamplingParams,
@@ -322,6 +328,7 @@ def test_vllm_s_module_paths():
     from aioinfer.lora.request import LoRARequest
 
     assert LoRARequest is aioinfer.LoRARequest
+    assert SamplingParams(temperature=0).sampling_type is SamplingType.GREEDY
 
 
 def test_vllm_0_10_s_guided_decoding_constrains_the_output(tiny):

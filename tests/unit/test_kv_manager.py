@@ -113,6 +113,18 @@ def test_prompt_logprobs_requests_skip_the_prefix_cache():
     assert kv.find_cached_prefix(b) == ([], 0)
 
 
+def test_skip_reading_prefix_cache_computes_every_prompt_token():
+    """vLLM's SamplingParams.skip_reading_prefix_cache: True skips the cached prefix that the
+    same prompt would otherwise take; False and None (without prompt logprobs) take it."""
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    admit(kv, make_request("a", [1, 2, 3, 4, 5]))
+    skipping = make_request("b", [1, 2, 3, 4, 5], skip_reading_prefix_cache=True)
+    assert kv.find_cached_prefix(skipping) == ([], 0)
+    for i, flag in enumerate((False, None)):
+        reading = make_request(f"c{i}", [1, 2, 3, 4, 5], skip_reading_prefix_cache=flag)
+        assert kv.find_cached_prefix(reading)[1] == 4
+
+
 ops = st.lists(
     st.tuples(
         st.sampled_from(["new", "append", "free"]),

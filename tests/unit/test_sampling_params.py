@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from aioinfer.core.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from aioinfer.core.sampling_params import MAX_STOP_STRINGS, SamplingParams, SamplingType
 
 
 def test_defaults_follow_vllm():
@@ -66,6 +66,7 @@ def test_seed_minus_one_means_no_seed_as_in_vllm():
         ("logit_bias", {"5": 1.0}, "integer token ids"),
         ("logit_bias", {5: 1e39}, "float32"),  # an infinity among float32 logits
         ("logit_bias", {5: -1e39}, "float32"),
+        ("skip_reading_prefix_cache", 1, "boolean or null"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, fragment):
@@ -150,3 +151,39 @@ def test_an_unknown_field_set_afterwards_fails_as_in_vllm():
     with pytest.raises(AttributeError, match="SamplingParams has no field 'max_token'"):
         params.max_token = 5  # type: ignore[attr-defined]
     assert not hasattr(params, "max_token")
+
+
+def test_from_optional_fills_nones_with_defaults_as_vllm():
+    """vLLM's SamplingParams.from_optional: a request body's absent fields arrive as None and
+    take the defaults; max_tokens None stays None (up to the context); JSON's string token ids
+    in logit_bias become integers."""
+    params = SamplingParams.from_optional(
+        n=None,
+        temperature=None,
+        top_p=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        repetition_penalty=None,
+        max_tokens=None,
+        seed=7,
+        logit_bias={"5": 2.0},
+    )
+    defaults = SamplingParams()
+    for name in ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        assert getattr(params, name) == getattr(defaults, name), name
+    assert params.repetition_penalty == 1.0
+    assert params.max_tokens is None and params.seed == 7 and params.logit_bias == {5: 2.0}
+    assert SamplingParams.from_optional(temperature=0.5, n=2).temperature == 0.5
+    with pytest.raises(ValueError, match="logit_bias must map integer token ids"):
+        SamplingParams.from_optional(logit_bias={"five": 1.0})
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_optional(top_p=0.0)  # given values are checked as usual
+    with pytest.raises(TypeError):
+        SamplingParams.from_optional(no_such_field=None)
+
+
+def test_sampling_type_as_vllm():
+    assert SamplingParams(temperature=0).sampling_type is SamplingType.GREEDY
+    assert SamplingParams(temperature=0, seed=3).sampling_type is SamplingType.GREEDY
+    assert SamplingParams(temperature=0.8).sampling_type is SamplingType.RANDOM
+    assert SamplingParams(temperature=0.8, seed=3).sampling_type is SamplingType.RANDOM_SEED
