@@ -8,12 +8,10 @@ a single token's latency.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
-import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any, TypedDict, TypeVar, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypedDict, cast
 
 from aioinfer.core.beam_search import BeamSearchOutput, BeamSearchParams
 from aioinfer.core.lora import LoRARequest
@@ -32,6 +30,7 @@ from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.engine.llm_inputs import (
     EncodedPrompt,
+    GenerateBatch,
     cache_salt,
     conversations,
     normalise_prompts,
@@ -42,6 +41,7 @@ from aioinfer.engine.llm_inputs import (
 from aioinfer.engine.llm_options import llm_configs
 from aioinfer.engine.metrics import EngineCollector
 from aioinfer.engine.metrics_reader import Metric, read_metrics
+from aioinfer.engine.offline_loop import OfflineLoop
 from aioinfer.engine.progress import Progress
 from aioinfer.engine.stream import RequestStream, gather_or_cancel
 
@@ -62,7 +62,6 @@ Prompt = str | list[int] | TextPrompt | TokensPrompt | dict[str, Any]
 Message = dict[str, Any]
 # vLLM's: whether to show a progress bar, or a callable that makes one (tqdm's signature).
 UseTqdm = bool | Callable[..., Any]
-_T = TypeVar("_T")
 
 
 class LLM:
@@ -78,9 +77,10 @@ class LLM:
         runner_factory = options.pop("runner_factory", None)
         tokenizer = options.pop("tokenizer_object", None)
         model_config, cache_config, scheduler_config = llm_configs(model=model, **options)
-        self._loop = asyncio.new_event_loop()
+        self._offline = OfflineLoop()
+        self._queued: GenerateBatch | None = None  # what enqueue() gave wait_for_completion()
         self._token_texts: dict[int, str] = {}
-        self.engine = self._run_task(
+        self.engine = self._offline.run(
             AsyncEngine.create(
                 model_config,
                 cache_config,
@@ -126,18 +126,46 @@ class LLM:
         for every prompt, or one (or None) per prompt; needs enable_lora=True.
         `tokenization_kwargs`: for the tokenizer's encode of text prompts, as vLLM's
         ({"add_special_tokens": False} for prompts that hold their BOS)."""
-        if tokenization_kwargs is not None and not isinstance(tokenization_kwargs, dict):
-            raise TypeError(
-                f"tokenization_kwargs must be a dict, got {type(tokenization_kwargs).__name__}"
-            )
-        batch = normalise_prompts(prompts)
-        encoded = [self._encode(p, tokenization_kwargs) for p in batch]
-        if priority is not None and len(priority) != len(encoded):
-            raise ValueError(
-                f"priority must have one entry per prompt ({len(encoded)}), got {len(priority)}"
-            )
-        loras = per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
-        return self._run(encoded, sampling_params, use_tqdm, priority, loras)
+        batch = self._generate_batch(
+            prompts, sampling_params, priority, lora_request, tokenization_kwargs
+        )
+        return self._offline.run(self._generate_all(batch, use_tqdm))
+
+    def enqueue(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
+        use_tqdm: UseTqdm = True,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """vLLM's: queue prompts as generate() takes them without running them; returns their
+        request ids. `wait_for_completion()` runs everything queued. Prompts are tokenized
+        here; the engine checks them against the model when they run."""
+        del use_tqdm  # vLLM's bar over adding requests: adding is instant here
+        listed = normalise_prompts(prompts)  # once: a generator is read once
+        if isinstance(priority, int):
+            priority = [priority] * len(listed)
+        batch = self._generate_batch(
+            listed, sampling_params, priority, lora_request, tokenization_kwargs
+        )
+        batch.request_ids = [self.engine.make_request_id() for _ in batch.prompts]
+        if self._queued is None:
+            self._queued = batch
+        else:
+            self._queued.extend(batch)
+        return [rid for rid in batch.request_ids if rid is not None]
+
+    def wait_for_completion(
+        self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: UseTqdm = True
+    ) -> list[RequestOutput]:
+        """vLLM's: run every prompt that `enqueue` queued, outputs in the order queued. One
+        that the engine refuses fails the call and leaves none of them queued."""
+        batch, self._queued = self._queued, None
+        if output_type is not None and not issubclass(RequestOutput, output_type):
+            raise TypeError(f"enqueued prompts give RequestOutput, not {output_type!r}")
+        return [] if batch is None else self._offline.run(self._generate_all(batch, use_tqdm))
 
     def beam_search(
         self,
@@ -212,7 +240,8 @@ class LLM:
             text = utf8_text(text, "messages")
             encoded.append(EncodedPrompt(text, encode_rendered_chat(self.engine.tokenizer, text)))
         loras = per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
-        return self._run(encoded, sampling_params, use_tqdm, loras=loras)
+        batch = self._batch_of(encoded, sampling_params, None, loras)
+        return self._offline.run(self._generate_all(batch, use_tqdm))
 
     def embed(
         self,
@@ -275,7 +304,7 @@ class LLM:
                 dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                 for p in params_list
             ]
-        return self._run_task(self._embed_all(encoded, params_list, use_tqdm))
+        return self._offline.run(self._embed_all(encoded, params_list, use_tqdm))
 
     def score(
         self,
@@ -347,13 +376,15 @@ class LLM:
         ]
 
     def shutdown(self) -> None:
-        if not self._loop.is_closed():
-            self._run_loop_until(self._loop.create_task(self.engine.shutdown()))
-            self._loop.close()
+        loop = self._offline.loop
+        if not loop.is_closed():
+            self._offline.run_until(loop.create_task(self.engine.shutdown()))
+            loop.close()
 
     def __del__(self) -> None:
         # Best effort for an LLM that was never shut down: stop the GPU thread and the loop.
-        loop = getattr(self, "_loop", None)
+        offline = getattr(self, "_offline", None)
+        loop = offline.loop if offline is not None else None
         if loop is not None and not loop.is_closed() and not loop.is_running():
             with contextlib.suppress(Exception):
                 self.shutdown()
@@ -390,74 +421,43 @@ class LLM:
             return EncodedPrompt(prompt, ids)
         return EncodedPrompt(None, token_ids(prompt))
 
-    def _run(
+    def _generate_batch(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+        tokenization_kwargs: dict[str, Any] | None,
+    ) -> GenerateBatch:
+        if tokenization_kwargs is not None and not isinstance(tokenization_kwargs, dict):
+            raise TypeError(
+                f"tokenization_kwargs must be a dict, got {type(tokenization_kwargs).__name__}"
+            )
+        encoded = [self._encode(p, tokenization_kwargs) for p in normalise_prompts(prompts)]
+        loras = per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
+        return self._batch_of(encoded, sampling_params, priority, loras)
+
+    def _batch_of(
         self,
         encoded: list[EncodedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        use_tqdm: UseTqdm,
-        priority: Sequence[int] | None = None,
-        loras: list[LoRARequest | None] | None = None,
-    ) -> list[RequestOutput]:
+        priority: Sequence[int] | None,
+        loras: list[LoRARequest | None],
+    ) -> GenerateBatch:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams)
+        params = per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams)
+        if priority is not None and len(priority) != len(encoded):
+            raise ValueError(
+                f"priority must have one entry per prompt ({len(encoded)}), got {len(priority)}"
+            )
         priorities = list(priority) if priority is not None else [0] * len(encoded)
-        loras = loras or [None] * len(encoded)
-        return self._run_task(self._generate_all(encoded, params_list, use_tqdm, priorities, loras))
+        return GenerateBatch(encoded, params, priorities, loras, [None] * len(encoded))
 
-    def _run_task(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Drive the engine on this LLM's loop until `coro` is done."""
-        if self._loop.is_closed():
-            coro.close()
-            raise RuntimeError("this LLM was shut down")
-        task = self._loop.create_task(coro)
-        try:
-            return self._run_loop_until(task)
-        except BaseException:
-            # A Ctrl-C raised in the loop's own wait leaves the batch's task pending: cancel it,
-            # so that its requests are aborted and free their KV blocks before we return.
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    self._run_loop_until(task)
-            raise
-
-    def _run_loop_until(self, task: asyncio.Task[_T]) -> _T:
-        """Run this LLM's loop until `task` is done. Called from within a running event loop
-        (a notebook, an async program), whose thread cannot run a second loop, it runs the
-        loop on a worker thread meanwhile, as vLLM's LLM blocks its caller in a notebook."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return self._loop.run_until_complete(task)
-        done: concurrent.futures.Future[_T] = concurrent.futures.Future()
-
-        def drive() -> None:
-            try:
-                done.set_result(self._loop.run_until_complete(task))
-            except BaseException as exc:
-                done.set_exception(exc)
-
-        worker = threading.Thread(target=drive, name="aioinfer-llm-loop", daemon=True)
-        worker.start()
-        try:
-            return done.result()
-        except BaseException:
-            if not done.done():  # interrupted while waiting: stop the batch on its own loop
-                self._loop.call_soon_threadsafe(task.cancel)
-                worker.join()
-            raise
-
-    async def _generate_all(
-        self,
-        encoded: list[EncodedPrompt],
-        params_list: list[SamplingParams],
-        use_tqdm: UseTqdm,
-        priorities: list[int],
-        loras: list[LoRARequest | None],
-    ) -> list[RequestOutput]:
+    async def _generate_all(self, batch: GenerateBatch, use_tqdm: UseTqdm) -> list[RequestOutput]:
         streams: list[RequestStream] = []
         progress: Progress | None = None
+        params_list, loras = batch.params, batch.loras
         await self._load_adapters({lora.lora_name: lora for lora in loras if lora is not None})
 
         async def collect(stream: RequestStream, n: int) -> RequestOutput:
@@ -473,8 +473,8 @@ class LLM:
         with self._batch(streams, lambda: progress):
             # Every request is validated and queued before the first step runs; one that fails
             # validation aborts those queued before it.
-            for prompt, params, priority, lora in zip(
-                encoded, params_list, priorities, loras, strict=True
+            for prompt, params, priority, lora, request_id in zip(
+                batch.prompts, params_list, batch.priorities, loras, batch.request_ids, strict=True
             ):
                 # A truncated prompt keeps its text, as in vLLM; its ids are the kept ones.
                 ids = self.engine.truncate_prompt(prompt.ids, params)
@@ -482,6 +482,7 @@ class LLM:
                 stream = self.engine.add_request(
                     ids,
                     params,
+                    request_id=request_id,
                     prompt=prompt.text,
                     priority=priority,
                     lora=lora.lora_name if lora is not None else None,

@@ -22,6 +22,25 @@ class EncodedPrompt:
     cache_salt: str | None = None
 
 
+@dataclass
+class GenerateBatch:
+    """Prompts to generate from, each with its params, priority, LoRA adapter and, where they
+    were enqueued, the request id given out for it."""
+
+    prompts: list[EncodedPrompt]
+    params: list[Any]  # SamplingParams
+    priorities: list[int]
+    loras: list[Any]  # LoRARequest | None
+    request_ids: list[str | None]
+
+    def extend(self, other: GenerateBatch) -> None:
+        self.prompts += other.prompts
+        self.params += other.params
+        self.priorities += other.priorities
+        self.loras += other.loras
+        self.request_ids += other.request_ids
+
+
 def normalise_prompts(prompts: Any) -> list[Any]:
     """One prompt (text, token ids or a prompt dict) or several, as a list of prompts."""
     if isinstance(prompts, (str, dict)):

@@ -509,3 +509,41 @@ def test_use_tqdm_as_a_callable_makes_the_bar(tiny):
     (bar,) = bars
     assert bar.kwargs["total"] == 3 and bar.count == 3 and bar.closed
     assert bar.postfix.endswith("output tok/s")
+
+
+def test_enqueue_runs_nothing_until_wait_for_completion(tiny):
+    """vLLM's enqueue / wait_for_completion: prompts queue (their request ids come back) and
+    run together when waited for, outputs in the order queued, as generate() gives them."""
+    llm, _ = tiny
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [[5, 6, 7], "hello world", {"prompt_token_ids": [9, 10, 11, 12]}]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    first = llm.enqueue(prompts[:2], params, priority=0)
+    second = llm.enqueue(p for p in prompts[2:])  # a generator, the default params
+    assert llm.engine.num_unfinished == 0  # queued here, not in the engine
+    assert len(set(first + second)) == 3
+    outputs = llm.wait_for_completion(RequestOutput, use_tqdm=False)
+    assert [o.request_id for o in outputs] == first + second
+    assert [o.outputs[0].token_ids for o in outputs[:2]] == [
+        o.outputs[0].token_ids for o in expected[:2]
+    ]
+    assert outputs[2].prompt_token_ids == [9, 10, 11, 12]
+    assert outputs[2].outputs[0].token_ids  # what the default params gave
+    assert llm.wait_for_completion() == []
+
+
+def test_a_refused_enqueued_prompt_fails_the_wait_and_leaves_nothing(tiny):
+    llm, _ = tiny
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.enqueue([[5, 6, 7]], params)
+    llm.enqueue([[5] * (llm.engine.max_model_len + 1)], params)  # longer than the context
+    with pytest.raises(ValueError, match="maximum context length is 128 tokens"):
+        llm.wait_for_completion(use_tqdm=False)
+    assert llm.engine.num_unfinished == 0 and llm.engine.scheduler.kv.usage == 0.0
+    assert llm.wait_for_completion() == []
+    with pytest.raises(ValueError, match="priority must have one entry per prompt"):
+        llm.enqueue([[5, 6], [7, 8]], params, priority=[0])
+    llm.enqueue([[5, 6]], params)
+    with pytest.raises(TypeError, match="give RequestOutput"):
+        llm.wait_for_completion(CompletionOutput)
+    assert llm.wait_for_completion() == []  # the failed call took what was queued
