@@ -141,8 +141,9 @@ class LLM:
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """vLLM's: queue prompts as generate() takes them without running them; returns their
-        request ids. `wait_for_completion()` runs everything queued. Prompts are tokenized
-        here; the engine checks them against the model when they run."""
+        request ids. `wait_for_completion()` runs everything queued (a generate() between
+        runs only its own prompts). Prompts are tokenized here; the engine checks them against
+        the model when they run."""
         del use_tqdm  # vLLM's bar over adding requests: adding is instant here
         listed = normalise_prompts(prompts)  # once: a generator is read once
         if isinstance(priority, int):
