@@ -32,13 +32,14 @@ from aioinfer.engine.llm_inputs import (
     EncodedPrompt,
     GenerateBatch,
     cache_salt,
-    conversations,
+    chat_prompts,
     normalise_prompts,
     per_prompt,
     token_ids,
     utf8_text,
 )
 from aioinfer.engine.llm_options import llm_configs
+from aioinfer.engine.lora_adapters import load_for_batch
 from aioinfer.engine.metrics import EngineCollector
 from aioinfer.engine.metrics_reader import Metric, read_metrics
 from aioinfer.engine.offline_loop import OfflineLoop
@@ -151,12 +152,34 @@ class LLM:
         batch = self._generate_batch(
             listed, sampling_params, priority, lora_request, tokenization_kwargs
         )
-        batch.request_ids = [self.engine.make_request_id() for _ in batch.prompts]
+        return self._queue(batch)
+
+    def enqueue_chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: UseTqdm = True,
+        lora_request: LoRARequest | None = None,
+        priority: int | Sequence[int] | None = None,
+        **chat_options: Any,
+    ) -> list[str]:
+        """vLLM's: enqueue() for conversations, rendered as chat() renders them (the same
+        keyword options: chat_template, tools, ...)."""
+        del use_tqdm  # as in enqueue()
+        encoded = chat_prompts(self.engine, messages, **chat_options)
+        if isinstance(priority, int):
+            priority = [priority] * len(encoded)
+        loras = per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
+        return self._queue(self._batch_of(encoded, sampling_params, priority, loras))
+
+    def _queue(self, batch: GenerateBatch) -> list[str]:
+        ids = [self.engine.make_request_id() for _ in batch.prompts]
+        batch.request_ids = list[str | None](ids)
         if self._queued is None:
             self._queued = batch
         else:
             self._queued.extend(batch)
-        return [rid for rid in batch.request_ids if rid is not None]
+        return ids
 
     def wait_for_completion(
         self, output_type: type | tuple[type, ...] | None = None, *, use_tqdm: UseTqdm = True
@@ -214,32 +237,17 @@ class LLM:
         `chat_template_content_format` says: text parts are joined for every template).
         `tools` (OpenAI function tools) are the template's to show, as in vLLM; the calls stay
         in the output text."""
-        from aioinfer.engine.tokenizer import (
-            chat_prompt_text,
-            encode_rendered_chat,
-            template_message,
+        encoded = chat_prompts(
+            self.engine,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            chat_template_content_format=chat_template_content_format,
+            mm_processor_kwargs=mm_processor_kwargs,
         )
-
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise ValueError(
-                "chat_template_content_format must be 'auto', 'string' or 'openai', got "
-                f"{chat_template_content_format!r}"
-            )
-        if mm_processor_kwargs:
-            raise ValueError("mm_processor_kwargs: the models served here take text only")
-        encoded: list[EncodedPrompt] = []
-        for conversation in conversations(messages):
-            text = chat_prompt_text(
-                self.engine.tokenizer,
-                [template_message(m) for m in conversation],
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template or self.engine.model_config.chat_template,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-                tools=tools,
-            )
-            text = utf8_text(text, "messages")
-            encoded.append(EncodedPrompt(text, encode_rendered_chat(self.engine.tokenizer, text)))
         loras = per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
         batch = self._batch_of(encoded, sampling_params, None, loras)
         return self._offline.run(self._generate_all(batch, use_tqdm))
@@ -459,7 +467,7 @@ class LLM:
         streams: list[RequestStream] = []
         progress: Progress | None = None
         params_list, loras = batch.params, batch.loras
-        await self._load_adapters({lora.lora_name: lora for lora in loras if lora is not None})
+        await load_for_batch(self.engine, {lo.lora_name: lo for lo in loras if lo is not None})
 
         async def collect(stream: RequestStream, n: int) -> RequestOutput:
             acc = OutputAccumulator(n)
@@ -527,26 +535,6 @@ class LLM:
             return await gather_or_cancel(
                 collect(s, p) for s, p in zip(streams, params_list, strict=True)
             )
-
-    async def _load_adapters(self, adapters: dict[str, LoRARequest]) -> None:
-        """Load the batch's adapters; when the slots are full, unload adapters this batch does
-        not use (the offline API is given every adapter's path, so they load again when next
-        needed). A name given with another path than before is loaded from the new one."""
-        engine = self.engine
-        limit = engine.model_config.max_loras
-        if len(adapters) > limit:
-            raise ValueError(
-                f"these prompts use {len(adapters)} LoRA adapters; max_loras is {limit}"
-            )
-        for name, adapter in adapters.items():
-            if engine.loras.paths.get(name) == adapter.lora_path:
-                continue
-            if name in engine.loras.paths:
-                await engine.remove_lora(name)
-            idle = [loaded for loaded in engine.loras.slots if loaded not in adapters]
-            if len(engine.loras.slots) >= limit and idle:
-                await engine.remove_lora(idle[0])  # the longest loaded
-            await engine.add_lora(adapter)
 
     @contextlib.contextmanager
     def _batch(

@@ -132,3 +132,42 @@ def per_prompt(
         if not (isinstance(item, kind) or (optional and item is None)):
             raise TypeError(f"{name} must be {kind.__name__} or a list of them, got {item!r:.80}")
     return values
+
+
+def chat_prompts(
+    engine: Any,
+    messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[Any] | None = None,
+    chat_template_content_format: str = "auto",
+    mm_processor_kwargs: dict[str, Any] | None = None,
+) -> list[EncodedPrompt]:
+    """One conversation or several, rendered with the chat template (the model's, or
+    `chat_template`) of `engine` (an AsyncEngine) and tokenized, as LLM.chat runs them."""
+    from aioinfer.engine.tokenizer import chat_prompt_text, encode_rendered_chat, template_message
+
+    if chat_template_content_format not in ("auto", "string", "openai"):
+        raise ValueError(
+            "chat_template_content_format must be 'auto', 'string' or 'openai', got "
+            f"{chat_template_content_format!r}"
+        )
+    if mm_processor_kwargs:
+        raise ValueError("mm_processor_kwargs: the models served here take text only")
+    encoded: list[EncodedPrompt] = []
+    for conversation in conversations(messages):
+        text = chat_prompt_text(
+            engine.tokenizer,
+            [template_message(m) for m in conversation],
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template or engine.model_config.chat_template,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
+        text = utf8_text(text, "messages")
+        encoded.append(EncodedPrompt(text, encode_rendered_chat(engine.tokenizer, text)))
+    return encoded

@@ -55,3 +55,22 @@ class LoRAAdapters:
         if slot is None:
             raise ValueError(f"LoRA adapter {name!r} is not loaded")
         return slot
+
+
+async def load_for_batch(engine: Any, adapters: dict[str, LoRARequest]) -> None:
+    """Load an offline batch's adapters into `engine` (an AsyncEngine); when the slots are
+    full, unload adapters this batch does not use (the offline API is given every adapter's
+    path, so they load again when next needed). A name given with another path than before is
+    loaded from the new one."""
+    limit = engine.model_config.max_loras
+    if len(adapters) > limit:
+        raise ValueError(f"these prompts use {len(adapters)} LoRA adapters; max_loras is {limit}")
+    for name, adapter in adapters.items():
+        if engine.loras.paths.get(name) == adapter.lora_path:
+            continue
+        if name in engine.loras.paths:
+            await engine.remove_lora(name)
+        idle = [loaded for loaded in engine.loras.slots if loaded not in adapters]
+        if len(engine.loras.slots) >= limit and idle:
+            await engine.remove_lora(idle[0])  # the longest loaded
+        await engine.add_lora(adapter)

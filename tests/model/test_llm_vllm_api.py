@@ -547,3 +547,25 @@ def test_a_refused_enqueued_prompt_fails_the_wait_and_leaves_nothing(tiny):
     with pytest.raises(TypeError, match="give RequestOutput"):
         llm.wait_for_completion(CompletionOutput)
     assert llm.wait_for_completion() == []  # the failed call took what was queued
+
+
+def test_enqueue_chat_renders_as_chat_and_queues_with_the_prompts(tiny):
+    """vLLM's enqueue_chat: conversations rendered with chat()'s options, queued beside
+    enqueue()'s prompts, run by the same wait_for_completion."""
+    llm, _ = tiny
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    conversation = [{"role": "user", "content": "there"}]
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    options = {"chat_template": template, "chat_template_kwargs": {"greeting": "Hi "}}
+    expected = llm.chat(conversation, params, use_tqdm=False, **options)[0]
+    ids = llm.enqueue([5, 6, 7], params) + llm.enqueue_chat(conversation, params, **options)
+    both = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    ids += llm.enqueue_chat(both, params)
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == ids and len(ids) == 4
+    assert outputs[1].prompt == "Hi there" == expected.prompt
+    assert outputs[1].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert outputs[3].prompt == "<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(TypeError, match="no_such_option"):
+        llm.enqueue_chat(conversation, params, no_such_option=True)
+    assert llm.wait_for_completion() == []
