@@ -146,11 +146,8 @@ class LLM:
         runs only its own prompts). Prompts are tokenized here; the engine checks them against
         the model when they run."""
         del use_tqdm  # vLLM's bar over adding requests: adding is instant here
-        listed = normalise_prompts(prompts)  # once: a generator is read once
-        if isinstance(priority, int):
-            priority = [priority] * len(listed)
         batch = self._generate_batch(
-            listed, sampling_params, priority, lora_request, tokenization_kwargs
+            prompts, sampling_params, priority, lora_request, tokenization_kwargs
         )
         return self._queue(batch)
 
@@ -167,14 +164,12 @@ class LLM:
         keyword options: chat_template, tools, ...)."""
         del use_tqdm  # as in enqueue()
         encoded = chat_prompts(self.engine, messages, **chat_options)
-        if isinstance(priority, int):
-            priority = [priority] * len(encoded)
         loras = per_prompt(lora_request, len(encoded), "lora_request", LoRARequest, optional=True)
         return self._queue(self._batch_of(encoded, sampling_params, priority, loras))
 
     def _queue(self, batch: GenerateBatch) -> list[str]:
         ids = [self.engine.make_request_id() for _ in batch.prompts]
-        batch.request_ids = list[str | None](ids)
+        batch.request_ids = list(ids)
         if self._queued is None:
             self._queued = batch
         else:
@@ -434,7 +429,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        priority: Sequence[int] | None,
+        priority: int | Sequence[int] | None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
         tokenization_kwargs: dict[str, Any] | None,
     ) -> GenerateBatch:
@@ -450,12 +445,14 @@ class LLM:
         self,
         encoded: list[EncodedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        priority: Sequence[int] | None,
+        priority: int | Sequence[int] | None,
         loras: list[LoRARequest | None],
     ) -> GenerateBatch:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = per_prompt(sampling_params, len(encoded), "sampling_params", SamplingParams)
+        if isinstance(priority, int):  # enqueue's: one for every prompt
+            priority = [priority] * len(encoded)
         if priority is not None and len(priority) != len(encoded):
             raise ValueError(
                 f"priority must have one entry per prompt ({len(encoded)}), got {len(priority)}"
