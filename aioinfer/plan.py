@@ -10,7 +10,8 @@ the numbers of the startup log:
                      too, and in auto on a CPU with AMX, where the 4- and 5-bit types' weight
                      parts add 4 bytes a weight and 4 a run of 32)
     CPU:  available KV = --kv-cache-memory GiB
-    CUDA: available KV = total x --gpu-memory-utilization - weights - peak activations - non-torch
+    CUDA: available KV = total x --gpu-memory-utilization - weights - peak activations
+                         - CUDA graph pool - non-torch
     bytes per block    = 2 (K and V) x block_size x kv_heads x head_dim x layers x dtype bytes
     num_blocks         = available KV // bytes per block    (block 0 is reserved)
     KV cache size      = (num_blocks - 1) x block_size tokens
@@ -37,10 +38,12 @@ from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, sampled_r
 from aioinfer.sizing import (
     AUTO_MAX_MODEL_LEN,
     GiB,
+    capture_sizes,
     cpu_kv_cache_too_large,
     default_max_num_seqs,
     default_token_budget,
     fixed_kv_over_free,
+    graphs_off_reason,
     host_memory_bytes,
     kv_bytes_per_block,
     kv_cache_too_small,
@@ -62,6 +65,8 @@ DEFAULT_NON_TORCH_GIB = 0.5
 # buffers (the logits, their working copy, the sorted copy, its softmax and the mass before each
 # token), the bool mask of the kept tokens and its int64 sum.
 SAMPLER_BYTES_PER_LOGIT = 5 * 4 + 1 + 8
+# The split decode kernel's splits on CUDA (model/kernels/paged_decode.py).
+DECODE_SPLITS = 16
 # The cuBLAS workspace, allocated through torch by the first matmul of the profiling pass.
 CUDA_WORKSPACE_BYTES = 64 << 20
 
@@ -86,6 +91,7 @@ class MemoryPlan:
     total_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     activation_bytes: int | None = None
+    graph_pool_bytes: int = 0  # the CUDA graphs' pool, set aside in the share
     non_torch_bytes: int | None = None
     non_torch_measured: bool = False
     free_bytes: int | None = None  # the local GPU's, with this process's CUDA context
@@ -233,6 +239,23 @@ def estimate_activation_bytes(
     return max(mlp, attention, sampling) + workspace
 
 
+def estimate_graph_pool_bytes(cfg: DecoderConfig, batch: int, dtype_bytes: int) -> int:
+    """The CUDA graphs' memory pool, estimated as the server's profile measures it: the peak of
+    one eager decode forward at the largest bucket (`batch` rows, no sampling). Its moments are
+    those of estimate_activation_bytes at T = `batch`, the attention's with the split decode
+    kernel's float32 partial outputs (16 splits of each head's D + 1 values) instead of the
+    gathered K/V."""
+    t, h, b = batch, cfg.hidden_size, dtype_bytes
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    mlp = t * (3 * h + 2 * cfg.intermediate_size) * b
+    if cfg.sparse_layers:
+        per_token = cfg.experts_per_token * (2 * cfg.expert_intermediate_size + h)
+        mlp = max(mlp, t * (3 * h + per_token) * b)
+    splits = t * cfg.num_heads * DECODE_SPLITS * (cfg.head_dim + 1) * 4
+    attention = t * (2 * h + 3 * q + 3 * kv) * b + splits
+    return max(mlp, attention)
+
+
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -290,6 +313,7 @@ def make_plan(
         cache_config.block_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, dtype_bytes
     )
     activations = None
+    graph_pool = 0
     if cache_config.num_gpu_blocks_override is not None:
         num_blocks = cache_config.num_gpu_blocks_override
         available = num_blocks * per_block
@@ -305,8 +329,19 @@ def make_plan(
             device,
             rows_per_request=0 if pooling else sampled_rows_per_request(scheduler_config),
         )
+        graphs_off = graphs_off_reason(
+            enforce_eager=model_config.enforce_eager,
+            pooling=pooling,
+            lora=model_config.enable_lora,
+            device_type="cuda",
+            attention_backend="torch" if model_config.attention_backend == "torch" else "triton",
+        )
+        if graphs_off is None:
+            graph_pool = estimate_graph_pool_bytes(
+                cfg, capture_sizes(max_num_seqs)[-1], dtype_bytes
+            )
         requested = requested_bytes(gpu.total_bytes, cache_config.gpu_memory_utilization)
-        available = requested - weights - activations - gpu.non_torch_bytes
+        available = requested - weights - activations - graph_pool - gpu.non_torch_bytes
         num_blocks = max(available, 0) // per_block
     else:
         available = int(cache_config.kv_cache_memory * GiB)
@@ -330,6 +365,7 @@ def make_plan(
         total_bytes=gpu.total_bytes if gpu else None,
         gpu_memory_utilization=cache_config.gpu_memory_utilization if gpu else None,
         activation_bytes=activations,
+        graph_pool_bytes=graph_pool,
         non_torch_bytes=gpu.non_torch_bytes if gpu else None,
         non_torch_measured=bool(gpu and gpu.measured),
         free_bytes=gpu.free_bytes if gpu else None,
@@ -483,8 +519,8 @@ def format_plan(plan: MemoryPlan) -> str:
             f"Memory profiling (estimated): total {plan.total_bytes / GiB:.2f} GiB x "
             f"utilization {utilization:g} = {share / GiB:.2f} GiB, weights "
             f"{plan.weights_gib:.2f} GiB, "
-            f"peak activations {plan.activation_bytes / GiB:.2f} GiB, "
-            f"non-torch {non_torch / GiB:.2f} GiB ({source})"
+            f"peak activations {plan.activation_bytes / GiB:.2f} GiB, CUDA graph pool "
+            f"{plan.graph_pool_bytes / GiB:.2f} GiB, non-torch {non_torch / GiB:.2f} GiB ({source})"
         )
     lines += [
         f"Available KV cache memory: {plan.available_kv_gib:.2f} GiB",

@@ -1,6 +1,6 @@
 """The sizing rules that `serve` lives by and `aioinfer plan` predicts: one copy, no torch.
 
-The runner (gpu/runner.py, gpu/memory.py) applies them to the loaded model; the planner
+The runner (gpu/runner.py, gpu/kv_cache.py) applies them to the loaded model; the planner
 (plan.py) applies them to a config alone, so both always print the same numbers.
 """
 
@@ -199,3 +199,35 @@ def kv_bytes_left(requested: int, consumed: int, activations: int, utilization: 
             f"--gpu-memory-utilization or lower --max-num-batched-tokens."
         )
     return available
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+# Decode steps replay a graph captured per batch-size bucket (gpu/cuda_graphs.py); the buckets'
+# shared memory pool comes out of the engine's share.
+
+MAX_GRAPH_BATCH = 512  # vLLM's largest by default: beyond it launches weigh little
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_num_seqs or MAX_GRAPH_BATCH (ascending)."""
+    largest = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = [s for s in (1, 2, 4, 8) if s <= largest]
+    sizes += range(16, largest + 1, 8)
+    return sizes
+
+
+def graphs_off_reason(
+    *, enforce_eager: bool, pooling: bool, lora: bool, device_type: str, attention_backend: str
+) -> str | None:
+    """Why decode steps run eagerly, or None when CUDA graphs are captured."""
+    if enforce_eager:
+        return "enforce_eager is set"
+    if pooling:
+        return "a pooling model runs no decode steps"
+    if lora:
+        return "LoRA adapters run eagerly"
+    if device_type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if attention_backend != "triton":
+        return "the torch attention backend sizes its work on the host"
+    return None

@@ -23,19 +23,9 @@ from torch import nn
 
 from aioinfer.gpu.forward_context import forward_context
 from aioinfer.model.layers.attention import AttentionBackend, AttentionMetadata
+from aioinfer.sizing import capture_sizes
 
 logger = logging.getLogger(__name__)
-
-
-MAX_GRAPH_BATCH = 512
-
-
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to max_num_seqs or MAX_GRAPH_BATCH (ascending)."""
-    largest = min(max_num_seqs, MAX_GRAPH_BATCH)
-    sizes = [s for s in (1, 2, 4, 8) if s <= largest]
-    sizes += range(16, largest + 1, 8)
-    return sizes
 
 
 def padded_size(sizes: Sequence[int], n: int) -> int | None:
@@ -81,6 +71,7 @@ class CudaGraphRunner:
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # proof that decode steps do run as graphs
 
     @property
     def max_batch_size(self) -> int:
@@ -109,13 +100,16 @@ class CudaGraphRunner:
         """Capture every bucket, largest first. Returns (seconds, bytes of device memory)."""
         start = time.perf_counter()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # as each capture does: the difference is the graphs' alone
         free_before, _ = torch.cuda.mem_get_info()
         pool = None
         for bs in reversed(self.sizes):
             self._forward(bs)  # warm-up: lazy initialisation must not be captured
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA work of other threads (the tokenizer loads on one during
+            # start-up) must not invalidate this thread's capture.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs[bs] = self._forward(bs)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
@@ -148,4 +142,5 @@ class CudaGraphRunner:
         self.slot_mapping[n:bs].fill_(-1)
         self.seq_lens[n:bs].zero_()
         self.graphs[bs].replay()
+        self.replays += 1
         return self.outputs[bs][:n]

@@ -1,6 +1,6 @@
 """The CPU KV cache's pages, faulted in ahead of the block pool while the engine is idle.
 
-The CPU cache is a lazily zero-filled mapping (runner._lazy_zeros): 4 GiB cost nothing at
+The CPU cache is a lazily zero-filled mapping (kv_cache.lazy_zeros): 4 GiB cost nothing at
 start, but the first write to each 4 KiB page faults, and until the pool has handed out every
 block once (it hands them out from block 1 up), steps store their K/V into fresh pages. On the
 2-vCPU VM of docs/benchmarks.md those faults took 1.9 ms of a 30 ms decode step of 16 SmolLM2

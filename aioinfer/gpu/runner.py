@@ -9,8 +9,6 @@ import contextlib
 import importlib.util
 import itertools
 import logging
-import math
-import mmap
 import os
 import secrets
 import time
@@ -32,11 +30,12 @@ from aioinfer.core.lora import LoRARequest
 from aioinfer.core.pooling import PoolerConfig
 from aioinfer.core.spec_decode import draft_rows, verify
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
-from aioinfer.gpu import memory
+from aioinfer.gpu import kv_cache
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
 from aioinfer.gpu.forward_context import forward_context
 from aioinfer.gpu.kv_prefault import KVPagePrefaulter
 from aioinfer.gpu.sampler import (
+    PROMPT_LOGPROBS_ROWS,
     Sampler,
     SamplerOutput,
     SamplingBatch,
@@ -48,7 +47,7 @@ from aioinfer.model.generation_config import (
     generation_config_in_use,
     model_generation_config,
 )
-from aioinfer.model.layers.attention import AttentionMetadata, kv_cache_shape
+from aioinfer.model.layers.attention import AttentionMetadata, to_device
 from aioinfer.model.lora import LoRAManager, LoRAMapping
 
 if TYPE_CHECKING:
@@ -104,6 +103,18 @@ class RunnerInfo:
         return self.kv_capacity_tokens / self.max_model_len
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward pass and sampling are queued on the device (ModelRunner.launch);
+    ModelRunner.finish brings its results to the host."""
+
+    step_id: int
+    chunks: list[ScheduledChunk]  # decodes first, as the forward ran them
+    hidden: torch.Tensor
+    metadata: AttentionMetadata
+    sampled: SamplerOutput | None  # None when no chunk samples
+
+
 class ModelRunner:
     @staticmethod
     def resolve(model_config: ModelConfig) -> Any:
@@ -140,17 +151,19 @@ class ModelRunner:
             raise ValueError(
                 "LoRA adapters serve text generation: --enable-lora needs a generating model"
             )
-
         # A config-only check: it must not wait for minutes of weight loading.
         self.max_model_len = sizing.max_model_len(hf_config, model_config.max_model_len)
 
-        # A KV size given in blocks or bytes is not carved out of the utilization share.
-        profiling = (
-            self.device.type == "cuda"
-            and cache_config.num_gpu_blocks_override is None
-            and cache_config.kv_cache_memory_bytes is None
-        )
-        start_memory = memory.start_memory(self.device) if profiling else None
+        # What execute() reads besides the model, set before any forward (the memory profile
+        # runs one): the KV cache is swapped in once sized, the graphs once captured.
+        self.kv_caches: list[torch.Tensor] = []
+        self.kv_prefaulter: KVPagePrefaulter | None = None
+        self.graph_runner: CudaGraphRunner | None = None
+        self.lora: LoRAManager | None = None
+        self.memory_profile: kv_cache.MemoryProfile | None = None
+
+        profiling = kv_cache.should_profile(self.device, cache_config)
+        start_memory = kv_cache.start_memory(self.device) if profiling else None
         if start_memory is not None:  # before minutes of weight loading
             sizing.check_free_at_start(
                 start_memory.free, start_memory.total, cache_config.gpu_memory_utilization
@@ -159,7 +172,6 @@ class ModelRunner:
         self.model = load_model(
             resolved, self.dtype, self.device, seed, pooling=self.pooler is not None
         )
-        self.lora: LoRAManager | None = None
         if model_config.enable_lora:
             # Before the CPU kernels: layers with LoRA linears then run module by module.
             self.lora = LoRAManager(
@@ -178,19 +190,24 @@ class ModelRunner:
 
         self.vocab_size = int(hf_config.vocab_size)
         longrope_original = sizing.longrope_original(hf_config)
-        budget = scheduler_config.max_num_batched_tokens or memory.default_token_budget(
+        budget = scheduler_config.max_num_batched_tokens or kv_cache.default_token_budget(
             self.device, offline
         )
-        self.max_num_seqs = scheduler_config.max_num_seqs or memory.default_max_num_seqs(
+        self.max_num_seqs = scheduler_config.max_num_seqs or kv_cache.default_max_num_seqs(
             self.device
         )
         # With drafts a request samples a row per draft too (the memory profile counts them).
         self.sampled_rows_per_request = sampled_rows_per_request(scheduler_config)
-        self.num_layers = int(hf_config.num_hidden_layers)
-        self.num_kv_heads = int(hf_config.num_key_value_heads)
-        self.head_dim = int(
-            getattr(hf_config, "head_dim", None)
-            or hf_config.hidden_size // hf_config.num_attention_heads
+        self.kv_layout = kv_cache.KVCacheLayout(
+            num_layers=int(hf_config.num_hidden_layers),
+            block_size=self.block_size,
+            num_kv_heads=int(hf_config.num_key_value_heads),
+            head_dim=int(
+                getattr(hf_config, "head_dim", None)
+                or hf_config.hidden_size // hf_config.num_attention_heads
+            ),
+            dtype=self.dtype,
+            device=self.device,
         )
         self.sampler = Sampler(
             self.vocab_size,
@@ -199,82 +216,29 @@ class ModelRunner:
             max_logprobs=model_config.max_logprobs,
             cpu_kernels=_native_kernels(cpu_kernels),
         )
-        self.graph_runner: CudaGraphRunner | None = None  # captured after the KV cache exists
         self.attn_backend = select_attention_backend(
             model_config.attention_backend,
             self.device,
             self.dtype,
             int(hf_config.num_attention_heads),
-            self.num_kv_heads,
-            self.head_dim,
+            self.kv_layout.num_kv_heads,
+            self.kv_layout.head_dim,
         )
+        self._specialise_for_cuda()
+        graphs_off = graphs_off_reason(model_config, self.device, self.attn_backend, self.pooler)
 
-        if self.device.type == "cuda" and self.lora is None:
-            # Merged projections, residual adds inside GEMMs: on a GPU a decode step's time
-            # follows its kernel count. (The CPU's native layers have their own fusions; LoRA
-            # adapts the projections one by one.)
-            self.model.fuse_gemms()
-        if self.device.type == "cuda" and getattr(self.attn_backend, "name", None) == "triton":
-            from aioinfer.model.layers.triton_layers import use_triton_kernels
-
-            swapped = use_triton_kernels(self.model, self.dtype, self.device)
-            logger.info("triton kernels run %d RMSNorm, SiLU-and-mul and rotary modules", swapped)
-
-        bytes_per_block = sizing.kv_bytes_per_block(
-            self.block_size, self.num_kv_heads, self.head_dim, self.num_layers, self.dtype.itemsize
+        num_blocks, available_kv = self._size_kv_cache(
+            cache_config, budget, weights_bytes, start_memory, graphs_off is None
         )
-        if cache_config.num_gpu_blocks_override is not None:
-            num_blocks = cache_config.num_gpu_blocks_override
-            available_kv = num_blocks * bytes_per_block
-        elif cache_config.kv_cache_memory_bytes is not None:
-            available_kv = memory.fixed_kv_bytes(cache_config.kv_cache_memory_bytes, self.device)
-            num_blocks = available_kv // bytes_per_block
-        elif start_memory is not None:
-            available_kv = memory.profile_available_kv_bytes(
-                self, budget, cache_config.gpu_memory_utilization, weights_bytes, start_memory
-            )
-            num_blocks = available_kv // bytes_per_block
-        else:
-            available_kv = int(cache_config.kv_cache_memory * GiB)
-            num_blocks = available_kv // bytes_per_block
-        capacity = sizing.kv_capacity_tokens(num_blocks, self.block_size)
-        if model_config.max_model_len == sizing.AUTO_MAX_MODEL_LEN and capacity > 0:
-            if capacity < self.max_model_len:
-                logger.warning(
-                    "max model len lowered from %d to %d tokens: what the KV cache holds",
-                    self.max_model_len,
-                    capacity,
-                )
-            self.max_model_len = min(self.max_model_len, capacity)
-        too_small = sizing.kv_cache_too_small(self.max_model_len, num_blocks, self.block_size)
-        if too_small is not None:
-            raise ValueError(too_small)
+        self._fit_max_model_len(model_config, num_blocks, available_kv)
+        self.kv_caches = self.kv_layout.allocate(num_blocks)
         if self.device.type == "cpu":
-            too_large = sizing.cpu_kv_cache_too_large(available_kv, sizing.host_memory_bytes())
-            if too_large is not None:
-                raise ValueError(too_large)
-        self.kv_caches = self._allocate_kv_cache(num_blocks)
-        self.kv_prefaulter: KVPagePrefaulter | None = None
-        if self.device.type == "cpu":
-            # Four steps' worth: a step takes at most its token budget of fresh blocks, and one
-            # more for each running request that crosses into a new block.
-            lookahead = 4 * (budget // self.block_size + self.max_num_seqs)
-            lookahead = min(lookahead, max(1, PREFAULT_MAX_BYTES // bytes_per_block))
-            self.kv_prefaulter = KVPagePrefaulter(self.kv_caches, lookahead)
+            self.kv_prefaulter = self._kv_prefaulter(budget)
         graph_seconds = graph_bytes = None
-        graphs_off = _graphs_off_reason(model_config, self.device, self.attn_backend, self.pooler)
         if graphs_off is None:
-            self.graph_runner = CudaGraphRunner(
-                self.model,
-                self.kv_caches,
-                self.attn_backend,
-                self.max_num_seqs,
-                -(-self.max_model_len // self.block_size),
-                self.max_model_len,
-                self.device,
-                long_rope=longrope_original is not None,
+            graph_seconds, graph_bytes, graphs_off = self._capture_graphs(
+                longrope_original is not None
             )
-            graph_seconds, graph_bytes = self.graph_runner.capture()
 
         self.info = RunnerInfo(
             served_name=resolved.served_name,
@@ -306,13 +270,132 @@ class ModelRunner:
             # The thread holds the KV cache: a runner dropped without close() must end it.
             weakref.finalize(self, self.kv_prefaulter.stop, 0)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+    # ----------------------------------------------------------------- start-up steps
+
+    def _specialise_for_cuda(self) -> None:
+        if self.device.type != "cuda":
+            return
+        if self.lora is None:
+            # Merged projections, residual adds inside GEMMs: on a GPU a decode step's time
+            # follows its kernel count. (The CPU's native layers have their own fusions; LoRA
+            # adapts the projections one by one.)
+            self.model.fuse_gemms()
+        if getattr(self.attn_backend, "name", None) == "triton":
+            from aioinfer.model.layers.triton_layers import use_triton_kernels
+
+            swapped = use_triton_kernels(self.model, self.dtype, self.device)
+            logger.info("triton kernels run %d RMSNorm, SiLU-and-mul and rotary modules", swapped)
+
+    def _size_kv_cache(
+        self,
+        cache_config: CacheConfig,
+        budget: int,
+        weights_bytes: int,
+        start_memory: kv_cache.StartMemory | None,
+        graphs: bool,
+    ) -> tuple[int, int]:
+        """(num_blocks, KV bytes). A KV size given in blocks or bytes is not carved out of the
+        utilization share; on CUDA the rest comes from the memory profile."""
+        per_block = self.kv_layout.bytes_per_block
+        if cache_config.num_gpu_blocks_override is not None:
+            num_blocks = cache_config.num_gpu_blocks_override
+            return num_blocks, num_blocks * per_block
+        if cache_config.kv_cache_memory_bytes is not None:
+            available = kv_cache.fixed_kv_bytes(cache_config.kv_cache_memory_bytes, self.device)
+            return available // per_block, available
+        if start_memory is None:
+            available = int(cache_config.kv_cache_memory * GiB)
+            return available // per_block, available
+        params = None
+        if self.pooler is None:
+            params = kv_cache.profile_sampling_params(self.sampler.max_logprobs)
+        step = kv_cache.profile_step(
+            budget,
+            self.max_num_seqs,
+            self.block_size,
+            params,
+            self.sampled_rows_per_request,
+            pooling=self.pooler.pooling_type if self.pooler is not None else None,
+        )
+        self.memory_profile = kv_cache.profile(
+            self.execute_over,
+            self.kv_layout,
+            step,
+            sizing.capture_sizes(self.max_num_seqs)[-1] if graphs else 0,
+            cache_config.gpu_memory_utilization,
+            weights_bytes,
+            start_memory,
+        )
+        available = self.memory_profile.available_kv
+        return available // per_block, available
+
+    def execute_over(self, plan: StepPlan, caches: list[torch.Tensor]) -> StepResult:
+        """execute(plan) over other KV caches (the memory profile's)."""
+        saved, self.kv_caches = self.kv_caches, caches
+        try:
+            return self.execute(plan)
+        finally:
+            self.kv_caches = saved
+
+    def _fit_max_model_len(self, model_config: ModelConfig, num_blocks: int, kv: int) -> None:
+        capacity = sizing.kv_capacity_tokens(num_blocks, self.block_size)
+        if model_config.max_model_len == sizing.AUTO_MAX_MODEL_LEN and capacity > 0:
+            if capacity < self.max_model_len:
+                logger.warning(
+                    "max model len lowered from %d to %d tokens: what the KV cache holds",
+                    self.max_model_len,
+                    capacity,
+                )
+            self.max_model_len = min(self.max_model_len, capacity)
+        too_small = sizing.kv_cache_too_small(self.max_model_len, num_blocks, self.block_size)
+        if too_small is not None:
+            raise ValueError(too_small)
         if self.device.type == "cpu":
-            return [_lazy_zeros(shape, self.dtype) for _ in range(self.num_layers)]
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+            too_large = sizing.cpu_kv_cache_too_large(kv, sizing.host_memory_bytes())
+            if too_large is not None:
+                raise ValueError(too_large)
+
+    def _kv_prefaulter(self, budget: int) -> KVPagePrefaulter:
+        # Four steps' worth: a step takes at most its token budget of fresh blocks, and one
+        # more for each running request that crosses into a new block.
+        lookahead = 4 * (budget // self.block_size + self.max_num_seqs)
+        lookahead = min(lookahead, max(1, PREFAULT_MAX_BYTES // self.kv_layout.bytes_per_block))
+        return KVPagePrefaulter(self.kv_caches, lookahead)
+
+    def _capture_graphs(self, long_rope: bool) -> tuple[float | None, int | None, str | None]:
+        """Capture the decode graphs: (seconds, bytes, None); when capture fails the engine
+        runs eagerly: (None, None, why)."""
+        graphs = CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.attn_backend,
+            self.max_num_seqs,
+            -(-self.max_model_len // self.block_size),
+            self.max_model_len,
+            self.device,
+            long_rope=long_rope,
+        )
+        try:
+            seconds, used = graphs.capture()
+        except Exception as exc:  # an engine that runs eagerly beats one that does not start
+            logger.warning("CUDA graph capture failed, decode steps run eagerly: %r", exc)
+            del graphs
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            return None, None, f"capture failed: {exc!r}"[:300]
+        self.graph_runner = graphs
+        if self.memory_profile is not None:
+            logger.info(
+                "CUDA graphs took %.2f GiB (the memory profile set %.2f GiB aside)",
+                used / GiB,
+                self.memory_profile.graph_pool / GiB,
+            )
+        return seconds, used, None
+
+    @property
+    def graph_replays(self) -> int:
+        """Decode steps that replayed a CUDA graph so far."""
+        return 0 if self.graph_runner is None else self.graph_runner.replays
 
     def close(self) -> None:
         """Stop the background work that holds the KV cache (the page prefaulter)."""
@@ -332,26 +415,38 @@ class ModelRunner:
     # ----------------------------------------------------------------- one step
 
     def execute(self, plan: StepPlan) -> StepResult:
+        tails = (c.block_table[-1] for c in plan.chunks if c.block_table)
+        prefaulter = self.kv_prefaulter
+        with prefaulter.step(max(tails, default=0)) if prefaulter else contextlib.nullcontext():
+            return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue the step's forward pass and sampling on the device. On CUDA nothing here waits
+        for the device: inputs go up from pinned memory without blocking, and the sampling
+        inputs (a grammar's mask among them) are built on the host while the forward runs."""
         # Decodes first: the attention backend batches the leading one-token requests.
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
         input_ids, positions, metadata = self.prepare_inputs(chunks)
-        tails = (c.block_table[-1] for c in chunks if c.block_table)
-        prefaulter = self.kv_prefaulter
-        with prefaulter.step(max(tails, default=0)) if prefaulter else contextlib.nullcontext():
-            graphs = self.graph_runner
+        graphs = self.graph_runner
+        if graphs is not None and metadata.decode_only and graphs.can_run(len(chunks)):
+            hidden = graphs.replay(input_ids, positions, metadata)
+        else:
             lora = None
             if self.lora is not None and any(c.lora_slot for c in chunks):
                 lora = LoRAMapping.build([(c.lora_slot, c.num_tokens) for c in chunks], self.device)
-            if graphs is not None and metadata.decode_only and graphs.can_run(len(chunks)):
-                hidden = graphs.replay(input_ids, positions, metadata)
-            else:
-                with forward_context(metadata, self.kv_caches, self.attn_backend, lora):
-                    hidden = self.model(input_ids, positions)
-            result = StepResult(plan.step_id)
-            self._sample(chunks, hidden, metadata, result)
-            self._prompt_logprobs(chunks, hidden, metadata, result)
-            self._pool(chunks, hidden, metadata, result)
-            return result
+            with forward_context(metadata, self.kv_caches, self.attn_backend, lora):
+                hidden = self.model(input_ids, positions)
+        sampled = self._launch_sampling(chunks, hidden, metadata)
+        return LaunchedStep(plan.step_id, chunks, hidden, metadata, sampled)
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """Bring a launched step's results to the host: this waits for the device."""
+        result = StepResult(step.step_id)
+        if step.sampled is not None:
+            self._sampled_to_host(step.chunks, step.sampled, result)
+        self._prompt_logprobs(step.chunks, step.hidden, step.metadata, result)
+        self._pool(step.chunks, step.hidden, step.metadata, result)
+        return result
 
     def prepare_inputs(
         self, chunks: Sequence[ScheduledChunk]
@@ -360,26 +455,20 @@ class ModelRunner:
         query_lens = [c.num_tokens for c in chunks]
         starts = [c.start_pos for c in chunks]
         token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-        input_ids = torch.tensor(token_ids, dtype=torch.long)
         metadata = AttentionMetadata.build(
             query_lens, starts, [c.block_table for c in chunks], self.block_size, self.device
         )
-        non_blocking = self.device.type == "cuda"
         if any(c.long_rope for c in chunks):
             rows = torch.tensor([c.long_rope for c in chunks]).repeat_interleave(
                 torch.tensor(query_lens)
             )
-            rows = rows.to(self.device, non_blocking=non_blocking)
-            metadata = replace(metadata, long_rope_rows=rows)
-        return input_ids.to(self.device, non_blocking=non_blocking), metadata.positions, metadata
+            metadata = replace(metadata, long_rope_rows=to_device(rows, self.device))
+        input_ids = to_device(torch.tensor(token_ids, dtype=torch.long), self.device)
+        return input_ids, metadata.positions, metadata
 
-    def _sample(
-        self,
-        chunks: Sequence[ScheduledChunk],
-        hidden: torch.Tensor,
-        metadata: AttentionMetadata,
-        result: StepResult,
-    ) -> None:
+    def _launch_sampling(
+        self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> SamplerOutput | None:
         # One logits row per sampled position: a chunk's last, and with drafts each of theirs.
         qsl = metadata.query_start_loc_host
         rows: list[int] = []
@@ -390,10 +479,14 @@ class ModelRunner:
                 rows += range(last - len(chunk.draft_token_ids), last + 1)
                 row_chunks += draft_rows(chunk)
         if not rows:
-            return
-        index = torch.tensor(rows, dtype=torch.long).to(self.device)
+            return None
+        index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         batch = self.sampler.prepare(row_chunks)
-        output = self._sample_rows(hidden.index_select(0, index), batch)
+        return self._sample_rows(hidden.index_select(0, index), batch)
+
+    def _sampled_to_host(
+        self, chunks: Sequence[ScheduledChunk], output: SamplerOutput, result: StepResult
+    ) -> None:
         token_ids, logprobs = output.rows_to_host()
         row = 0
         for chunk in chunks:
@@ -423,16 +516,20 @@ class ModelRunner:
         metadata: AttentionMetadata,
         result: StepResult,
     ) -> None:
+        """A chunk's prompt logprobs, PROMPT_LOGPROBS_ROWS rows of logits at a time: a whole
+        chunk's at once would be [chunk, V] (16384 x 151936 x 6 bytes = 15 GB for Qwen2.5)."""
         qsl = metadata.query_start_loc_host
         for i, chunk in enumerate(chunks):
             targets = chunk.prompt_logprob_targets
             if not targets:
                 continue
-            logits = self.model.compute_logits(hidden[qsl[i] : qsl[i] + len(targets)])
             num_top = chunk.sampling_params.prompt_logprobs or 0
-            result.prompt_logprobs[chunk.request_id] = compute_prompt_logprobs(
-                logits, targets, num_top
-            )
+            entries = result.prompt_logprobs[chunk.request_id] = []
+            for start in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+                part = targets[start : start + PROMPT_LOGPROBS_ROWS]
+                first = qsl[i] + start
+                logits = self.model.compute_logits(hidden[first : first + len(part)])
+                entries += compute_prompt_logprobs(logits, part, num_top)
 
     def _pool(
         self,
@@ -464,14 +561,6 @@ class ModelRunner:
             if self.model.score is not None:  # a classifier: all of its parts are LAST rows
                 rows = self.model.score(rows.to(self.dtype)).float()
             result.pooled.update(zip(owners, rows.cpu().numpy(), strict=True))
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose pages the kernel zero-fills on first touch (an anonymous mapping):
-    `torch.zeros` writes every byte up front, seconds for a KV cache of a few GiB. The tensor
-    keeps the mapping alive."""
-    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def select_attention_backend(
@@ -570,21 +659,17 @@ def _native_kernels(cpu_kernels: str) -> NativeKernels | None:
     return cpu_native.load()
 
 
-def _graphs_off_reason(
+def graphs_off_reason(
     model_config: ModelConfig, device: torch.device, attn_backend: Any, pooler: Any
 ) -> str | None:
     """Why decode steps run eagerly, or None when CUDA graphs are captured."""
-    if model_config.enforce_eager:
-        return "enforce_eager is set"
-    if pooler is not None:
-        return "a pooling model runs no decode steps"
-    if model_config.enable_lora:
-        return "LoRA adapters run eagerly"
-    if device.type != "cuda":
-        return "CUDA graphs need a CUDA device"
-    if getattr(attn_backend, "name", "torch") != "triton":
-        return "the torch attention backend sizes its work on the host"
-    return None
+    return sizing.graphs_off_reason(
+        enforce_eager=model_config.enforce_eager,
+        pooling=pooler is not None,
+        lora=model_config.enable_lora,
+        device_type=device.type,
+        attention_backend=getattr(attn_backend, "name", "torch"),
+    )
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -49,7 +49,7 @@ TopPThresholds = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
 # Rows of prompt logits turned into logprobs at a time; bounds the extra [rows, V] buffers.
-_PROMPT_LOGPROBS_ROWS = 512
+PROMPT_LOGPROBS_ROWS = 512
 
 
 def seeded_generator_seed(seed: int, output_index: int) -> int:
@@ -286,6 +286,13 @@ class Sampler:
         host = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
         return host.to(self.device, non_blocking=True)
 
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, through pinned memory: a plain copy would wait for
+        the forward pass queued before it."""
+        if self._pin:
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
     def _column(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return self._tensor(data, dtype).unsqueeze(1)
 
@@ -340,7 +347,7 @@ class Sampler:
         if not given:
             return None
         rows = [i for i, _ in given]
-        words = torch.from_numpy(np.stack([mask for _, mask in given])).to(self.device)
+        words = self._upload(torch.from_numpy(np.stack([mask for _, mask in given])))
         return AllowedMasks(self._tensor(rows, torch.int64), words)
 
     def _penalties(self, chunks: list[ScheduledChunk]) -> PenaltyBatch | None:
@@ -368,7 +375,7 @@ class Sampler:
         f32 = torch.float32
         return PenaltyBatch(
             rows=self._tensor(rows, torch.int64),
-            history=torch.from_numpy(padded).to(self.device, non_blocking=True),
+            history=self._upload(torch.from_numpy(padded)),
             prompt_lens=self._column([chunks[i].prompt_len for i in rows], torch.int64),
             repetition=self._column([p.repetition_penalty for p in params], f32),
             frequency=self._column([p.frequency_penalty for p in params], f32),
@@ -586,8 +593,8 @@ def compute_prompt_logprobs(
         raise ValueError(f"targets must be at most {logits.shape[0]} long, got {len(targets)}")
     target_ids = torch.tensor(list(targets), dtype=torch.int64).to(logits.device)
     out: list[TokenLogprobs] = []
-    for start in range(0, len(targets), _PROMPT_LOGPROBS_ROWS):
-        stop = min(start + _PROMPT_LOGPROBS_ROWS, len(targets))
+    for start in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+        stop = min(start + PROMPT_LOGPROBS_ROWS, len(targets))
         ids = target_ids[start:stop]
         lps = logits[start:stop].float().log_softmax(dim=-1)
         chosen, ranks, top_ids, top_lps = _gather_logprobs(lps, ids, num_top)

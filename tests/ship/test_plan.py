@@ -21,8 +21,7 @@ from aioinfer import plan as plan_module
 from aioinfer import sizing
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.sampling_params import SamplingParams
-from aioinfer.core.step import ScheduledChunk, StepPlan
-from aioinfer.gpu import memory
+from aioinfer.gpu import kv_cache
 from aioinfer.gpu.runner import ModelRunner
 from aioinfer.model.loader.resolve import BUNDLED_CONFIGS, resolve_model
 from aioinfer.model.registry import get_model_class
@@ -37,6 +36,7 @@ from aioinfer.plan import (
     plan_main,
 )
 from aioinfer.sizing import kv_cache_too_small
+from tests.fake_cuda import FakeDevice
 from tests.model.tiny_models import ARCH_CONFIG, ARCHS, BASE_CONFIG, VARIANTS
 from tests.serve_process import ServeProcess, free_port
 from tests.ship.conftest import LiveServer, cli_flags
@@ -252,9 +252,9 @@ def test_default_token_budget_follows_the_runner(monkeypatch, total_gib, offline
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total)
     )
-    expected = memory.default_token_budget(torch.device("cuda"), offline)
+    expected = kv_cache.default_token_budget(torch.device("cuda"), offline)
     assert default_token_budget("cuda", total, offline) == expected
-    cpu = memory.default_token_budget(torch.device("cpu"), offline)
+    cpu = kv_cache.default_token_budget(torch.device("cpu"), offline)
     assert default_token_budget("cpu", None, offline) == cpu
 
 
@@ -269,8 +269,8 @@ def test_default_max_num_seqs_is_vllm_s_by_gpu(monkeypatch, tmp_path, total_gib,
     total = int(total_gib * GiB)
     props = SimpleNamespace(total_memory=total, name=name)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    assert memory.default_max_num_seqs(torch.device("cuda")) == expected
-    assert memory.default_max_num_seqs(torch.device("cpu")) == 256
+    assert kv_cache.default_max_num_seqs(torch.device("cuda")) == expected
+    assert kv_cache.default_max_num_seqs(torch.device("cpu")) == 256
     folder = config_dir(tmp_path, variant_config("llama"))
     configs = build_plan_configs({"model": str(folder)})
     if name is None or "A100" not in name:  # a GPU planned by size has no name
@@ -282,7 +282,7 @@ def test_default_max_num_seqs_is_vllm_s_by_gpu(monkeypatch, tmp_path, total_gib,
 def measured_activation_peak(
     folder: Path, dtype: str, num_tokens: int, num_seqs: int, rows_per_request: int = 1
 ) -> int:
-    """Bytes the profiling pass of `gpu/memory.py` allocates at its peak, beyond the weights and
+    """Bytes the profiling pass of gpu/kv_cache.py allocates at its peak, beyond the weights and
     the KV cache, measured on the CPU with torch's memory profiler. The model runs torch's ops,
     as on a GPU: the CPU's native decoder layers work in a scratch buffer of their own."""
     model_config = ModelConfig(
@@ -295,23 +295,9 @@ def measured_activation_peak(
         CacheConfig(kv_cache_memory=0.05),
         SchedulerConfig(max_num_seqs=num_seqs),
     )
-    block_size = runner.block_size
-    num_reqs = min(num_seqs, num_tokens)
-    per_req = num_tokens // num_reqs
-    runner.kv_caches = runner._allocate_kv_cache(num_tokens // block_size + num_reqs + 1)
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-    chunks, block = [], 1
-    for r in range(num_reqs):
-        n = -(-per_req // block_size)
-        table = tuple(range(block, block + n))
-        block += n
-        drafts = (0,) * min(rows_per_request - 1, per_req - 1)  # a sampled row each
-        chunks.append(
-            ScheduledChunk(
-                f"profile-{r}", (0,) * per_req, 0, table, True, params, draft_token_ids=drafts
-            )
-        )
-    plan = StepPlan(0, tuple(chunks))
+    params = kv_cache.profile_sampling_params(runner.sampler.max_logprobs)
+    plan = kv_cache.profile_step(num_tokens, num_seqs, runner.block_size, params, rows_per_request)
+    runner.kv_caches = runner.kv_layout.allocate(kv_cache.blocks_for(plan))
     with torch.inference_mode():
         runner.execute(plan)  # first-call allocations (lazy buffers) stay out of the peak
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -405,8 +391,29 @@ def test_memory_other_processes_hold_is_outside_the_share(tmp_path, monkeypatch)
     assert shared.problem is None and shared.free_bytes == int(14.5 * GiB)
     assert shared.available_kv_bytes == idle.available_kv_bytes
     assert shared.available_kv_bytes == (
-        12 * GiB - shared.weights_bytes - (shared.activation_bytes or 0) - GiB // 4
+        12 * GiB
+        - shared.weights_bytes
+        - (shared.activation_bytes or 0)
+        - shared.graph_pool_bytes
+        - GiB // 4
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "graphs"),
+    [({}, True), ({"enforce_eager": True}, False), ({"attention_backend": "torch"}, False)],
+)
+def test_the_cuda_graph_pool_comes_out_of_the_share(tmp_path, capsys, flags, graphs):
+    """As the server's profile sets aside one eager decode at the largest bucket (64 here)."""
+    folder = config_dir(tmp_path, variant_config("qwen2"))
+    configs = build_plan_configs({"model": str(folder), "max_num_seqs": 70, **flags})
+    plan = make_plan(*configs, gpu_memory_gib=24)
+    cfg = decoder_config(variant_config("qwen2"))
+    expected = plan_module.estimate_graph_pool_bytes(cfg, 64, 2) if graphs else 0
+    assert plan.graph_pool_bytes == expected
+    assert expected == 0 or expected > 64 * cfg.hidden_size * 2
+    assert plan_main(str(folder), gpu_memory=24, max_num_seqs=70, **flags) == 0
+    assert f"CUDA graph pool {expected / GiB:.2f} GiB" in capsys.readouterr().out
 
 
 def test_a_share_that_is_not_free_is_why_serve_would_not_start(tmp_path, monkeypatch, capsys):
@@ -422,40 +429,13 @@ def test_a_share_that_is_not_free_is_why_serve_would_not_start(tmp_path, monkeyp
     assert plan_main(str(folder), gpu_memory_utilization=0.45) == 0
 
 
-class FakeDevice:
-    """torch.cuda's memory counters for a device where others hold `others` bytes; the engine's
-    process holds its context, then its weights (torch) and `extra` bytes of cuBLAS and kernel
-    modules; its profiling pass peaks `activations` bytes above the weights and its own KV."""
-
-    def __init__(self, total: int, others: int, weights: int, extra: int, activations: int):
-        self.total, self.weights, self.extra, self.activations = total, weights, extra, activations
-        self.free = total - others - CONTEXT
-        self.cache_bytes = 0
-
-    def install(self, monkeypatch) -> None:
-        cuda = torch.cuda
-        for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
-            monkeypatch.setattr(cuda, name, lambda *a, **k: None)
-        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (self.free, self.total))
-        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.weights)
-        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.weights)
-        peak = lambda device=None: self.weights + self.cache_bytes + self.activations  # noqa: E731
-        monkeypatch.setattr(cuda, "max_memory_allocated", peak)
-
-    def load_weights(self) -> None:
-        self.free -= self.weights + self.extra
-
-
-CONTEXT = GiB // 2
-
-
 @pytest.mark.parametrize("others_gib", [0, 30])
 def test_the_profile_sizes_the_kv_cache_from_the_share_not_from_what_others_leave(
     tmp_path, monkeypatch, others_gib
 ):
-    """gpu/memory.py's accounting on a simulated 80 GiB device, with the real profiling pass on
-    the CPU: the KV cache is the share (0.5) minus the weights, cuBLAS and the activation peak,
-    whatever another process holds."""
+    """gpu/kv_cache.py's accounting on a simulated 80 GiB device, with the real profiling pass
+    on the CPU: the KV cache is the share (0.5) minus the weights, cuBLAS and the activation
+    peak, whatever another process holds."""
     folder = config_dir(tmp_path, variant_config("llama"))
     model_config = ModelConfig(model=str(folder), load_format="dummy", device="cpu",
                                max_model_len=256, cpu_kernels="torch")  # fmt: skip
@@ -464,21 +444,17 @@ def test_the_profile_sizes_the_kv_cache_from_the_share_not_from_what_others_leav
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
     )  # fmt: skip
     device = FakeDevice(80 * GiB, others_gib * GiB, 3 * GiB, GiB // 4, GiB)
-    allocate = runner._allocate_kv_cache
-
-    def allocate_and_count(num_blocks):
-        caches = allocate(num_blocks)
-        device.cache_bytes = sum(c.numel() * c.element_size() for c in caches)
-        return caches
-
-    monkeypatch.setattr(runner, "_allocate_kv_cache", allocate_and_count)
     device.install(monkeypatch)
-    start = memory.start_memory(torch.device("cuda"))
+    start = kv_cache.start_memory(torch.device("cuda"))
     device.load_weights()
+    step = kv_cache.profile_step(256, 4, runner.block_size, SamplingParams(temperature=1.0))
     with torch.inference_mode():
-        available = memory.profile_available_kv_bytes(runner, 256, 0.5, 3 * GiB, start)
+        found = kv_cache.profile(
+            runner.execute_over, runner.kv_layout, step, 0, 0.5, 3 * GiB, start
+        )
     assert device.cache_bytes > 0  # the pass ran with a KV cache of its own
-    assert available == 40 * GiB - 3 * GiB - GiB // 4 - GiB
+    assert found.available_kv == 40 * GiB - 3 * GiB - GiB // 4 - GiB
+    assert found.graph_pool == 0
 
 
 # ----------------------------------------------------------------------------- CUDA

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+from aioinfer.gpu.kv_cache import lazy_zeros
 from aioinfer.gpu.kv_prefault import IDLE_SECONDS, PAGE, KVPagePrefaulter
-from aioinfer.gpu.runner import _lazy_zeros
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="madvise and mincore: Linux")
 
@@ -20,7 +20,7 @@ SHAPE = (64, 2, 16, 3, 64)  # 64 blocks of 24 KiB (six pages) a layer, as SmolLM
 
 
 def layers(n: int = 2) -> list[torch.Tensor]:
-    return [_lazy_zeros(SHAPE, torch.float32) for _ in range(n)]
+    return [lazy_zeros(SHAPE, torch.float32) for _ in range(n)]
 
 
 def resident_blocks(cache: torch.Tensor) -> list[bool]:

@@ -94,18 +94,40 @@ class AttentionMetadata:
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
         seq_lens_host = tuple(int(s) for s in seq_lens.tolist())
+        device = torch.device(device)
+        positions, slot_mapping = upload([positions, slot_mapping], device)
+        qsl_device, seq_lens_device, tables = upload(
+            [qsl.to(torch.int32), seq_lens.to(torch.int32), tables], device
+        )
         return AttentionMetadata(
-            positions=positions.to(device),
-            slot_mapping=slot_mapping.to(device),
-            query_start_loc=qsl.to(device=device, dtype=torch.int32),
-            seq_lens=seq_lens.to(device=device, dtype=torch.int32),
-            block_tables=tables.to(device),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl_device,
+            seq_lens=seq_lens_device,
+            block_tables=tables,
             query_start_loc_host=tuple(int(s) for s in qsl.tolist()),
             seq_lens_host=seq_lens_host,
             num_decodes=num_decodes,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens_host),
         )
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`. To a GPU through pinned memory and without blocking: a plain copy
+    from pageable memory waits until the device has run everything queued before it."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def upload(parts: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors of one dtype on `device`; to a GPU in one copy (see to_device)."""
+    if device.type != "cuda":
+        return [p.to(device) for p in parts]
+    flat = to_device(torch.cat([p.reshape(-1) for p in parts]), device)
+    pieces = flat.split([p.numel() for p in parts])
+    return [piece.view(p.shape) for piece, p in zip(pieces, parts, strict=True)]
 
 
 def request_of_token(query_lens: torch.Tensor) -> torch.Tensor:
