@@ -59,12 +59,14 @@ def main() -> None:
     llm.generate(prompt, params, use_tqdm=False)
     wall = time.perf_counter() - start
     print(f"unprofiled: {wall / 64 * 1e3:.3f} ms per token; loop step (submit -> result) "
-          f"median {statistics.median(steps) * 1e3:.3f} ms over {len(steps)} steps")  # fmt: skip
+          f"median {statistics.median(steps) * 1e3:.3f} ms over {len(steps)} steps; "
+          f"{runner.graph_replays} graph replays")  # fmt: skip
 
     parts: dict[str, list[float]] = defaultdict(list)
     runner.execute = timed(parts, "execute", runner.execute)
     runner.prepare_inputs = timed(parts, "prepare_inputs", runner.prepare_inputs)
-    runner._sample = timed(parts, "logits + sample + to_host", runner._sample)
+    runner._launch_sampling = timed(parts, "logits + sample", runner._launch_sampling)
+    runner.finish = timed(parts, "results to host", runner.finish)
     if runner.graph_runner is not None:
         graphs = runner.graph_runner
         graphs.replay = timed(parts, "graph replay (with input copies)", graphs.replay)
