@@ -2,7 +2,9 @@
 
 The same checks as tests/model/test_triton_kernels.py (which also runs natively, in float32,
 when CUDA is present), with longer contexts, more heads, bfloat16 tolerances, and a CUDA-graph
-capture of the decode path replayed with other context lengths.
+capture of the decode path replayed with other context lengths; the GQA groups and head sizes
+of served models (6 and 7 query heads per KV head, head_dim 256); and a decode step wider than
+the largest CUDA graph.
 """
 
 from __future__ import annotations
@@ -88,7 +90,11 @@ def test_store_kv(block_size: int) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_bf16(block_size: int, head_dim: int, group: int) -> None:
-    batch = batch_of(decode_cases(group), block_size, group, head_dim)
+    check_decode_bf16(batch_of(decode_cases(group), block_size, group, head_dim))
+
+
+def check_decode_bf16(batch: PagedBatch) -> None:
+    """The decode kernel over the batch's cache against the torch reference in float32."""
     meta = batch.metadata
     write_kv_cache(batch.kv_cache, batch.key, batch.value, meta.slot_mapping)
     out = paged_decode_attention(
@@ -122,7 +128,12 @@ def test_decode_float32_long_context() -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_bf16(block_size: int, head_dim: int, group: int) -> None:
-    batch = batch_of(PREFILL_CASES, block_size, group, head_dim, seed=group)
+    check_prefill_bf16(batch_of(PREFILL_CASES, block_size, group, head_dim, seed=group))
+
+
+def check_prefill_bf16(batch: PagedBatch) -> None:
+    """The prefill kernel over the batch's cache against the torch reference in float32, one
+    request at a time."""
     meta = batch.metadata
     write_kv_cache(batch.kv_cache, batch.key, batch.value, meta.slot_mapping)
     out = paged_prefill_attention(
@@ -146,6 +157,55 @@ def test_prefill_bf16(block_size: int, head_dim: int, group: int) -> None:
             batch.scale,
         )
         torch.testing.assert_close(out[rows].float(), ref, **BF16_TOL)
+
+
+# Served models whose query heads are no multiple of HEADS // group: Qwen2.5-1.5B (12 query,
+# 2 KV heads: group 6) and Qwen2.5-7B (28 / 4: group 7), with head_dim 256 as Gemma 3's. The
+# prefill tile then holds 64 // group = 10 or 9 query tokens (60 or 63 of its 64 rows used) and
+# the decode program pads the group to 16 rows. (group, KV heads, head_dim); block size 16.
+SERVING_SHAPES = [(6, 2, 64), (6, 2, 128), (6, 2, 256), (7, 4, 128), (7, 4, 256)]
+
+
+def serving_batch(
+    cases: list[tuple[int, int]], group: int, num_kv_heads: int, head_dim: int, seed: int
+) -> PagedBatch:
+    return make_batch(
+        cases,
+        block_size=16,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=BF16,
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize(("group", "num_kv_heads", "head_dim"), SERVING_SHAPES)
+def test_decode_bf16_serving_shapes(group: int, num_kv_heads: int, head_dim: int) -> None:
+    seed = 100 * group + head_dim
+    batch = serving_batch(decode_cases(seed), group, num_kv_heads, head_dim, seed)
+    assert batch.query.shape[1] == group * num_kv_heads
+    check_decode_bf16(batch)
+
+
+@pytest.mark.parametrize(("group", "num_kv_heads", "head_dim"), SERVING_SHAPES)
+def test_prefill_bf16_serving_shapes(group: int, num_kv_heads: int, head_dim: int) -> None:
+    seed = 100 * group + head_dim
+    check_prefill_bf16(serving_batch(PREFILL_CASES, group, num_kv_heads, head_dim, seed))
+
+
+def test_backend_decode_wider_than_the_graphs() -> None:
+    # 600 decode requests: more than the largest CUDA graph (512) holds, so the engine runs such
+    # a step eagerly, with the grids 600 requests wide. Qwen2.5-1.5B's heads.
+    cases = decode_cases(600, count=600, max_len=512)
+    batch = serving_batch(cases, 6, 2, 128, seed=600)
+    assert batch.metadata.num_decodes == len(cases) == 600
+    ref, ref_cache = reference_forward(batch)
+    out = TritonAttentionBackend().forward(
+        batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, batch.scale
+    )
+    torch.testing.assert_close(out.float(), ref, **BF16_TOL)
+    torch.testing.assert_close(batch.kv_cache.float(), ref_cache, atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
