@@ -387,6 +387,12 @@ class SchedulerConfig:
         "Seconds a request may wait for its first step; beyond it the request is dropped "
         "with a 503 (default: no limit).",
     )
+    async_scheduling: bool = _opt(
+        True,
+        "Plan and queue each step while the one before runs, so that the device never waits "
+        "for the scheduler (vLLM's async scheduling). Requests with a grammar, penalties or "
+        "drafts make the steps around theirs wait. Outputs are the same either way.",
+    )
     scheduling_policy: str = _opt(
         "fcfs",
         "fcfs: requests run in arrival order, and the newest running one is preempted first. "

@@ -91,6 +91,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by a step in flight and not appended yet: with steps overlapped, the
+        # next step is planned while the last one runs (core/scheduler.py).
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on admission
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -164,7 +167,8 @@ class Request:
         # A grammar held back while the model reasons: the output may not end before the
         # answer it constrains (max_tokens still can).
         awaits_answer = self.constraints is not None and self.constraints.awaits_answer
-        if self.num_output_tokens >= self.sampling_params.min_tokens and not awaits_answer:
+        num_output = self.num_output_tokens + self.num_pending_tokens
+        if num_output >= self.sampling_params.min_tokens and not awaits_answer:
             before_min: tuple[int, ...] = ()
         else:
             before_min = self._banned_before_min_tokens

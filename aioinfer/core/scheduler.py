@@ -19,8 +19,17 @@ computed again from its first token, once, with the long factors.
 An embedding request (one with a pooler) is only prefilled: its chunks hand back pooled parts
 instead of sampling, and it finishes when its prompt is done.
 
-`schedule()` and `apply()` alternate: a plan is applied before the next one is built. A request's
-`num_computed_tokens` advances when its tokens are scheduled; `apply()` appends what was sampled.
+A request's `num_computed_tokens` advances when its tokens are scheduled; `apply()` appends what
+was sampled. `schedule()` and `apply()` alternate, or, with steps overlapped, the next plan is
+built while a step runs (when `can_plan_ahead` allows it), and its result applied after:
+
+    schedule(N) | schedule(N+1) apply(N) | schedule(N+2) apply(N+1) | ...
+
+A request that samples in step N then has a pending token (`num_pending_tokens`): step N+1 feeds
+it as a stand-in that the runner takes from N's output on the device. Requests whose next step
+depends on that token's value on the host (a grammar's mask, penalties over the history,
+drafts) make the loop wait for N instead. A request that N finishes (a stop, max_tokens) may
+run once more in N+1; apply() drops what it samples there.
 """
 
 from __future__ import annotations
@@ -36,7 +45,13 @@ from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.pooling import fold
 from aioinfer.core.request import Request, RequestStatus
 from aioinfer.core.spec_decode import NgramProposer, SpecDecodeStats
-from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult, TokenLogprobs
+from aioinfer.core.step import (
+    PENDING_TOKEN,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
@@ -212,7 +227,11 @@ class Scheduler:
                 self.kv.free(request)  # before its hashes change: its blocks stay cached
                 request.num_computed_tokens = 0
                 self._mark_long_rope(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_left = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+            if num_left <= 0 or self._ends_in_flight(request):
+                i += 1  # planned ahead: the step in flight is its last, or its prompt's last
+                continue
+            num_new = min(num_left, budget)
             drafts = self._drafts(request, budget - num_new) if num_new == 1 else ()
             if drafts and self.kv.allocate(request, num_new + len(drafts)) is not None:
                 chunks.append(self._make_chunk(request, num_new, drafts))
@@ -268,6 +287,11 @@ class Scheduler:
             room = min(room, self.longrope_original - request.num_tokens)
         return self.proposer.propose(request.request_id, request.all_token_ids, room)
 
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the token the step in flight samples for `request` is its last."""
+        pending = request.num_pending_tokens
+        return pending > 0 and request.num_output_tokens + pending >= request.max_tokens
+
     def _make_chunk(
         self, request: Request, num_new: int, drafts: tuple[int, ...] = ()
     ) -> ScheduledChunk:
@@ -277,15 +301,22 @@ class Scheduler:
         request.num_computed_tokens = end + len(drafts)
         params = request.sampling_params
         pooler = request.pooler
-        sample = end == request.num_tokens and pooler is None
+        token_ids = tuple(request.all_token_ids[start:end])
+        previous_token = len(token_ids) < num_new  # sampled by the step in flight
+        if previous_token:
+            token_ids += (PENDING_TOKEN,)
+        output_index = request.num_output_tokens + request.num_pending_tokens
+        sample = end == request.num_tokens + request.num_pending_tokens and pooler is None
+        if sample:
+            request.num_pending_tokens += 1
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:end]) + drafts,
+            token_ids=token_ids + drafts,
             start_pos=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
             sample=sample,
             sampling_params=params,
-            output_index=request.num_output_tokens,
+            output_index=output_index,
             history=tuple(request.all_token_ids) if params.has_penalties else None,
             prompt_len=request.num_prompt_tokens,
             banned_token_ids=request.banned_token_ids() if sample else (),
@@ -295,6 +326,7 @@ class Scheduler:
             pooling=pooler.pooling_type if pooler is not None else None,
             lora_slot=request.lora_slot,
             long_rope=request.long_rope,
+            previous_token=previous_token,
         )
 
     def _passes_original_context(self, request: Request) -> bool:
@@ -323,11 +355,26 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # a step in flight samples it in vain: apply() skips it
         request.num_preemptions += 1
         request.prompt_logprobs.clear()
         request.pooled = None
         self.num_preemptions += 1
         self.waiting.appendleft(request)  # by priority: back to its place
+
+    def can_plan_ahead(self, plan: StepPlan) -> bool:
+        """Whether the next step may be planned before `plan`'s result is applied: no request
+        `plan` samples for needs that token on the host to plan its next one (its grammar's
+        mask, penalties over its history); no drafts, no LongRoPE switch."""
+        if self.proposer is not None or self.longrope_original is not None:
+            return False
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.request_id) if chunk.sample else None
+            if request is not None and (
+                request.constraints is not None or request.sampling_params.has_penalties
+            ):
+                return False
+        return True
 
     # ----------------------------------------------------------------- applying a result
 
@@ -345,7 +392,7 @@ class Scheduler:
             if chunk.pooling is not None:
                 part = result.pooled.get(chunk.request_id)
                 request.pooled = fold(chunk.pooling, request.pooled, part)
-                if request.num_computed_tokens == request.num_tokens:
+                if chunk.start_pos + chunk.num_tokens == request.num_tokens:
                     # The prompt is done: its embedding is all an embedding request makes.
                     if request.pooled is None:
                         raise ValueError(f"request {chunk.request_id!r}: the runner pooled nothing")
@@ -353,8 +400,11 @@ class Scheduler:
                     self._finish(request, RequestStatus.FINISHED_STOPPED)
                     updates.append(RequestUpdate(request, finished=True))
                 continue
+            if not chunk.sample:
+                continue
+            request.num_pending_tokens -= 1
             token_ids = result.sampled_token_ids.get(chunk.request_id)
-            if not chunk.sample or not token_ids:
+            if not token_ids:
                 continue
             drafts = chunk.draft_token_ids
             # The runner emits the drafts it accepted, then one token (core/spec_decode.verify).

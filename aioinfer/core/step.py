@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from aioinfer.core.constraints import TokenConstraints
 
 
+# The stand-in for a token sampled by the step in flight (ScheduledChunk.previous_token).
+PENDING_TOKEN = 0
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """One request's share of a step."""
@@ -67,6 +71,10 @@ class ScheduledChunk:
     # Whether the tokens turn with LongRoPE's long factors: the request is longer than the
     # model's original context (core/scheduler.py).
     long_rope: bool = False
+    # Whether token_ids[-1] is a stand-in (PENDING_TOKEN) for the token this request samples
+    # in the step before, still running when this one was planned: the runner takes it from
+    # that step's output, on the device.
+    previous_token: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -185,6 +185,7 @@ class AsyncEngine:
             before_step=self.expire_queued,
             step_timeout=self.step_timeout,
             stats=self.stats,
+            overlap=self.scheduler_config.async_scheduling,
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop.run())
         self.ready = True

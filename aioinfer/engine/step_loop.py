@@ -1,5 +1,9 @@
 """The scheduler coroutine: schedule -> run on the GPU thread -> apply -> fan out, forever.
 
+With overlap (--async-scheduling, the default), step N+1 is planned and queued on the GPU thread
+before step N's result is applied, wherever the scheduler allows it (Scheduler.can_plan_ahead):
+the device finds the next step waiting, and the loop applies and fans out N while N+1 runs.
+
 It is the only code that mutates scheduler state while the engine runs; aborts from handlers
 are plain calls on the same loop, so they interleave between steps, never inside one.
 """
@@ -10,6 +14,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
 
 from aioinfer.core.scheduler import RequestUpdate, Scheduler
 from aioinfer.core.step import StepPlan, StepResult
@@ -17,11 +24,21 @@ from aioinfer.engine.stats import EngineStats
 from aioinfer.gpu.thread import GpuThread
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class StepTimeoutError(RuntimeError):
     """A step ran past the watchdog's limit: the GPU thread is stuck (a hung kernel or
     device), and no request can make progress."""
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A step queued on the GPU thread, not applied yet."""
+
+    plan: StepPlan
+    launched: Future[None]  # the GPU thread's launch of it
+    start: float  # perf_counter() when it was queued
 
 
 class StepLoop:
@@ -34,6 +51,7 @@ class StepLoop:
         before_step: Callable[[], object] | None = None,
         step_timeout: float | None = None,
         stats: EngineStats | None = None,
+        overlap: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.gpu = gpu
@@ -45,9 +63,10 @@ class StepLoop:
         # thread cannot be stopped; the process exits around it.
         self.step_timeout = step_timeout
         self.stats = stats  # its histogram of tokens per step
+        # Plan and queue step N+1 while N runs, where the scheduler allows it (--async-scheduling).
+        self.overlap = overlap
         self.wakeup = asyncio.Event()
         self.num_steps = 0
-        self.busy_seconds = 0.0
         self.on_step: Callable[[StepPlan, StepResult, float], None] | None = None
 
     def notify(self) -> None:
@@ -56,45 +75,71 @@ class StepLoop:
 
     async def run(self) -> None:
         try:
+            in_flight: _InFlight | None = None
             while True:
-                if not self.scheduler.has_work():
-                    self.wakeup.clear()
-                    await self.wakeup.wait()
+                if in_flight is None:
+                    if not self.scheduler.has_work():
+                        self.wakeup.clear()
+                        await self.wakeup.wait()
+                        continue
+                    in_flight = self._launch_next()
+                    if in_flight is None:
+                        # Everything left waits for blocks that running requests hold.
+                        await asyncio.sleep(0)
+                        continue
+                if not (self.overlap and self.scheduler.can_plan_ahead(in_flight.plan)):
+                    await self._finish(in_flight, self.gpu.collect())
+                    in_flight = None
                     continue
-                await self.step()
+                # Plan the next step while the device runs this one. A GPU gets it queued
+                # behind this one, so it never waits; a CPU computes it in launch, so the
+                # result of this one is collected first and applied while it computes.
+                if self.gpu.launch_is_async:
+                    following = self._launch_next()
+                    collected = self.gpu.collect()
+                else:
+                    collected = self.gpu.collect()
+                    following = self._launch_next()
+                await self._finish(in_flight, collected)
+                in_flight = following
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             logger.exception("engine step failed; failing every in-flight request")
             self.on_fatal(exc)
 
-    async def step(self) -> None:
+    def _launch_next(self) -> _InFlight | None:
+        """Plan the next step and queue it on the GPU thread; None when there is nothing to
+        run now."""
         if self.before_step is not None:
             self.before_step()
-            if not self.scheduler.has_work():
-                return
+        if not self.scheduler.has_work():
+            return None
         plan = self.scheduler.schedule()
         if not plan.chunks:
-            # Everything left is waiting for blocks that running requests hold: yield a tick.
-            await asyncio.sleep(0)
-            return
-        start = time.perf_counter()
-        result = await self._run_on_gpu(plan)
-        elapsed = time.perf_counter() - start
+            return None
+        return _InFlight(plan, self.gpu.launch(plan), time.perf_counter())
+
+    async def _finish(self, step: _InFlight, collected: Future[StepResult]) -> None:
+        """Wait for the step's result (`collected`), apply it and fan out the updates."""
+        # A failed launch raises here, a stuck one trips the watchdog (the thread runs work in
+        # order: the collect waits behind it).
+        await self._run_on_gpu(step.launched)
+        result = await self._run_on_gpu(collected)
+        elapsed = time.perf_counter() - step.start
         self.num_steps += 1
-        self.busy_seconds += elapsed
         if self.stats is not None:
-            self.stats.step_tokens.observe(plan.num_tokens)
-        updates = self.scheduler.apply(plan, result)
+            self.stats.step_tokens.observe(step.plan.num_tokens)
+        updates = self.scheduler.apply(step.plan, result)
         if self.on_step is not None:
-            self.on_step(plan, result, elapsed)
+            self.on_step(step.plan, result, elapsed)
         self.on_updates(updates)
 
-    async def _run_on_gpu(self, plan: StepPlan) -> StepResult:
-        """The step's result; with the watchdog, a StepTimeoutError once the GPU thread has
-        spent step_timeout seconds on one piece of work (the step, or a LoRA load queued
+    async def _run_on_gpu(self, work: Future[_T]) -> _T:
+        """The work's result; with the watchdog, a StepTimeoutError once the GPU thread has
+        spent step_timeout seconds on one piece of work (this, or a step or a LoRA load queued
         before it: the clock starts when the work does)."""
-        running = asyncio.wrap_future(self.gpu.execute(plan))
+        running = asyncio.wrap_future(work)
         timeout = self.step_timeout
         while not (await asyncio.wait((running,), timeout=timeout))[0]:
             assert self.step_timeout is not None

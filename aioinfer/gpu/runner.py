@@ -36,10 +36,11 @@ from aioinfer.gpu.forward_context import forward_context
 from aioinfer.gpu.kv_prefault import KVPagePrefaulter
 from aioinfer.gpu.sampler import (
     PROMPT_LOGPROBS_ROWS,
+    LogprobsTensors,
     Sampler,
     SamplerOutput,
     SamplingBatch,
-    compute_prompt_logprobs,
+    prompt_logprobs_tensors,
 )
 from aioinfer.model.generation_config import (
     default_sampling,
@@ -105,14 +106,17 @@ class RunnerInfo:
 
 @dataclass(slots=True)
 class LaunchedStep:
-    """A step whose forward pass and sampling are queued on the device (ModelRunner.launch);
-    ModelRunner.finish brings its results to the host."""
+    """A step queued on the device (ModelRunner.launch), its outputs on their way to the host:
+    ModelRunner.finish waits for them (`ready`) and reads them."""
 
     step_id: int
     chunks: list[ScheduledChunk]  # decodes first, as the forward ran them
-    hidden: torch.Tensor
-    metadata: AttentionMetadata
     sampled: SamplerOutput | None  # None when no chunk samples
+    # (request id, the prompt tokens they score, their logprobs) per window of rows.
+    prompt_logprobs: list[tuple[str, tuple[int, ...], LogprobsTensors]]
+    pooled: tuple[list[str], torch.Tensor] | None  # the owners and their float32 rows
+    # Recorded after the copies to the host; None where the outputs are there already (CPU).
+    ready: torch.cuda.Event | None
 
 
 class ModelRunner:
@@ -161,6 +165,8 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self.lora: LoRAManager | None = None
         self.memory_profile: kv_cache.MemoryProfile | None = None
+        # The last launched step's sampled tokens (on the device) and each request's row there.
+        self._previous: tuple[torch.Tensor, dict[str, int]] | None = None
 
         profiling = kv_cache.should_profile(self.device, cache_config)
         start_memory = kv_cache.start_memory(self.device) if profiling else None
@@ -415,15 +421,19 @@ class ModelRunner:
     # ----------------------------------------------------------------- one step
 
     def execute(self, plan: StepPlan) -> StepResult:
-        tails = (c.block_table[-1] for c in plan.chunks if c.block_table)
-        prefaulter = self.kv_prefaulter
-        with prefaulter.step(max(tails, default=0)) if prefaulter else contextlib.nullcontext():
-            return self.finish(self.launch(plan))
+        return self.finish(self.launch(plan))
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device. On CUDA nothing here waits
         for the device: inputs go up from pinned memory without blocking, and the sampling
-        inputs (a grammar's mask among them) are built on the host while the forward runs."""
+        inputs (a grammar's mask among them) are built on the host while the forward runs. A
+        chunk's `previous_token` is taken from the output of the step launched before."""
+        tails = (c.block_table[-1] for c in plan.chunks if c.block_table)
+        prefaulter = self.kv_prefaulter
+        with prefaulter.step(max(tails, default=0)) if prefaulter else contextlib.nullcontext():
+            return self._launch(plan)
+
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
         # Decodes first: the attention backend batches the leading one-token requests.
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
         input_ids, positions, metadata = self.prepare_inputs(chunks)
@@ -436,17 +446,47 @@ class ModelRunner:
                 lora = LoRAMapping.build([(c.lora_slot, c.num_tokens) for c in chunks], self.device)
             with forward_context(metadata, self.kv_caches, self.attn_backend, lora):
                 hidden = self.model(input_ids, positions)
-        sampled = self._launch_sampling(chunks, hidden, metadata)
-        return LaunchedStep(plan.step_id, chunks, hidden, metadata, sampled)
+        sampled, last_rows = self._launch_sampling(chunks, hidden, metadata)
+        self._previous = None if sampled is None else (sampled.token_ids, last_rows)
+        prompt_logprobs = self._launch_prompt_logprobs(chunks, hidden, metadata)
+        pooled = self._launch_pooling(chunks, hidden, metadata)
+        # The outputs go to the host behind this step's work only: a later step launched
+        # before finish() does not delay them.
+        host = self._to_host
+        ready = None
+        if self.device.type == "cuda":
+            sampled = None if sampled is None else sampled.map(host)
+            prompt_logprobs = [(rid, t, part.map(host)) for rid, t, part in prompt_logprobs]
+            pooled = None if pooled is None else (pooled[0], host(pooled[1]))
+            ready = torch.cuda.Event()
+            ready.record()
+        return LaunchedStep(plan.step_id, chunks, sampled, prompt_logprobs, pooled, ready)
+
+    @staticmethod
+    def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+        """A pinned host copy of a device tensor, made without waiting (read after `ready`)."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
 
     def finish(self, step: LaunchedStep) -> StepResult:
-        """Bring a launched step's results to the host: this waits for the device."""
+        """A launched step's results, once on the host: this waits for the device."""
+        if step.ready is not None:
+            step.ready.synchronize()
         result = StepResult(step.step_id)
         if step.sampled is not None:
             self._sampled_to_host(step.chunks, step.sampled, result)
-        self._prompt_logprobs(step.chunks, step.hidden, step.metadata, result)
-        self._pool(step.chunks, step.hidden, step.metadata, result)
+        for request_id, targets, part in step.prompt_logprobs:
+            result.prompt_logprobs.setdefault(request_id, []).extend(part.to_host(targets))
+        if step.pooled is not None:
+            owners, rows = step.pooled
+            result.pooled.update(zip(owners, rows.numpy(), strict=True))
         return result
+
+    @property
+    def launch_is_async(self) -> bool:
+        """Whether launch() returns before the device has run the step (CUDA): the loop then
+        launches the next step before it collects this one."""
+        return self.device.type == "cuda"
 
     def prepare_inputs(
         self, chunks: Sequence[ScheduledChunk]
@@ -464,25 +504,47 @@ class ModelRunner:
             )
             metadata = replace(metadata, long_rope_rows=to_device(rows, self.device))
         input_ids = to_device(torch.tensor(token_ids, dtype=torch.long), self.device)
+        if any(c.previous_token for c in chunks):
+            self._take_previous_tokens(chunks, input_ids)
         return input_ids, metadata.positions, metadata
+
+    def _take_previous_tokens(
+        self, chunks: Sequence[ScheduledChunk], input_ids: torch.Tensor
+    ) -> None:
+        """Put in the tokens that the step launched before sampled, where chunks feed them
+        (their last token), without bringing them to the host."""
+        if self._previous is None:
+            raise RuntimeError("a chunk feeds a previous token, but the last step sampled none")
+        sampled, rows_of = self._previous
+        at, rows, offset = [], [], 0
+        for chunk in chunks:
+            offset += chunk.num_tokens
+            if chunk.previous_token:
+                at.append(offset - 1)
+                rows.append(rows_of[chunk.request_id])
+        index = to_device(torch.tensor(at + rows, dtype=torch.long), self.device)
+        input_ids.index_copy_(0, index[: len(at)], sampled.index_select(0, index[len(at) :]))
 
     def _launch_sampling(
         self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor, metadata: AttentionMetadata
-    ) -> SamplerOutput | None:
+    ) -> tuple[SamplerOutput | None, dict[str, int]]:
+        """The step's sampling, and the row of each request's last sampled token in it."""
         # One logits row per sampled position: a chunk's last, and with drafts each of theirs.
         qsl = metadata.query_start_loc_host
         rows: list[int] = []
         row_chunks: list[ScheduledChunk] = []
+        last_rows: dict[str, int] = {}
         for i, chunk in enumerate(chunks):
             if chunk.sample:
                 last = qsl[i + 1] - 1
                 rows += range(last - len(chunk.draft_token_ids), last + 1)
                 row_chunks += draft_rows(chunk)
+                last_rows[chunk.request_id] = len(rows) - 1
         if not rows:
-            return None
+            return None, last_rows
         index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         batch = self.sampler.prepare(row_chunks)
-        return self._sample_rows(hidden.index_select(0, index), batch)
+        return self._sample_rows(hidden.index_select(0, index), batch), last_rows
 
     def _sampled_to_host(
         self, chunks: Sequence[ScheduledChunk], output: SamplerOutput, result: StepResult
@@ -509,38 +571,32 @@ class ModelRunner:
                 return SamplerOutput(token_ids=token_ids, logprobs=None)
         return self.sampler.sample(self.model.compute_logits(hidden), batch)
 
-    def _prompt_logprobs(
-        self,
-        chunks: Sequence[ScheduledChunk],
-        hidden: torch.Tensor,
-        metadata: AttentionMetadata,
-        result: StepResult,
-    ) -> None:
-        """A chunk's prompt logprobs, PROMPT_LOGPROBS_ROWS rows of logits at a time: a whole
+    def _launch_prompt_logprobs(
+        self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> list[tuple[str, tuple[int, ...], LogprobsTensors]]:
+        """The chunks' prompt logprobs, PROMPT_LOGPROBS_ROWS rows of logits at a time: a whole
         chunk's at once would be [chunk, V] (16384 x 151936 x 6 bytes = 15 GB for Qwen2.5)."""
         qsl = metadata.query_start_loc_host
+        parts = []
         for i, chunk in enumerate(chunks):
             targets = chunk.prompt_logprob_targets
             if not targets:
                 continue
             num_top = chunk.sampling_params.prompt_logprobs or 0
-            entries = result.prompt_logprobs[chunk.request_id] = []
             for start in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
-                part = targets[start : start + PROMPT_LOGPROBS_ROWS]
+                window = targets[start : start + PROMPT_LOGPROBS_ROWS]
                 first = qsl[i] + start
-                logits = self.model.compute_logits(hidden[first : first + len(part)])
-                entries += compute_prompt_logprobs(logits, part, num_top)
+                logits = self.model.compute_logits(hidden[first : first + len(window)])
+                part = prompt_logprobs_tensors(logits, window, num_top)
+                parts.append((chunk.request_id, window, part))
+        return parts
 
-    def _pool(
-        self,
-        chunks: Sequence[ScheduledChunk],
-        hidden: torch.Tensor,
-        metadata: AttentionMetadata,
-        result: StepResult,
-    ) -> None:
+    def _launch_pooling(
+        self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[list[str], torch.Tensor] | None:
         """Each pooling chunk's part (core/pooling.fold): the sum of its rows for MEAN, its last
         row for LAST, the prompt's first row for CLS; a classifier's last rows through its
-        `score` head (logits); in float32, brought to the host at once."""
+        `score` head (logits); in float32."""
         qsl = metadata.query_start_loc_host
         parts: list[torch.Tensor] = []
         owners: list[str] = []
@@ -556,11 +612,12 @@ class ModelRunner:
             else:
                 continue
             owners.append(chunk.request_id)
-        if parts:
-            rows = torch.stack(parts)
-            if self.model.score is not None:  # a classifier: all of its parts are LAST rows
-                rows = self.model.score(rows.to(self.dtype)).float()
-            result.pooled.update(zip(owners, rows.cpu().numpy(), strict=True))
+        if not parts:
+            return None
+        rows = torch.stack(parts)
+        if self.model.score is not None:  # a classifier: all of its parts are LAST rows
+            rows = self.model.score(rows.to(self.dtype)).float()
+        return owners, rows
 
 
 def select_attention_backend(

@@ -157,6 +157,10 @@ class SamplingBatch:
         )
 
 
+# A tensor's copy elsewhere (to the host, see SamplerOutput.map).
+TensorMap = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass(slots=True)
 class LogprobsTensors:
     """Logprobs of the chosen tokens of the rows that asked, still on the device."""
@@ -167,6 +171,12 @@ class LogprobsTensors:
     ranks: torch.Tensor  # [R] int64
     top_ids: torch.Tensor  # [R, N] int64, N = max(num_top)
     top_logprobs: torch.Tensor  # [R, N] float32
+
+    def map(self, fn: TensorMap) -> LogprobsTensors:
+        return LogprobsTensors(
+            self.rows, self.num_top, fn(self.token_logprobs), fn(self.ranks), fn(self.top_ids),
+            fn(self.top_logprobs),
+        )  # fmt: skip
 
     def to_host(self, token_ids: Sequence[int]) -> list[TokenLogprobs]:
         """One TokenLogprobs per entry; token_ids[i] is the token chosen at entry i. Syncs."""
@@ -191,6 +201,11 @@ class SamplerOutput:
 
     token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None
+
+    def map(self, fn: TensorMap) -> SamplerOutput:
+        """The output with `fn` applied to each tensor (a copy to the host, say)."""
+        logprobs = None if self.logprobs is None else self.logprobs.map(fn)
+        return SamplerOutput(fn(self.token_ids), logprobs)
 
     def to_host(
         self, chunks: Sequence[ScheduledChunk]
@@ -580,26 +595,31 @@ def _gather_logprobs(
     return chosen.squeeze(1), ranks, top_ids, top_lps
 
 
-def compute_prompt_logprobs(
+def prompt_logprobs_tensors(
     logits: torch.Tensor, targets: Sequence[int], num_top: int
-) -> list[TokenLogprobs]:
-    """Logprobs of each prompt target: row i of `logits` [T, V] predicts targets[i].
-
-    `targets` may be one shorter than T (the last prefill chunk has no next prompt token). Syncs.
-    """
+) -> LogprobsTensors:
+    """Logprobs of each prompt target, on the device: row i of `logits` [T, V] (at most
+    PROMPT_LOGPROBS_ROWS) predicts targets[i]. `targets` may be one shorter than T (the last
+    prefill chunk has no next prompt token)."""
     if not 0 <= num_top <= logits.shape[1]:
         raise ValueError(f"prompt_logprobs must be in [0, {logits.shape[1]}], got {num_top}")
     if len(targets) > logits.shape[0]:
         raise ValueError(f"targets must be at most {logits.shape[0]} long, got {len(targets)}")
-    target_ids = torch.tensor(list(targets), dtype=torch.int64).to(logits.device)
+    host_ids = torch.tensor(list(targets), dtype=torch.int64, pin_memory=logits.is_cuda)
+    ids = host_ids.to(logits.device, non_blocking=True)
+    lps = logits[: len(targets)].float().log_softmax(dim=-1)
+    chosen, ranks, top_ids, top_lps = _gather_logprobs(lps, ids, num_top)
+    count = len(targets)
+    return LogprobsTensors(tuple(range(count)), (num_top,) * count, chosen, ranks, top_ids, top_lps)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, targets: Sequence[int], num_top: int
+) -> list[TokenLogprobs]:
+    """Logprobs of each prompt target: row i of `logits` [T, V] predicts targets[i]. Syncs."""
     out: list[TokenLogprobs] = []
-    for start in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
-        stop = min(start + PROMPT_LOGPROBS_ROWS, len(targets))
-        ids = target_ids[start:stop]
-        lps = logits[start:stop].float().log_softmax(dim=-1)
-        chosen, ranks, top_ids, top_lps = _gather_logprobs(lps, ids, num_top)
-        part = LogprobsTensors(
-            tuple(range(stop - start)), (num_top,) * (stop - start), chosen, ranks, top_ids, top_lps
-        )
-        out.extend(part.to_host(list(targets[start:stop])))
+    for start in range(0, max(len(targets), 1), PROMPT_LOGPROBS_ROWS):
+        part = list(targets[start : start + PROMPT_LOGPROBS_ROWS])
+        rows = logits[start : start + PROMPT_LOGPROBS_ROWS]
+        out.extend(prompt_logprobs_tensors(rows, part, num_top).to_host(part))
     return out

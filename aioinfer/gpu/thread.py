@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -44,6 +45,8 @@ class GpuThread:
         )
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.runner: Any = None  # set by the first call, on this thread
+        # Steps launched and not collected yet, oldest first (touched on this thread only).
+        self._launched: deque[Any] = deque()
         self._busy_since: float | None = None  # when the work it runs now started
         fault = os.environ.get(FAULT_ENV, "")
         steps, _, kind = fault.partition(":")
@@ -65,16 +68,39 @@ class GpuThread:
         return self.call(build)
 
     def execute(self, plan: StepPlan) -> Future[StepResult]:
-        return self.call(lambda: self._execute(plan))
+        """Run one step; its result when it is done."""
+        return self.call(lambda: self._collect(self._launch(plan)))
 
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def launch(self, plan: StepPlan) -> Future[None]:
+        """Queue a step on the device (the runner's `launch`); `collect` gives its result. The
+        loop may launch the next step before collecting this one: the device then has it queued
+        when this one ends."""
+        return self.call(lambda: self._launched.append(self._launch(plan)))
+
+    @property
+    def launch_is_async(self) -> bool:
+        """Whether the runner's launch returns before the device has run the step (CUDA). A
+        runner that computes in launch (the CPU) must have the last step collected first."""
+        return bool(getattr(self.runner, "launch_is_async", False))
+
+    def collect(self) -> Future[StepResult]:
+        """The result of the oldest step launched and not collected: waits for the device."""
+        return self.call(lambda: self._collect(self._launched.popleft()))
+
+    def _launch(self, plan: StepPlan) -> Any:
         if self._steps_left_before_fault is not None:
             if self._steps_left_before_fault <= 0:
                 if self._fault_hangs:
                     threading.Event().wait()
                 raise InjectedFault(f"fault injected by {FAULT_ENV}")
             self._steps_left_before_fault -= 1
-        return self.runner.execute(plan)
+        launch = getattr(self.runner, "launch", None)
+        # A runner without launch/finish (a test's stand-in) runs the whole step at once.
+        return self.runner.execute(plan) if launch is None else launch(plan)
+
+    def _collect(self, launched: Any) -> StepResult:
+        finish = getattr(self.runner, "finish", None)
+        return launched if finish is None else finish(launched)
 
     def busy_seconds(self) -> float:
         """How long the work the thread runs now has been running; 0 while it waits."""

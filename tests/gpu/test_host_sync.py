@@ -66,3 +66,27 @@ def test_launch_never_waits_for_the_device(tmp_path):
         results = llm.engine.gpu.call(run).result()
         assert all(len(r) == 6 for r in results)
         assert llm.engine.gpu.call(lambda: runner.graph_replays).result() == 2
+
+
+def test_overlapped_steps_on_cuda_give_the_same_outputs(tmp_path):
+    """On CUDA the loop launches step N+1 before it collects N, whose outputs reach the host
+    behind N's work only (an event): the outputs are those of one step at a time."""
+    from tests.model.tiny_models import make_variant
+    from tests.tokenizer_fixtures import make_tokenizer
+
+    make_variant("qwen2").save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    prompts = [[5 + i, 17, 300 + i] * (2 + i) for i in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2, stop=["a"]),
+    ] * 2
+    results = []
+    for overlap in (False, True):
+        with LLM(str(tmp_path), dtype="float32", max_model_len=128, max_num_seqs=4,
+                 num_gpu_blocks_override=256, async_scheduling=overlap, seed=0) as llm:  # fmt: skip
+            assert llm.engine.gpu.launch_is_async
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+    assert results[0] == results[1]

@@ -45,14 +45,16 @@ class FakeRunner:
         self.block_size = block_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.plans: list[StepPlan] = []
+        self.last_sampled: dict[str, int] = {}  # by the last plan run, per request
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
         result = StepResult(plan.step_id)
         for chunk in plan.chunks:
-            for slot, token in zip(
-                chunk.slot_mapping(self.block_size), chunk.token_ids, strict=True
-            ):
+            tokens = list(chunk.token_ids)
+            if chunk.previous_token:  # sampled by the plan run before, as the real runner does
+                tokens[-1] = self.last_sampled[chunk.request_id]
+            for slot, token in zip(chunk.slot_mapping(self.block_size), tokens, strict=True):
                 self.slots[slot] = token
         for chunk in plan.chunks:
             end = chunk.start_pos + chunk.num_tokens
@@ -73,6 +75,7 @@ class FakeRunner:
                     part = part[: self.num_labels]
                 if part is not None:
                     result.pooled[chunk.request_id] = part
+        self.last_sampled = {rid: ids[-1] for rid, ids in result.sampled_token_ids.items()}
         return result
 
     def _sample(self, context: list[int], banned: tuple[int, ...]) -> int:

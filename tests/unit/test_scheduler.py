@@ -26,16 +26,31 @@ def make_request(rid, prompt, max_tokens=8, **params):
     )
 
 
-def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps=10_000, on_step=None):
+def run_to_completion(
+    sched: Scheduler, runner: FakeRunner, max_steps=10_000, on_step=None, ahead=False
+):
+    """Plan, run and apply until no work is left. With `ahead`, as the engine's step loop
+    overlaps steps: the next plan is built and run before the last one's result is applied,
+    wherever the scheduler allows it."""
     outputs: dict[str, list[int]] = {}
     finished: dict[str, str] = {}
     steps = 0
-    while sched.has_work():
+
+    def plan_and_run():
         plan = sched.schedule()
         assert plan.num_tokens <= sched.max_num_batched_tokens
         assert len(plan.chunks) <= sched.max_num_seqs
         assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
-        for update in sched.apply(plan, runner.execute(plan)):
+        return plan, runner.execute(plan)
+
+    in_flight = None
+    while sched.has_work() or in_flight is not None:
+        if in_flight is None:
+            in_flight = plan_and_run()
+        following = None
+        if ahead and sched.has_work() and sched.can_plan_ahead(in_flight[0]):
+            following = plan_and_run()
+        for update in sched.apply(*in_flight):
             outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
             if update.finished:
                 finished[update.request_id] = update.request.finish_reason
@@ -44,6 +59,7 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps=10_000, on
             on_step(steps)
         steps += 1
         assert steps < max_steps, "no progress"
+        in_flight = following
     return outputs, finished
 
 
@@ -197,9 +213,10 @@ def test_abort_in_any_state_frees_every_block(when):
     block_size=st.sampled_from([1, 2, 4, 16]),
     budget=st.integers(4, 64),
     max_num_seqs=st.integers(1, 6),
+    ahead=st.booleans(),
 )
 def test_random_workloads_finish_exactly_and_leave_no_block(
-    seed, num_blocks, block_size, budget, max_num_seqs
+    seed, num_blocks, block_size, budget, max_num_seqs, ahead
 ):
     rng = random.Random(seed)
     sched, runner = make_engine(num_blocks, block_size, max_num_seqs, budget)
@@ -219,7 +236,7 @@ def test_random_workloads_finish_exactly_and_leave_no_block(
             if at == step:
                 sched.abort(rid)
 
-    outputs, finished = run_to_completion(sched, runner, on_step=maybe_abort)
+    outputs, finished = run_to_completion(sched, runner, on_step=maybe_abort, ahead=ahead)
     for rid, prompt in prompts.items():
         if finished.get(rid) == "length":
             max_tokens = min(8, capacity - len(prompt))
@@ -352,3 +369,84 @@ def test_min_tokens_holds_off_stop_strings_through_its_last_token():
             text += "".join(u.text_delta for u in sched.apply(plan, runner.execute(plan)))
         results[min_tokens] = (text, request.num_output_tokens)
     assert results == {0: ("", 1), 1: ("xy", 3)}
+
+
+# ----------------------------------------------------------------------------- planned ahead
+
+
+def test_a_step_planned_ahead_feeds_the_token_in_flight_and_keeps_every_output():
+    """Each decode is planned while the step before runs: it feeds a stand-in for the token
+    that step samples, which the runner puts in; outputs are those of one step at a time."""
+    prompts = {f"r{i}": [5 + i, 9, 2 + i] * (1 + i) for i in range(5)}
+    results = []
+    for ahead in (False, True):
+        sched, runner = make_engine(budget=16)
+        for rid, prompt in prompts.items():
+            sched.add(make_request(rid, prompt, max_tokens=9, ignore_eos=True))
+        results.append(run_to_completion(sched, runner, ahead=ahead))
+        assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
+        fed = [c for p in runner.plans for c in p.chunks if c.previous_token]
+        assert bool(fed) == ahead
+        assert all(c.num_tokens == 1 and c.token_ids == (0,) for c in fed)
+    assert results[0] == results[1]
+    for rid, prompt in prompts.items():
+        assert results[1][0][rid] == reference_output(prompt, 9)
+
+
+def test_a_stop_in_flight_cuts_the_output_where_it_stops():
+    """A request that the step in flight ends (its EOS, a stop id) runs once more in the step
+    planned ahead; what that step samples for it is dropped, and its blocks are freed once."""
+    prompt = [4, 7, 9]
+    stops = reference_output(prompt, 20)
+    stop_id = stops[5]
+    sched, runner = make_engine(budget=16)
+    sched.add(make_request("s", prompt, max_tokens=20, stop_token_ids=[stop_id]))
+    sched.add(make_request("m", [6, 6], max_tokens=4, ignore_eos=True, min_tokens=3))
+    outputs, finished = run_to_completion(sched, runner, ahead=True)
+    assert outputs["s"] == stops[: stops.index(stop_id) + 1] and finished["s"] == "stop"
+    assert outputs["m"] == reference_output([6, 6], 4) and finished["m"] == "length"
+    ran = [c.request_id for p in runner.plans for c in p.chunks]
+    assert ran.count("m") == 4  # max_tokens known ahead: no step past its last token
+    assert ran.count("s") == stops.index(stop_id) + 2  # one step past its stop, dropped
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
+
+
+def test_min_tokens_bans_count_the_token_in_flight():
+    """Stop ids are banned until min_tokens are out; planned ahead, the token in flight counts
+    (the runner's stand-in model then picks another token instead)."""
+    outputs = []
+    for ahead in (False, True):
+        sched, runner = make_engine()
+        prompt = [8, 3]
+        first = reference_output(prompt, 6)
+        sched.add(make_request("r", prompt, max_tokens=6, min_tokens=3, stop_token_ids=first))
+        outputs.append(run_to_completion(sched, runner, ahead=ahead))
+    assert outputs[0] == outputs[1]
+    assert not set(outputs[1][0]["r"][:3]) & set(first)  # banned while min_tokens held
+
+
+def test_requests_that_need_their_last_token_on_the_host_are_not_planned_ahead():
+    sched, runner = make_engine()
+    sched.add(make_request("a", [5, 6], max_tokens=4, ignore_eos=True))
+    plan = sched.schedule()
+    assert sched.can_plan_ahead(plan)
+    sched.apply(plan, runner.execute(plan))
+    sched.add(make_request("p", [5, 7], max_tokens=4, ignore_eos=True, repetition_penalty=1.2))
+    plan = sched.schedule()
+    assert not sched.can_plan_ahead(plan)  # p's next step needs its history
+    sched.apply(plan, runner.execute(plan))
+    run_to_completion(sched, runner, ahead=True)
+    fed = [c.request_id for p in runner.plans for c in p.chunks if c.previous_token]
+    assert "p" not in fed
+
+
+def test_preemption_while_a_step_is_in_flight_keeps_outputs_exact():
+    sched, runner = make_engine(num_blocks=9, block_size=2, budget=8, max_num_seqs=4)
+    prompts = {f"r{i}": [3 + i] * 3 for i in range(4)}
+    for rid, prompt in prompts.items():
+        sched.add(make_request(rid, prompt, max_tokens=6, ignore_eos=True))
+    outputs, finished = run_to_completion(sched, runner, ahead=True)
+    assert sched.num_preemptions > 0
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference_output(prompt, 6) and finished[rid] == "length"
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_usable_blocks
