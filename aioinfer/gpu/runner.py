@@ -32,7 +32,7 @@ from aioinfer.core.spec_decode import draft_rows, verify
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import kv_cache
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
-from aioinfer.gpu.forward_context import forward_context
+from aioinfer.model.forward_context import forward_context
 from aioinfer.gpu.kv_prefault import KVPagePrefaulter
 from aioinfer.gpu.sampler import (
     PROMPT_LOGPROBS_ROWS,

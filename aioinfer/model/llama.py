@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioinfer import sizing
-from aioinfer.gpu.forward_context import get_forward_context
+from aioinfer.model.forward_context import get_forward_context
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.attention import Attention, kv_cache_shape
 from aioinfer.model.layers.moe import SparseMoeBlock, WeightSlot

@@ -260,7 +260,7 @@ def test_decoder_layers_on_amx_match_the_torch_modules(
     """A prompt step through the one-call layers on AMX, with attention and MLP biases (the
     gated pass adds both of its biases before silu(gate) * up; o and down add to the
     residual), from codes at 40 rows and from weight parts at 160: torch's hidden states."""
-    from aioinfer.gpu.forward_context import forward_context
+    from aioinfer.model.forward_context import forward_context
     from aioinfer.model.layers.attention import AttentionMetadata
     from aioinfer.model.layers.native_attention import NativeAttentionBackend
     from aioinfer.model.layers.native_cpu import use_native_kernels

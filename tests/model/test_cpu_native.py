@@ -367,7 +367,7 @@ def test_decoder_layers_match_the_torch_modules(
     """Each qualifying layer runs as one native call, for a decode-only step and for one with
     prompt tokens (a chunk after a cached prefix, a fresh prompt across blocks): the hidden
     states and K/V writes are torch's."""
-    from aioinfer.gpu.forward_context import forward_context
+    from aioinfer.model.forward_context import forward_context
     from aioinfer.model.layers.attention import AttentionMetadata
     from aioinfer.model.layers.native_cpu import NativeDecoderLayer, NativeLlamaModel
     from aioinfer.model.layers.torch_attention import TorchAttentionBackend

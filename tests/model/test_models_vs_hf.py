@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from aioinfer.gpu.forward_context import forward_context
+from aioinfer.model.forward_context import forward_context
 from aioinfer.model.layers.attention import AttentionMetadata
 from aioinfer.model.layers.rotary import compute_inv_freq, rope_config_from_hf
 from aioinfer.model.llama import LlamaForCausalLM, MergedLinear

@@ -20,7 +20,7 @@ import logging
 import torch
 from torch import nn
 
-from aioinfer.gpu.forward_context import get_forward_context
+from aioinfer.model.forward_context import get_forward_context
 from aioinfer.model.kernels.cpu_native import (
     STRIP,
     DecoderLayerWeights,
