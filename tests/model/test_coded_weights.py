@@ -18,9 +18,10 @@ from torch import nn
 
 from aioinfer import LLM, SamplingParams
 from aioinfer.bench import latency
-from aioinfer.model.kernels import cpu_native, packed_weights
-from aioinfer.model.kernels.packed_weights import CodedWeight, code_weight
-from aioinfer.model.layers.native_cpu import PackedLinear, use_native_kernels
+from aioinfer.model.cpu import kernels as cpu_native
+from aioinfer.model.cpu import packed_weights
+from aioinfer.model.cpu.layers import PackedLinear, use_native_kernels
+from aioinfer.model.cpu.packed_weights import CodedWeight, code_weight
 from tests.model.tiny_models import make_hf_model
 from tests.tokenizer_fixtures import make_tokenizer
 
