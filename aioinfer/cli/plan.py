@@ -443,7 +443,7 @@ def coded_weight_bytes(resolved: Any, weight_format: str, *, amx: bool = False) 
         STRIP,
         parts_shape,
     )
-    from aioinfer.model.loader.resolve import open_gguf
+    from aioinfer.model.loader.gguf_config import open_gguf
 
     reader = resolved.gguf_reader or open_gguf(gguf_file)
     coded = {
