@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aioinfer import sizing
+import aioinfer.sizing as sizing
 from aioinfer.config import (
     CacheConfig,
     ModelConfig,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioinfer import sizing
+import aioinfer.sizing as sizing
 from aioinfer.model.forward_context import get_forward_context
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.attention import Attention, kv_cache_shape
