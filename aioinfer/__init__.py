@@ -9,9 +9,9 @@ __version__ = "0.1.0"
 
 # The offline API's names, as vLLM exports them at its top level, and where each lives.
 _EXPORTS = {
-    "LLM": "aioinfer.engine.llm",
-    "TextPrompt": "aioinfer.engine.llm",
-    "TokensPrompt": "aioinfer.engine.llm",
+    "LLM": "aioinfer.offline.llm",
+    "TextPrompt": "aioinfer.offline.llm",
+    "TokensPrompt": "aioinfer.offline.llm",
     "SamplingParams": "aioinfer.core.sampling_params",
     "StructuredOutputsParams": "aioinfer.core.sampling_params",
     "LoRARequest": "aioinfer.core.lora",
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     )
     from aioinfer.core.pooling import PoolingParams
     from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
-    from aioinfer.engine.llm import LLM, TextPrompt, TokensPrompt
+    from aioinfer.offline.llm import LLM, TextPrompt, TokensPrompt
 
 
 def __getattr__(name: str) -> Any:

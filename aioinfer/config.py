@@ -12,7 +12,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -21,9 +21,50 @@ GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition
 # What --override-generation-config may set (the penalties are not generation_config.json keys).
 OVERRIDE_KEYS = (*GENERATION_DEFAULT_KEYS, "presence_penalty", "frequency_penalty")
 
+# The ranges of SamplingParams' numeric settings that --override-generation-config may set, each
+# a test and the words of "<name> must be <words>, got <value>": ModelConfig checks overrides
+# against them at start, and core/sampling_params.py every request.
+SAMPLING_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "temperature": (lambda v: v >= 0, ">= 0"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "top_k": (lambda v: v >= -1, "-1, 0 (disabled) or >= 1"),
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "max_tokens": (lambda v: v >= 1, ">= 1"),
+    "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "repetition_penalty": (lambda v: v > 0, "> 0"),
+}
+# Those of them that SamplingParams takes as integers only, and how it words that.
+_INTEGER_SAMPLING_KEYS = {"top_k": "an integer", "max_tokens": "an integer or null"}
+
+
+def check_sampling_range(name: str, value: float) -> None:
+    """ValueError, worded as SamplingParams words it, when `value` is outside `name`'s range."""
+    within, allowed = SAMPLING_RANGES[name]
+    if not within(value):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
 # The parsers of server/tool_parsers.py and server/reasoning.py (a test keeps the lists the same).
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic", "phi4_mini_json")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
+
+# What chat_template_kwargs may not set: the rendering's own arguments (a client must not pick
+# the template, or turn rendering into something else) and the conversation itself.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+        "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+        "tokenizer_kwargs", "sanitize_control_tokens",
+    }
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
 
 
 def _json_object(name: str, value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -265,12 +306,16 @@ class ModelConfig:
             if not math.isfinite(number):
                 raise ValueError(f"override_generation_config: {key} must be finite")
             out["max_tokens" if key == "max_new_tokens" else key] = number
-        # The ranges SamplingParams checks, now rather than in every request.
-        from aioinfer.core.sampling_params import SamplingParams
-
+        # The types and ranges SamplingParams checks, in its order, now rather than in every
+        # request.
         try:
-            SamplingParams(**out)
-        except (TypeError, ValueError) as exc:
+            for name, words in _INTEGER_SAMPLING_KEYS.items():
+                if name in out and not isinstance(out[name], int):
+                    raise ValueError(f"{name} must be {words}, got {out[name]!r}")
+            for name in SAMPLING_RANGES:
+                if name in out:
+                    check_sampling_range(name, out[name])
+        except ValueError as exc:
             raise ValueError(f"override_generation_config: {exc}") from None
         return out
 
@@ -571,8 +616,6 @@ class ServerConfig:
         self._check_template_defaults()
 
     def _check_template_defaults(self) -> None:
-        from aioinfer.engine.tokenizer import check_template_kwargs
-
         try:
             check_template_kwargs(self.chat_template_defaults)
         except ValueError as exc:

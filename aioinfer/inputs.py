@@ -1,6 +1,6 @@
 """vLLM's `vllm.inputs` path (prompt dicts), so that a script's imports change only in their
-package name. The types live in aioinfer.engine.llm."""
+package name. The types live in aioinfer.offline.llm."""
 
-from aioinfer.engine.llm import TextPrompt, TokensPrompt
+from aioinfer.offline.llm import TextPrompt, TokensPrompt
 
 __all__ = ["TextPrompt", "TokensPrompt"]

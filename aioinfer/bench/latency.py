@@ -146,7 +146,7 @@ def _device_facts(llm: Any, size_mib: int, reps: int) -> tuple[int, str, str, fl
 
 def time_request(llm: Any, prompt_ids: list[int], max_tokens: int) -> float:
     """Wall time of one greedy request that generates exactly max_tokens tokens."""
-    from aioinfer import SamplingParams
+    from aioinfer.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -271,7 +271,7 @@ def main(
     bandwidth_mib: int = 1024,
     bandwidth_reps: int = 7,
 ) -> LatencyResult:
-    from aioinfer import LLM
+    from aioinfer.offline.llm import LLM
 
     _check_args(input_len, output_len, num_iters, num_iters_warmup, bandwidth_mib, bandwidth_reps)
     options = {"enable_prefix_caching": False, **options}

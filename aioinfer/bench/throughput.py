@@ -165,7 +165,7 @@ def main(
     rounds: int = 1,
 ) -> list[ThroughputResult]:
     """Ours, then the peer's, `rounds` times; the results in that order."""
-    from aioinfer.engine.llm import LLM
+    from aioinfer.offline.llm import LLM
 
     if vs not in (None, "transformers"):
         raise ValueError(f"--vs must be 'transformers', got {vs!r}")

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from aioinfer.config import check_sampling_range
+
 # Below this temperature sampling is greedy (vLLM's threshold).
 _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 32
@@ -388,27 +390,18 @@ class SamplingParams:
 
         if self.n < 1:
             raise bad("n", ">= 1")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", "-1, 0 (disabled) or >= 1")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", ">= 1")
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            check_sampling_range(name, getattr(self, name))
+        if self.max_tokens is not None:
+            check_sampling_range("max_tokens", self.max_tokens)
         if self.min_tokens < 0:
             raise bad("min_tokens", ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, "in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "> 0")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            check_sampling_range(name, getattr(self, name))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value < -1:

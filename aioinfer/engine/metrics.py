@@ -1,5 +1,5 @@
 """The engine's Prometheus series, named like vLLM's with prefix `aioinfer:`; /metrics
-serves them (server/metrics.py) and `LLM.get_metrics` reads them (engine/metrics_reader.py).
+serves them (server/metrics.py) and `LLM.get_metrics` reads them (offline/metrics_reader.py).
 
 Everything is read from the engine at scrape time (engine/stats.py), so it also counts work
 that did not come through HTTP: gauges, counters, and the histograms the engine observes per

@@ -32,6 +32,9 @@ from typing import Any, Protocol
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+# What chat_template_kwargs may not set lives with the settings (ServerConfig checks its defaults).
+from aioinfer.config import check_template_kwargs
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
@@ -240,24 +243,6 @@ def encode_pairs(
 def encode_rendered_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     # The template writes its own special tokens (BOS included), so none are added on top.
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-# What chat_template_kwargs may not set: the rendering's own arguments (a client must not pick
-# the template, or turn rendering into something else) and the conversation itself.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation", "messages", "tools", "documents", "chat_template",
-        "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
-        "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-        "tokenizer_kwargs", "sanitize_control_tokens",
-    }
-)  # fmt: skip
-
-
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:

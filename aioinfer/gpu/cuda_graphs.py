@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from aioinfer.gpu.forward_context import forward_context
+from aioinfer.model.forward_context import forward_context
 from aioinfer.model.layers.attention import AttentionBackend, AttentionMetadata
 from aioinfer.sizing import capture_sizes
 

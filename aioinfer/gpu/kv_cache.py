@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aioinfer import sizing
+import aioinfer.sizing as sizing
 from aioinfer.config import CacheConfig
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk, StepPlan

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aioinfer import sizing
+import aioinfer.sizing as sizing
 from aioinfer.config import (
     CacheConfig,
     ModelConfig,
@@ -32,8 +32,6 @@ from aioinfer.core.spec_decode import draft_rows, verify
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import kv_cache
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
-from aioinfer.gpu.forward_context import forward_context
-from aioinfer.gpu.kv_prefault import KVPagePrefaulter
 from aioinfer.gpu.sampler import (
     PROMPT_LOGPROBS_ROWS,
     LogprobsTensors,
@@ -42,6 +40,8 @@ from aioinfer.gpu.sampler import (
     SamplingBatch,
     prompt_logprobs_tensors,
 )
+from aioinfer.model.cpu.kv_prefault import KVPagePrefaulter
+from aioinfer.model.forward_context import forward_context
 from aioinfer.model.generation_config import (
     default_sampling,
     eos_token_ids,
@@ -52,12 +52,12 @@ from aioinfer.model.layers.attention import AttentionMetadata, to_device
 from aioinfer.model.lora import LoRAManager, LoRAMapping
 
 if TYPE_CHECKING:
-    from aioinfer.model.kernels.cpu_native import NativeKernels
+    from aioinfer.model.cpu.kernels import NativeKernels
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-# The most of the CPU cache faulted in ahead of use (see gpu/kv_prefault.py).
+# The most of the CPU cache faulted in ahead of use (see model/cpu/kv_prefault.py).
 PREFAULT_MAX_BYTES = 1 << 30
 
 
@@ -661,17 +661,17 @@ def select_attention_backend(
 
 def _native_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> Any:
     """The native CPU backend, or why it cannot serve this model."""
-    from aioinfer.model.kernels import cpu_native
-    from aioinfer.model.layers import native_attention
+    from aioinfer.model.cpu import attention as native_attention
+    from aioinfer.model.cpu import kernels as native
 
     if not native_attention.supports(num_heads, num_kv_heads, head_dim, dtype):
         return (
             f"needs float32 and a head_dim that is a multiple of 16 up to 256, got {dtype}, "
             f"{head_dim}"
         )
-    kernels = cpu_native.load()
+    kernels = native.load()
     if kernels is None:
-        return cpu_native.unavailable_reason()
+        return native.unavailable_reason()
     return native_attention.NativeAttentionBackend(kernels)
 
 
@@ -693,12 +693,12 @@ def select_cpu_kernels(
         if name == "native":
             raise ValueError("cpu_kernels 'native' needs float32 on the CPU")
         return "torch"
-    from aioinfer.model.kernels import cpu_native
-    from aioinfer.model.layers.native_cpu import use_native_kernels
+    from aioinfer.model.cpu import kernels as native
+    from aioinfer.model.cpu.layers import use_native_kernels
 
-    kernels = cpu_native.load()
+    kernels = native.load()
     if kernels is None:
-        reason = cpu_native.unavailable_reason()
+        reason = native.unavailable_reason()
         if name == "native":
             raise ValueError(f"cpu_kernels 'native' is unavailable: {reason}")
         logger.info("Native CPU kernels unavailable (%s); using torch ops.", reason)
@@ -711,9 +711,9 @@ def _native_kernels(cpu_kernels: str) -> NativeKernels | None:
     """The native CPU kernels when they run the model (the sampler uses them too), else None."""
     if cpu_kernels != "native":
         return None
-    from aioinfer.model.kernels import cpu_native
+    from aioinfer.model.cpu import kernels as native
 
-    return cpu_native.load()
+    return native.load()
 
 
 def graphs_off_reason(

@@ -41,7 +41,7 @@ from aioinfer.core.step import ScheduledChunk, TokenLogprobs
 from aioinfer.gpu.token_masks import apply_token_masks
 
 if TYPE_CHECKING:
-    from aioinfer.model.kernels.cpu_native import NativeKernels
+    from aioinfer.model.cpu.kernels import NativeKernels
 
 MAX_LOGPROBS = 20
 # (logits [B, V], top_p [B, 1]) -> threshold [B, 1]: the nucleus is the logits >= it.

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from aioinfer.model.kernels.cpu_native import NativeKernels
+    from aioinfer.model.cpu.kernels import NativeKernels
 
 
 def apply_token_masks(

@@ -12,7 +12,7 @@ from typing import Any
 
 from aioinfer.bundled import BUNDLED_GENERATION_CONFIG, is_bundled_model
 from aioinfer.config import GENERATION_DEFAULT_KEYS, ModelConfig
-from aioinfer.model.loader.resolve import ResolvedModel, read_json
+from aioinfer.model.loader.resolved import ResolvedModel, read_json
 
 
 def model_generation_config(resolved: ResolvedModel) -> dict[str, Any]:

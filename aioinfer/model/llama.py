@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioinfer import sizing
-from aioinfer.gpu.forward_context import get_forward_context
+import aioinfer.sizing as sizing
+from aioinfer.model.forward_context import get_forward_context
 from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.attention import Attention, kv_cache_shape
 from aioinfer.model.layers.moe import SparseMoeBlock, WeightSlot

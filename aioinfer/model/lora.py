@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from aioinfer.core.lora import LoRARequest
-from aioinfer.gpu.forward_context import get_forward_context
+from aioinfer.model.forward_context import get_forward_context
 
 # The linears an adapter may adapt, by the last part of their name.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from aioinfer import __version__
-from aioinfer.cli import build_configs, serve_help
+from aioinfer.cli.main import build_configs, serve_help
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

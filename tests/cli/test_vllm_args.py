@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from aioinfer.cli import _flag_kind, build_configs, serve_help
+from aioinfer.cli.main import _flag_kind, build_configs, serve_help
+from aioinfer.cli.vllm_args import human_number_args, translate
 from aioinfer.config import ModelConfig
-from aioinfer.vllm_args import human_number_args, translate
 from tests.cli.test_cli_help import run_cli
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from aioinfer.gpu.forward_context import forward_context
+from aioinfer.model.forward_context import forward_context
 from aioinfer.model.layers.attention import AttentionMetadata
 
 # Relative to the scale (the largest reference logit). bfloat16 keeps 8 significant bits: one

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from aioinfer import LLM
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
 

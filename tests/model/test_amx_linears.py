@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from aioinfer import LLM, SamplingParams
-from aioinfer.model.kernels import cpu_native
-from aioinfer.model.kernels.packed_weights import CodedWeight, code_weight
-from aioinfer.model.layers.native_cpu import PackedLinear
+from aioinfer.model.cpu import kernels as cpu_native
+from aioinfer.model.cpu.layers import PackedLinear
+from aioinfer.model.cpu.packed_weights import CodedWeight, code_weight
 from tests.model.test_coded_weights import _quantized_tiny_model, ggml_round_trip, random_blocks
 from tests.model.tiny_models import make_hf_model
 from tests.tokenizer_fixtures import make_tokenizer
@@ -260,10 +260,10 @@ def test_decoder_layers_on_amx_match_the_torch_modules(
     """A prompt step through the one-call layers on AMX, with attention and MLP biases (the
     gated pass adds both of its biases before silu(gate) * up; o and down add to the
     residual), from codes at 40 rows and from weight parts at 160: torch's hidden states."""
-    from aioinfer.gpu.forward_context import forward_context
+    from aioinfer.model.cpu.attention import NativeAttentionBackend
+    from aioinfer.model.cpu.layers import use_native_kernels
+    from aioinfer.model.forward_context import forward_context
     from aioinfer.model.layers.attention import AttentionMetadata
-    from aioinfer.model.layers.native_attention import NativeAttentionBackend
-    from aioinfer.model.layers.native_cpu import use_native_kernels
     from aioinfer.model.layers.torch_attention import TorchAttentionBackend
     from tests.model.test_cpu_native import _our_model_of
 

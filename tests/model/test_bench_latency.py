@@ -35,8 +35,8 @@ def test_weight_bytes_counts_what_a_decode_step_reads(variant):
 def test_weight_bytes_of_a_coded_linear_are_its_codes(amx: bool) -> None:
     """Batch-1 steps read a coded linear's codes and scales, not the float32 strips or the
     weight parts that steps of many rows read."""
-    from aioinfer.model.kernels import cpu_native
-    from aioinfer.model.layers.native_cpu import PackedLinear
+    from aioinfer.model.cpu import kernels as cpu_native
+    from aioinfer.model.cpu.layers import PackedLinear
     from tests.model.test_coded_weights import ggml_round_trip
 
     kernels = cpu_native.load()

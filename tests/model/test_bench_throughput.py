@@ -49,7 +49,7 @@ def test_throughput_bench_refuses_an_unknown_peer(tmp_path):
 def test_throughput_bench_in_rounds_alternates_the_engines(tmp_path, capsys, monkeypatch, vs):
     """Each round a fresh engine of ours (its prompts not cached from the last round), then
     the peer; the table gives each round's ratio and their median."""
-    from aioinfer.engine import llm as llm_module
+    from aioinfer.offline import llm as llm_module
 
     make_variant("llama").save_pretrained(tmp_path / "model")
     make_tokenizer().save_pretrained(tmp_path / "model")

@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from aioinfer import LLM
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 from tests.model.test_llm_vs_hf import make_prompts
 from tests.model.tiny_models import ARCH_CONFIG, BASE_CONFIG, _randomize
 from tests.tokenizer_fixtures import make_tokenizer

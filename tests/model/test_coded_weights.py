@@ -18,9 +18,10 @@ from torch import nn
 
 from aioinfer import LLM, SamplingParams
 from aioinfer.bench import latency
-from aioinfer.model.kernels import cpu_native, packed_weights
-from aioinfer.model.kernels.packed_weights import CodedWeight, code_weight
-from aioinfer.model.layers.native_cpu import PackedLinear, use_native_kernels
+from aioinfer.model.cpu import kernels as cpu_native
+from aioinfer.model.cpu import packed_weights
+from aioinfer.model.cpu.layers import PackedLinear, use_native_kernels
+from aioinfer.model.cpu.packed_weights import CodedWeight, code_weight
 from tests.model.tiny_models import make_hf_model
 from tests.tokenizer_fixtures import make_tokenizer
 
@@ -116,7 +117,7 @@ def test_an_engine_reads_a_k_quant_ggufs_linears_as_codes(
     sum in another order, see test_amx_linears.py)."""
     import gguf
 
-    from aioinfer.plan import build_plan_configs, make_plan
+    from aioinfer.cli.plan import build_plan_configs, make_plan
     from tests.model.test_loader import write_gguf
 
     if kernels is not cpu_native.load():
@@ -423,7 +424,7 @@ def test_plan_predicts_the_weights_of_a_gguf_with_mixed_tensor_types(
 ) -> None:
     """Layer 1's up projection stays float32 (as a Q6_K would), so its gate keeps no codes
     either; layer 0's q projection is Q4_0, the rest Q4_1."""
-    from aioinfer.plan import build_plan_configs, make_plan
+    from aioinfer.cli.plan import build_plan_configs, make_plan
     from tests.model.test_loader import write_gguf
 
     if kernels is not cpu_native.load():

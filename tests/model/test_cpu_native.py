@@ -13,16 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioinfer.model.kernels import cpu_native, packed_weights
-from aioinfer.model.layers.activation import SiluAndMul
-from aioinfer.model.layers.native_attention import NativeAttentionBackend
-from aioinfer.model.layers.native_cpu import (
+from aioinfer.model.cpu import kernels as cpu_native
+from aioinfer.model.cpu import packed_weights
+from aioinfer.model.cpu.attention import NativeAttentionBackend
+from aioinfer.model.cpu.layers import (
     NativeApplyRotary,
     NativeRMSNorm,
     NativeSiluAndMul,
     PackedLinear,
     use_native_kernels,
 )
+from aioinfer.model.layers.activation import SiluAndMul
 from aioinfer.model.layers.norm import RMSNorm
 from aioinfer.model.layers.rotary import ApplyRotary
 from aioinfer.model.layers.torch_attention import decode_attention
@@ -367,9 +368,9 @@ def test_decoder_layers_match_the_torch_modules(
     """Each qualifying layer runs as one native call, for a decode-only step and for one with
     prompt tokens (a chunk after a cached prefix, a fresh prompt across blocks): the hidden
     states and K/V writes are torch's."""
-    from aioinfer.gpu.forward_context import forward_context
+    from aioinfer.model.cpu.layers import NativeDecoderLayer, NativeLlamaModel
+    from aioinfer.model.forward_context import forward_context
     from aioinfer.model.layers.attention import AttentionMetadata
-    from aioinfer.model.layers.native_cpu import NativeDecoderLayer, NativeLlamaModel
     from aioinfer.model.layers.torch_attention import TorchAttentionBackend
     from aioinfer.model.llama import LlamaModel
     from tests.model.tiny_models import make_hf_model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from aioinfer.gpu.token_masks import mask_bias
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 
 
 def sorted_top_p_thresholds(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

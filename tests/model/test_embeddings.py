@@ -13,7 +13,7 @@ import torch
 
 from aioinfer import LLM, SamplingParams
 from aioinfer.core.pooling import PoolingParams
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
 from tests.unit.test_pooling import sentence_transformers_folder

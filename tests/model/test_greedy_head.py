@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from aioinfer import SamplingParams
-from aioinfer.engine.llm import LLM
-from aioinfer.model.kernels import cpu_native, packed_weights
-from aioinfer.model.kernels.greedy_head import MAX_STRIPS, ROWS, GreedyHead
+from aioinfer.model.cpu import kernels as cpu_native
+from aioinfer.model.cpu import packed_weights
+from aioinfer.model.cpu.greedy_head import MAX_STRIPS, ROWS, GreedyHead
+from aioinfer.offline.llm import LLM
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aioinfer import LLM, SamplingParams
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer
 

@@ -37,8 +37,8 @@ from aioinfer.model.loader import (
     resolve_model,
     set_tensor,
 )
+from aioinfer.model.loader.gguf_config import gguf_served_name
 from aioinfer.model.loader.gguf_loader import unpermute_qk
-from aioinfer.model.loader.resolve import gguf_served_name
 from aioinfer.model.registry import get_model_class
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import MESSAGES, smollm2_gguf_path, smollm2_reference_tokenizer

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from aioinfer import LLM, LoRARequest
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
 from tests.model.tiny_models import make_variant
 from tests.tokenizer_fixtures import make_tokenizer

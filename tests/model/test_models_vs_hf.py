@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from aioinfer.gpu.forward_context import forward_context
+from aioinfer.model.forward_context import forward_context
 from aioinfer.model.layers.attention import AttentionMetadata
 from aioinfer.model.layers.rotary import compute_inv_freq, rope_config_from_hf
 from aioinfer.model.llama import LlamaForCausalLM, MergedLinear
@@ -362,7 +362,7 @@ def test_the_bundled_gemma_3_1b_has_the_real_shapes() -> None:
     """The config `--load-format dummy` benchmarks with: parameters as transformers' in name
     and shape, five sliding layers of 512 tokens to each full one, each kind with its rotary
     base, and `aioinfer plan`'s parameter count."""
-    from aioinfer.plan import count_parameters
+    from aioinfer.cli.plan import count_parameters
     from tests.model.tiny_models import bundled_model_and_reference
 
     _, ours, ref = bundled_model_and_reference("google/gemma-3-1b-it")

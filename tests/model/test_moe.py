@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aioinfer import LLM
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 from aioinfer.model.loader import checkpoint_keys, resolve_model
 from aioinfer.model.loader.gguf_loader import iter_gguf
 from aioinfer.model.registry import get_model_class

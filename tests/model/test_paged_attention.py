@@ -9,7 +9,7 @@ import torch
 
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import ScheduledChunk
-from aioinfer.gpu.forward_context import forward_context, get_forward_context
+from aioinfer.model.forward_context import forward_context, get_forward_context
 from aioinfer.model.layers.attention import Attention, AttentionMetadata, kv_cache_shape
 from aioinfer.model.layers.torch_attention import TorchAttentionBackend, write_kv_cache
 

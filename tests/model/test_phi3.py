@@ -12,8 +12,8 @@ from transformers import Phi3Config, Phi3ForCausalLM
 
 from aioinfer import LLM
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
-from aioinfer.gpu.forward_context import forward_context
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
+from aioinfer.model.forward_context import forward_context
 from aioinfer.model.layers.attention import AttentionMetadata
 from aioinfer.model.layers.rotary import attention_factor, compute_inv_freq, rope_config_from_hf
 from aioinfer.model.loader import checkpoint_keys

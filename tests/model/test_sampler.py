@@ -26,7 +26,7 @@ from aioinfer.gpu.sampler import (
     truncate_logits,
 )
 from aioinfer.gpu.token_masks import mask_bias
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 
 CPU = torch.device("cpu")
 FAST = settings(max_examples=25, deadline=None)

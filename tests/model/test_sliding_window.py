@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 from aioinfer.model.layers.torch_attention import decode_attention, prefill_attention
 from tests.model.test_cpu_native import causal_chunk_attention, random_paged_case
 

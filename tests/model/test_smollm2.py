@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aioinfer import LLM, SamplingParams
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 from tests.tokenizer_fixtures import smollm2_gguf_path
 
 pytestmark = pytest.mark.skipif(
@@ -129,8 +129,8 @@ def test_the_gguf_linears_run_from_exact_byte_codes(llm):
     or alone on a CPU with AMX, which reads them in steps of many rows (the LM head, tied to
     the Q8_0 embedding, as floats), and an engine holding the codes alone gives the same
     tokens and logprobs, bit for bit, through prompt and decode steps."""
-    from aioinfer.model.layers.native_cpu import PackedLinear
-    from aioinfer.plan import build_plan_configs, make_plan
+    from aioinfer.cli.plan import build_plan_configs, make_plan
+    from aioinfer.model.cpu.layers import PackedLinear
 
     if cpu_native.load() is None:
         pytest.skip(cpu_native.unavailable_reason())

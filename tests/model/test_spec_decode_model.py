@@ -15,7 +15,7 @@ from aioinfer import LLM, SamplingParams
 from aioinfer.core.spec_decode import draft_rows
 from aioinfer.core.step import ScheduledChunk
 from aioinfer.gpu.sampler import Sampler
-from aioinfer.model.kernels import cpu_native
+from aioinfer.model.cpu import kernels as cpu_native
 from tests.model.test_llm_vs_hf import hf_greedy, model_dir  # noqa: F401 (fixture)
 from tests.tokenizer_fixtures import smollm2_gguf_path
 

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed")
 
-from aioinfer.gpu.forward_context import forward_context
+from aioinfer.model.forward_context import forward_context
 from aioinfer.model.kernels.paged_decode import (
     _decode_split_kernel,
     paged_decode_attention,

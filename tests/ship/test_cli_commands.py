@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from aioinfer.cli import app
-from aioinfer.client import API_KEY_ENV
-from aioinfer.plan import build_plan_configs, make_plan
+from aioinfer.cli.client import API_KEY_ENV
+from aioinfer.cli.main import app
+from aioinfer.cli.plan import build_plan_configs, make_plan
 from tests.serve_process import free_port
 from tests.ship.conftest import API_KEY, LiveServer, cli_flags
 from tests.ship.test_client import FIRST, MAX_TOKENS, reference_chat, reference_completion

@@ -18,7 +18,7 @@ import time
 import openai
 import pytest
 
-from aioinfer.client import (
+from aioinfer.cli.client import (
     API_KEY_ENV,
     THINKING,
     ChatPiece,
@@ -56,7 +56,11 @@ def reference_completion(server: LiveServer, prompt: str, max_tokens: int) -> st
 
 
 def python_entry(call: str) -> list[str]:
-    return [sys.executable, "-c", f"import sys; from aioinfer.client import *; sys.exit({call})"]
+    return [
+        sys.executable,
+        "-c",
+        f"import sys; from aioinfer.cli.client import *; sys.exit({call})",
+    ]
 
 
 # ----------------------------------------------------------------------------- chat in a pty

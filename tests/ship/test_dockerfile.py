@@ -163,7 +163,7 @@ def build_context(dest: Path) -> list[str]:
 def test_build_context_holds_what_the_image_installs_and_nothing_else(tmp_path):
     context = tmp_path / "context"
     sent = build_context(context)
-    assert "pyproject.toml" in sent and "aioinfer/cli.py" in sent
+    assert "pyproject.toml" in sent and "aioinfer/cli/main.py" in sent
     assert not [p for p in sent if p.startswith(("tests/", ".git/", ".venv/", "docs/"))]
     assert not [p for p in sent if "__pycache__" in p or p.endswith(".pyc")]
     for kw, args in instructions():
@@ -179,5 +179,5 @@ def test_build_context_holds_what_the_image_installs_and_nothing_else(tmp_path):
     assert result.returncode == 0, result.stderr
     wheel = next((tmp_path / "dist").glob("aioinfer-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "aioinfer/cli.py" in names and "aioinfer/server/app.py" in names
+    assert "aioinfer/cli/main.py" in names and "aioinfer/server/app.py" in names
     assert any(n.startswith("aioinfer/model/configs/") and n.endswith(".json") for n in names)

@@ -17,15 +17,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from aioinfer import plan as plan_module
 from aioinfer import sizing
-from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
-from aioinfer.core.sampling_params import SamplingParams
-from aioinfer.gpu import kv_cache
-from aioinfer.gpu.runner import ModelRunner
-from aioinfer.model.loader.resolve import BUNDLED_CONFIGS, resolve_model
-from aioinfer.model.registry import get_model_class
-from aioinfer.plan import (
+from aioinfer.cli import plan as plan_module
+from aioinfer.cli.plan import (
     DTYPE_BYTES,
     GiB,
     build_plan_configs,
@@ -35,6 +29,12 @@ from aioinfer.plan import (
     make_plan,
     plan_main,
 )
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
+from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.gpu import kv_cache
+from aioinfer.gpu.runner import ModelRunner
+from aioinfer.model.loader.resolve import BUNDLED_CONFIGS, resolve_model
+from aioinfer.model.registry import get_model_class
 from aioinfer.sizing import kv_cache_too_small
 from tests.fake_cuda import FakeDevice
 from tests.model.tiny_models import ARCH_CONFIG, ARCHS, BASE_CONFIG, VARIANTS
@@ -470,7 +470,7 @@ def test_plan_matches_serve_on_cuda():
     model = "Qwen/Qwen2.5-1.5B-Instruct"
     flags = {"max_model_len": 4096}
     code = (
-        "from aioinfer.plan import plan_main; "
+        "from aioinfer.cli.plan import plan_main; "
         f"plan_main({model!r}, as_json=True, load_format='dummy', **{flags!r})"
     )
     planned = subprocess.run(

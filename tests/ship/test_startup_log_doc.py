@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from aioinfer.cli.plan import build_plan_configs, make_plan
 from aioinfer.config import CONFIG_CLASSES
-from aioinfer.plan import build_plan_configs, make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "startup-log.md"

@@ -16,9 +16,9 @@ import pytest
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.engine.async_engine import AsyncEngine
-from aioinfer.engine.llm import LLM
-from aioinfer.engine.llm_options import llm_configs
 from aioinfer.engine.stream import EngineDeadError
+from aioinfer.offline.llm import LLM
+from aioinfer.offline.llm_options import llm_configs
 from tests.tokenizer_fixtures import make_tokenizer
 from tests.unit.fake_runner import FAKE_HIDDEN, FakeRunner, next_token, reference_output
 

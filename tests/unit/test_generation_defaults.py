@@ -82,7 +82,7 @@ def test_the_bundled_gguf_samples_as_its_model_card_does(tmp_path):
     none; a checkpoint's own file wins."""
     from aioinfer.bundled import BUNDLED_GENERATION_CONFIG, bundled_model_path
     from aioinfer.model.generation_config import model_generation_config
-    from aioinfer.model.loader.resolve import ResolvedModel
+    from aioinfer.model.loader.resolved import ResolvedModel
 
     bundled = bundled_model_path()
     if bundled is None:

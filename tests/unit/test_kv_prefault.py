@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from aioinfer.gpu.kv_cache import lazy_zeros
-from aioinfer.gpu.kv_prefault import IDLE_SECONDS, PAGE, KVPagePrefaulter
+from aioinfer.model.cpu.kv_prefault import IDLE_SECONDS, PAGE, KVPagePrefaulter
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="madvise and mincore: Linux")
 

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from aioinfer.gpu.forward_context import get_forward_context
+from aioinfer.model.forward_context import get_forward_context
 from aioinfer.model.layers.torch_attention import TorchAttentionBackend
 
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,9 +25,16 @@ from torch import nn
 from aioinfer.model.loader.resolve import (
     BUNDLED_CONFIGS,
     LOAD_FORMATS,
-    ResolvedModel,
     bundled_gguf_path,
     resolve_model,
+)
+from aioinfer.model.loader.resolved import ResolvedModel
+from aioinfer.model.loader.weight_names import (
+    checkpoint_keys,
+    checkpoint_slots,
+    checkpoint_splits,
+    skip_init,
+    weight_targets,
 )
 
 if TYPE_CHECKING:
@@ -85,7 +91,7 @@ def load_model(
             f"architecture {architecture!r} is a decoder without an LM head: it makes "
             "embeddings (--runner pooling), not text"
         )
-    with torch.device("meta"), _skip_init():
+    with torch.device("meta"), skip_init():
         model = model_cls(hf_config)
         if is_classifier(architecture):
             model.add_classifier(int(hf_config.num_labels or 0))
@@ -93,18 +99,6 @@ def load_model(
         model.drop_lm_head()
     load_weights(model, resolved, dtype, device, seed)
     return model
-
-
-def checkpoint_keys(hf_config: Any) -> set[str]:
-    """The checkpoint keys the registry's model for `hf_config` reads (a tied head left out)."""
-    from aioinfer.model.registry import get_model_class
-
-    with torch.device("meta"), _skip_init():
-        model = get_model_class(hf_config)(hf_config)
-    slots, splits = _checkpoint_slots(model), _checkpoint_splits(model)
-    filled = {slot.target for slot in slots.values()}
-    filled |= {target for parts in splits.values() for target, _, _ in parts}
-    return (set(_weight_targets(model, hf_config)) - filled) | set(slots) | set(splits)
 
 
 def load_weights(
@@ -122,8 +116,8 @@ def load_weights(
     """
     device = torch.device(device)
     start = time.perf_counter()
-    targets = _weight_targets(model, resolved.hf_config)
-    slots, splits = _checkpoint_slots(model), _checkpoint_splits(model)
+    targets = weight_targets(model, resolved.hf_config)
+    slots, splits = checkpoint_slots(model), checkpoint_splits(model)
     parts: dict[str, set[str]] = {}  # stacked parameter -> the checkpoint keys copied into it
     count, nbytes = 0, 0
     wanted = targets.keys() | slots.keys() | splits.keys()
@@ -172,51 +166,6 @@ def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         setattr(module, attr, tensor)
     else:
         raise KeyError(f"{name} is neither a parameter nor a buffer of {type(model).__name__}")
-
-
-@contextmanager
-def _skip_init() -> Iterator[None]:
-    """Turn `torch.nn.init`'s in-place initializers into no-ops while a model is built on meta.
-
-    The values are replaced by the checkpoint anyway, and on meta these ops run Python
-    decompositions that import torch._dynamo: about 2 s of start-up for nothing. The patch is
-    process-wide while it lasts (as transformers' `no_init_weights`): only the thread that loads
-    the model builds modules meanwhile.
-    """
-    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
-    saved = {name: getattr(torch.nn.init, name) for name in names}
-    for name in names:
-        setattr(torch.nn.init, name, _unchanged)
-    try:
-        yield
-    finally:
-        for name, init in saved.items():
-            setattr(torch.nn.init, name, init)
-
-
-def _unchanged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return tensor
-
-
-def _weight_targets(model: nn.Module, hf_config: Any) -> dict[str, torch.Tensor]:
-    """Every name a checkpoint should fill: parameters and persistent buffers, aliases included.
-
-    A tied LM head is left out: `tie_weights()` shares the embedding, so reading it is waste.
-    """
-    targets = dict(model.state_dict(keep_vars=True))
-    if getattr(hf_config, "tie_word_embeddings", False):
-        targets.pop("lm_head.weight", None)
-    return targets
-
-
-def _checkpoint_slots(model: nn.Module) -> dict[str, WeightSlot]:
-    slots = getattr(model, "checkpoint_slots", None)
-    return slots() if callable(slots) else {}
-
-
-def _checkpoint_splits(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
-    splits = getattr(model, "checkpoint_splits", None)
-    return splits() if callable(splits) else {}
 
 
 def _split(
@@ -305,7 +254,7 @@ def _weight_stream(
 
         reader, resolved.gguf_reader = resolved.gguf_reader, None
         if reader is None:
-            from aioinfer.model.loader.resolve import open_gguf
+            from aioinfer.model.loader.gguf_config import open_gguf
 
             if resolved.gguf_file is None:
                 raise ValueError("a model of kind 'gguf' needs its gguf_file")

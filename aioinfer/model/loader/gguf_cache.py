@@ -48,14 +48,14 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError
 
-from aioinfer.model.loader.resolve import (
-    ResolvedModel,
+from aioinfer.model.loader.gguf_config import (
+    gguf_generation_config,
+    gguf_hf_config,
     gguf_served_name,
     open_gguf,
-    read_hf_config,
-    read_json,
     resolve_gguf,
 )
+from aioinfer.model.loader.resolved import ResolvedModel, read_hf_config, read_json
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -285,9 +285,8 @@ def convert_gguf(
 
 
 def _write_entry(path: Path, reader: GGUFReader, folder: Path, progress: bool) -> None:
-    from aioinfer.model.loader import checkpoint_keys
     from aioinfer.model.loader.gguf_loader import gguf_names, iter_gguf
-    from aioinfer.model.loader.resolve import gguf_generation_config, gguf_hf_config
+    from aioinfer.model.loader.weight_names import checkpoint_keys
 
     hf_config = gguf_hf_config(reader)
     wanted = checkpoint_keys(hf_config)

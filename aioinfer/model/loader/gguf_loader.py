@@ -21,7 +21,7 @@ from gguf.quants import dequantize
 
 # GGUF architectures whose Q/K rows llama.cpp permuted at conversion time.
 _PERMUTED_QK_ARCHS = ("llama",)
-# Tensors a model may carry that its config accounts for otherwise (resolve.gguf_hf_config
+# Tensors a model may carry that its config accounts for otherwise (gguf_config.gguf_hf_config
 # reads Llama 3's RoPE factors from rope_freqs).
 _READ_ELSEWHERE = ("rope_freqs.weight",)
 # An HF module of one expert, "model.layers.0.mlp.experts.3.gate_proj": gguf-py names the

@@ -366,7 +366,7 @@ def chat(
 
     /exit or Ctrl-D quits; /clear forgets the conversation.
     """
-    from aioinfer.client import chat_main
+    from aioinfer.cli.client import chat_main
 
     raise typer.Exit(chat_main(url, api_key, model, system, max_tokens, temperature))
 
@@ -381,7 +381,7 @@ def complete(
     temperature: float = typer.Option(None, help="Sampling temperature (default: the server's)."),
 ) -> None:
     """Stream the completion of one prompt (plain text, no chat template)."""
-    from aioinfer.client import complete_main
+    from aioinfer.cli.client import complete_main
 
     raise typer.Exit(complete_main(prompt, url, api_key, model, max_tokens, temperature))
 
@@ -422,7 +422,7 @@ def plan(
     Weights, KV cache size and maximum concurrency as `serve MODEL` would print them. Exit code 1:
     serve would refuse these settings.
     """
-    from aioinfer.plan import plan_main
+    from aioinfer.cli.plan import plan_main
 
     flags = {
         "revision": revision,
@@ -482,7 +482,7 @@ def serve_help(topic: str | None) -> str:
     matches = [_describe_field(f, tp) for f, tp in fields if wanted in f.name.replace("_", "-")]
     if matches:  # a part of flag names, as vLLM's --help=prefix
         return "\n".join(matches)
-    from aioinfer.vllm_args import IGNORED_FLAGS, RENAMED_FLAGS, RENAMED_VALUE_FLAGS
+    from aioinfer.cli.vllm_args import IGNORED_FLAGS, RENAMED_FLAGS, RENAMED_VALUE_FLAGS
 
     vllm_flag = f"--{wanted}"
     if vllm_flag in IGNORED_FLAGS:
@@ -548,7 +548,7 @@ def main() -> None:
             sys.stderr.close()
         sys.exit(0)
     if argv and argv[0] == "serve":
-        from aioinfer.vllm_args import translate
+        from aioinfer.cli.vllm_args import translate
 
         try:
             serve_args, notes = translate(argv[1:], _flag_kind)
@@ -559,7 +559,7 @@ def main() -> None:
             print(f"Note: {note}", file=sys.stderr)
         argv = ["serve", *serve_args]
     elif argv and argv[0] == "plan":
-        from aioinfer.vllm_args import human_number_args
+        from aioinfer.cli.vllm_args import human_number_args
 
         argv = ["plan", *human_number_args(argv[1:])]
     app(args=argv)

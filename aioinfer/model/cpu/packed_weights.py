@@ -7,7 +7,7 @@ Q4_0: `d * (q - 8) + -0.0`, the -0.0 keeping the sign of a zero weight; Q4_K and
 17 significant bits (a float16, or a float16 times a 6-bit integer). Kept in that form, a
 weight takes 1.25 bytes instead of 4, and the CPU kernels decode it in registers to the very
 float32 the dequantized tensor holds: the same products, the same sums, the same outputs, from a
-third of the memory traffic (see cpu_kernels.c, `Weight`).
+third of the memory traffic (see kernels.c, `Weight`).
 
 The form is found from the float32 weights themselves, not from the file's tensor types, so
 the cache of converted checkpoints, merged projections and any loader give the same result:
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-STRIP = 16  # output columns per strip, as pack_weight's; must match STRIP in cpu_kernels.c
-CODE_BLOCK = 32  # weights per scale and offset along a row; must match CODE_BLOCK in cpu_kernels.c
+STRIP = 16  # output columns per strip, as pack_weight's; must match STRIP in kernels.c
+CODE_BLOCK = 32  # weights per scale and offset along a row; must match CODE_BLOCK in kernels.c
 # Bytes a coded weight takes: its code, and its share of a float32 scale and offset.
 CODED_BYTES_PER_WEIGHT = 1 + 2 * 4 / CODE_BLOCK
 # GGUF tensor types whose blocks (from ggml's quantizers) dequantize to such codes.
@@ -49,9 +49,9 @@ class CodedWeight:
     scales [N / 16, K / 32, 2, 16] (float32: the scale, then the offset, of each column's runs
     of 32 along K); with `strips` (pack_weight's) too, the kernels read the codes for steps of
     few rows and the strips for the rest, each where it is faster; with `amx`, steps of more
-    rows read the codes on AMX instead (cpu_kernels.c, "AMX linears"; only where the kernels
+    rows read the codes on AMX instead (kernels.c, "AMX linears"; only where the kernels
     have AMX), and with `parts` (NativeKernels.weight_parts) too, steps of the most rows read
-    those instead (cpu_kernels.c, "AMX linears from weight parts")."""
+    those instead (kernels.c, "AMX linears from weight parts")."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -110,7 +110,7 @@ def code_weight(weight: torch.Tensor, code_runs: CodeRuns) -> CodedWeight | None
 def parts_shape(strips: int, k: int) -> tuple[int, ...]:
     """The shape of a coded weight's parts (NativeKernels.weight_parts), for `strips` strips of
     K = k: int16 [strips, runs, 2, 16, 16, 2], the runs those of K and then the offsets', one
-    column a run of K, up to a whole run (split_cols in cpu_kernels.c); per strip and run the
+    column a run of K, up to a whole run (split_cols in kernels.c); per strip and run the
     bfloat16 bit patterns of hi, then lo, of code * scale (or the offsets), each [pair of
     k][column][k of the pair] as the tile unit reads them."""
     runs = k // CODE_BLOCK

@@ -2,7 +2,7 @@
 computing them all.
 
 A greedy row needs one number from the LM head, the index of its largest logit, yet the head
-is a quarter of a decode step's arithmetic. `greedy_head` in cpu_kernels.c screens every
+is a quarter of a decode step's arithmetic. `greedy_head` in kernels.c screens every
 column with bfloat16 dot products (AVX512-BF16: twice the float32 FMA rate, half the bytes),
 bounds the screen's error from the rows' norms, and recomputes in float32 only the 16-column
 strips that could hold the maximum, with the same chain of FMAs as `packed_linear`: the result
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from aioinfer.model.kernels.cpu_native import STRIP, NativeKernels
-from aioinfer.model.kernels.packed_weights import unpack_weight
+from aioinfer.model.cpu.kernels import STRIP, NativeKernels
+from aioinfer.model.cpu.packed_weights import unpack_weight
 
 # Strips a row may leave for float32 before the full head is cheaper: each is K x 16 floats of
 # weights read again (on SmolLM2's real rows the median is 1, the mean about 5).

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aioinfer.engine.llm_options import FIXED_VLLM_OPTIONS
+from aioinfer.offline.llm_options import FIXED_VLLM_OPTIONS
 
 _GRAPHS = "CUDA graphs cover every decode batch shape"
 _ONE_STEP = "steps are scheduled one at a time, each after the last returns"

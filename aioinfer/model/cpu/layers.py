@@ -20,22 +20,22 @@ import logging
 import torch
 from torch import nn
 
-from aioinfer.gpu.forward_context import get_forward_context
-from aioinfer.model.kernels.cpu_native import (
+from aioinfer.model.cpu.attention import NativeAttentionBackend
+from aioinfer.model.cpu.greedy_head import GreedyHead
+from aioinfer.model.cpu.kernels import (
     STRIP,
     DecoderLayerWeights,
     NativeKernels,
 )
-from aioinfer.model.kernels.greedy_head import GreedyHead
-from aioinfer.model.kernels.packed_weights import (
+from aioinfer.model.cpu.packed_weights import (
     CodedWeight,
     PackedWeight,
     code_weight,
     pack_weight,
     unpack_weight,
 )
+from aioinfer.model.forward_context import get_forward_context
 from aioinfer.model.layers.activation import SiluAndMul
-from aioinfer.model.layers.native_attention import NativeAttentionBackend
 from aioinfer.model.layers.norm import RMSNorm
 from aioinfer.model.layers.rotary import ApplyRotary
 from aioinfer.model.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
@@ -50,7 +50,7 @@ class PackedLinear(nn.Module):
     packed_weights.py). With `amx` on a CPU with AMX, steps of many rows read the codes on
     AMX instead of float32 strips, which are not kept then; with `code` "auto", codes whose
     weights split into two bfloat16 parts are kept as those too, for the steps of the most
-    rows (cpu_kernels.c, "AMX linears from weight parts")."""
+    rows (kernels.c, "AMX linears from weight parts")."""
 
     def __init__(
         self, linear: nn.Linear, kernels: NativeKernels, *, code: str = "float32", amx: bool = False

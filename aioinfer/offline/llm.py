@@ -28,7 +28,11 @@ from aioinfer.core.pooling import PoolingParams, cosine, score_pairs
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
-from aioinfer.engine.llm_inputs import (
+from aioinfer.engine.lora_adapters import load_for_batch
+from aioinfer.engine.metrics import EngineCollector
+from aioinfer.engine.stream import RequestStream, gather_or_cancel
+from aioinfer.offline.beam_search import beam_search
+from aioinfer.offline.llm_inputs import (
     EncodedPrompt,
     GenerateBatch,
     cache_salt,
@@ -38,13 +42,10 @@ from aioinfer.engine.llm_inputs import (
     token_ids,
     utf8_text,
 )
-from aioinfer.engine.llm_options import llm_configs
-from aioinfer.engine.lora_adapters import load_for_batch
-from aioinfer.engine.metrics import EngineCollector
-from aioinfer.engine.metrics_reader import Metric, read_metrics
-from aioinfer.engine.offline_loop import OfflineLoop
-from aioinfer.engine.progress import Progress
-from aioinfer.engine.stream import RequestStream, gather_or_cancel
+from aioinfer.offline.llm_options import llm_configs
+from aioinfer.offline.metrics_reader import Metric, read_metrics
+from aioinfer.offline.offline_loop import OfflineLoop
+from aioinfer.offline.progress import Progress
 
 
 class TextPrompt(TypedDict):
@@ -197,8 +198,6 @@ class LLM:
         """vLLM's beam search (core/beam_search.py): the best params.beam_width sequences of
         each prompt, best first, each holding the prompt's tokens and text too. `use_tqdm` and
         `concurrency_limit` are vLLM's, taken and not read: every step is one batch."""
-        from aioinfer.engine.beam_search import beam_search
-
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         cap = self.engine.limits.max_logprobs
@@ -211,7 +210,18 @@ class LLM:
         loras = per_prompt(
             lora_request, len(prompt_ids), "lora_request", LoRARequest, optional=True
         )
-        return beam_search(self, prompt_ids, params, loras)
+        return beam_search(self.engine, self._beam_step, prompt_ids, params, loras)
+
+    def _beam_step(
+        self, prompts: list[list[int]], params: SamplingParams, loras: list[LoRARequest | None]
+    ) -> list[RequestOutput]:
+        """One step of beam search: a batch of token prompts, one per live beam."""
+        return self.generate(
+            [{"prompt_token_ids": tokens} for tokens in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=loras,
+        )
 
     def chat(
         self,

@@ -5,6 +5,7 @@ prefix cache spares recomputing what the beams share). The search itself is core
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aioinfer.core.beam_search import (
@@ -14,19 +15,26 @@ from aioinfer.core.beam_search import (
     BeamSearchSequence,
 )
 from aioinfer.core.lora import LoRARequest
+from aioinfer.core.outputs import RequestOutput
 from aioinfer.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from aioinfer.engine.llm import LLM
+    from aioinfer.engine.async_engine import AsyncEngine
+
+# One step's batch: prompts of token ids, one params for all, each prompt's adapter; returns the
+# outputs in prompt order (the offline LLM's `generate`, without a progress bar).
+Generate = Callable[
+    [list[list[int]], SamplingParams, list[LoRARequest | None]], list[RequestOutput]
+]
 
 
 def beam_search(
-    llm: LLM,
+    engine: AsyncEngine,
+    generate: Generate,
     prompts: list[list[int]],
     params: BeamSearchParams,
     loras: list[LoRARequest | None],
 ) -> list[BeamSearchOutput]:
-    engine = llm.engine
     step = SamplingParams(
         max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature
     )
@@ -38,11 +46,8 @@ def beam_search(
         live = [beam for instance in instances for beam in instance.beams]
         if not live:
             break
-        outputs = llm.generate(
-            [{"prompt_token_ids": beam.tokens} for beam in live],
-            step,
-            use_tqdm=False,
-            lora_request=[beam.lora_request for beam in live],
+        outputs = generate(
+            [beam.tokens for beam in live], step, [beam.lora_request for beam in live]
         )
         # Each live beam's next-token candidates, in the order the beams were sent.
         candidates = iter([output.outputs[0].logprobs[0] for output in outputs])  # type: ignore[index]

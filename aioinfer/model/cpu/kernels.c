@@ -1,6 +1,6 @@
-/* Native float32 kernels for the CPU path, loaded with ctypes by cpu_native.py.
+/* Native float32 kernels for the CPU path, loaded with ctypes by kernels.py.
  *
- * Built on first use by aioinfer/model/kernels/cpu_native.py with
+ * Built on first use by aioinfer/model/cpu/kernels.py with
  *   cc -O3 -march=native -fopenmp -shared -fPIC -lm -mprefer-vector-width=512
  * Written with GCC vector extensions, so one source compiles to AVX-512 (16 lanes) or to
  * AVX2 + FMA (8 lanes); `a += x * b` on vectors becomes a fused multiply-add. The OpenMP

@@ -435,15 +435,15 @@ def coded_weight_bytes(resolved: Any, weight_format: str, *, amx: bool = False) 
     gguf_file = resolved.gguf_file or resolved.converted_from  # or the file of a cache entry
     if gguf_file is None or weight_format == "float32":
         return 0
-    from aioinfer.model.kernels.cpu_native import amx_expected
-    from aioinfer.model.kernels.packed_weights import (
+    from aioinfer.model.cpu.kernels import amx_expected
+    from aioinfer.model.cpu.packed_weights import (
         CODED_BYTES_PER_WEIGHT,
         CODED_GGUF_TYPES,
         PARTS_GGUF_TYPES,
         STRIP,
         parts_shape,
     )
-    from aioinfer.model.loader.resolve import open_gguf
+    from aioinfer.model.loader.gguf_config import open_gguf
 
     reader = resolved.gguf_reader or open_gguf(gguf_file)
     coded = {

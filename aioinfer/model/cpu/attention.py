@@ -2,10 +2,10 @@
 
 Decode steps dominate serving on the CPU, and the torch reference spends most of their attention
 time gathering every request's K/V into a padded copy; the native kernel reads the cache in place
-through the block table (cpu_kernels.c). A whole prompt attends over its own new keys and values
+through the block table (kernels.c). A whole prompt attends over its own new keys and values
 without reading them back (SDPA); a chunk after a cached prefix, a sliding window shorter than
 the prompt and soft-capped scores take the native prefill kernel, as every prompt chunk of the
-native decoder layers (native_cpu.py) does.
+native decoder layers (layers.py) does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from aioinfer.model.kernels.cpu_native import NativeKernels
+from aioinfer.model.cpu.kernels import NativeKernels
 from aioinfer.model.layers.torch_attention import TorchAttentionBackend
 
 if TYPE_CHECKING:

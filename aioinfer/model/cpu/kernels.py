@@ -1,4 +1,4 @@
-"""Build and load the native CPU kernels (cpu_kernels.c) with the system C compiler and ctypes.
+"""Build and load the native CPU kernels (kernels.c) with the system C compiler and ctypes.
 
 The shared library is compiled once per source, compiler, flags and CPU into the aioinfer cache
 (`$AIOINFER_CACHE/kernels/`), written atomically, and reused by later starts. `load()` returns
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from aioinfer.model.kernels.packed_weights import (
+from aioinfer.model.cpu.packed_weights import (
     CODE_BLOCK,
     STRIP,
     CodedWeight,
@@ -39,7 +39,7 @@ from aioinfer.model.loader.gguf_cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 # The instruction set to compile for: the build machine's own by default. Setting
 # AIOINFER_CPU_MARCH=haswell builds the AVX2 + FMA variant (tests run both where they can).
 MARCH_ENV = "AIOINFER_CPU_MARCH"
@@ -78,7 +78,7 @@ class NativeKernels:
         self._decoder_layer_work = _bind(lib.decoder_layer_work_floats, W, L, restype=L)
         self._code_runs = _bind(lib.code_runs, P, L, P, P, V, V, I)
         self._weight_parts = _bind(lib.weight_parts, V, P, L, L, V, I, restype=I)
-        # The exact greedy LM head (model/kernels/greedy_head.py) needs AVX512-BF16.
+        # The exact greedy LM head (model/cpu/greedy_head.py) needs AVX512-BF16.
         self.has_greedy_head = bool(_bind(lib.greedy_head_available, restype=I)())
         if self.has_greedy_head:
             self.greedy_head = _bind(
