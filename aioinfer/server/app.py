@@ -23,14 +23,14 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from aioinfer.config import ServerConfig
-from aioinfer.server.auth import make_auth_middleware
-from aioinfer.server.bodies import MAX_BODY_BYTES
-from aioinfer.server.completions import REQUEST_ID_HEADER
-from aioinfer.server.cors import CorsPolicy
-from aioinfer.server.errors import error_middleware
+from aioinfer.server.http.auth import make_auth_middleware
+from aioinfer.server.http.bodies import MAX_BODY_BYTES
+from aioinfer.server.http.cors import CorsPolicy
+from aioinfer.server.http.errors import error_middleware
+from aioinfer.server.http.sse import WATCH_INTERVAL, DisconnectWatcher
+from aioinfer.server.http.state import STATE, ServerState
+from aioinfer.server.openai.completions import REQUEST_ID_HEADER
 from aioinfer.server.routes import setup_routes
-from aioinfer.server.sse import WATCH_INTERVAL, DisconnectWatcher
-from aioinfer.server.state import STATE, ServerState
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine

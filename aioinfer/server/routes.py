@@ -13,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from aioinfer import __version__
 from aioinfer.core.lora import LoRARequest
-from aioinfer.server.bodies import (
+from aioinfer.server.anthropic.api import count_message_tokens, create_message
+from aioinfer.server.http.bodies import (
     MiB,
     body_limit,
     check_model,
@@ -21,23 +22,22 @@ from aioinfer.server.bodies import (
     parse_request,
     read_json,
 )
-from aioinfer.server.completions import create_chat_completion, create_completion
-from aioinfer.server.embeddings import create_classification, create_embedding
-from aioinfer.server.errors import BadRequestError, NotFoundError, ServiceUnavailableError
-from aioinfer.server.messages_api import count_message_tokens, create_message
-from aioinfer.server.prompts import off_loop_if_long, render_chat_off_loop
-from aioinfer.server.render import model_card
-from aioinfer.server.responses import ModelCard, TokenizeResponse
-from aioinfer.server.responses_api import (
+from aioinfer.server.http.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from aioinfer.server.http.state import STATE, ServerState
+from aioinfer.server.openai.completions import create_chat_completion, create_completion
+from aioinfer.server.openai.render import model_card
+from aioinfer.server.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from aioinfer.server.pooling.embeddings import create_classification, create_embedding
+from aioinfer.server.pooling.scores import create_rerank, create_score
+from aioinfer.server.responses.api import (
     cancel_response,
     create_response,
     delete_response,
     list_input_items,
     retrieve_response,
 )
-from aioinfer.server.scores import create_rerank, create_score
-from aioinfer.server.state import STATE, ServerState
-from aioinfer.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from aioinfer.server.serving.prompts import off_loop_if_long, render_chat_off_loop
+from aioinfer.server.serving.shapes import ModelCard, TokenizeResponse
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine

@@ -26,9 +26,9 @@ from aiohttp import web
 from aioinfer.config import ServerConfig
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.engine.async_engine import AsyncEngine
-from aioinfer.server import completions
 from aioinfer.server.app import create_app, drain
-from aioinfer.server.sse import KEEP_ALIVE
+from aioinfer.server.http.sse import KEEP_ALIVE
+from aioinfer.server.openai import completions
 from tests.server.conftest import (
     MODEL,
     LiveServer,

@@ -11,8 +11,8 @@ from pydantic import TypeAdapter
 
 import aioinfer
 from aioinfer.config import ServerConfig
-from aioinfer.server import responses
 from aioinfer.server.app import create_app
+from aioinfer.server.serving import shapes as responses
 from tests.server.conftest import (
     API_KEYS,
     MAX_MODEL_LEN,

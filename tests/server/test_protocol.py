@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from aioinfer.server.openai.tokenize_protocol import TokenizeRequest
 from aioinfer.server.openapi import openapi_document
-from aioinfer.server.protocol import (
+from aioinfer.server.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestValidationError,
 )
-from aioinfer.server.tokenize_protocol import TokenizeRequest
 
 
 def completion(**fields):

@@ -12,8 +12,8 @@ import aiohttp
 import openai
 import pytest
 
-from aioinfer.server.responses_render import ResponseEvents
-from aioinfer.server.state import STATE
+from aioinfer.server.http.state import STATE
+from aioinfer.server.responses.render import ResponseEvents
 from tests.server.conftest import assert_pool_free
 from tests.server.test_disconnect import wait_until
 
