@@ -11,11 +11,19 @@ from typing import Any, Literal
 from pydantic import TypeAdapter
 
 from aioinfer.server.anthropic.protocol import MessagesRequest, MessageTokensCountRequest
-from aioinfer.server.anthropic.render import (
-    AnthropicErrorResponse,
-    MessageObject,
-    MessageStreamEvent,
-    MessageTokensCount,
+from aioinfer.server.anthropic.render import MessageObject, MessageStreamEvent, MessageTokensCount
+from aioinfer.server.http.errors import AnthropicErrorResponse, ErrorResponse
+from aioinfer.server.http.status import ServerLoad, VersionResponse
+from aioinfer.server.openai.protocol import CompletionRequest
+from aioinfer.server.openai.shapes import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
 )
 from aioinfer.server.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.pooling.classify_protocol import ClassifyRequest, ClassifyResponse
@@ -29,23 +37,7 @@ from aioinfer.server.pooling.scores_protocol import (
 from aioinfer.server.responses.protocol import OUTPUT_LOGPROBS, ResponsesRequest
 from aioinfer.server.responses.render import ResponseDeleted, ResponseObject, ResponseStreamEvent
 from aioinfer.server.responses.store import InputItemList
-from aioinfer.server.serving.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
-from aioinfer.server.serving.shapes import (
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    CompletionChunk,
-    CompletionResponse,
-    DetokenizeResponse,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    ServerLoad,
-    TokenizeResponse,
-    VersionResponse,
-)
+from aioinfer.server.serving.protocol import ChatCompletionRequest
 
 _JSON = "application/json"
 _ERROR_CODES = {

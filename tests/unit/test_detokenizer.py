@@ -455,12 +455,13 @@ def test_an_echoed_metaspace_prompt_s_first_token_follows_the_text():
     from aioinfer.config import ServerConfig
     from aioinfer.server.http.state import ServerState
     from aioinfer.server.openai import render
+    from aioinfer.server.serving.context import Prompt, ResponseContext
 
     tokenizer = metaspace_tokenizer()
     prompt = tokenizer.encode("world stream token", add_special_tokens=False)
     echo = tokenizer.decode(prompt)
     token_text = ServerState(ServerConfig()).token_text(tokenizer)
-    ctx = render.ResponseContext("c", "m", [render.Prompt(prompt)], 1, token_text)
+    ctx = ResponseContext("c", "m", [Prompt(prompt)], 1, token_text)
     block, end = render._echoed_prompt_logprobs(ctx, 0, [None] * len(prompt), echo)
     assert "".join(block["tokens"]) == echo and end == len(echo) and not echo.startswith(" ")
     for token, offset in zip(block["tokens"], block["text_offset"], strict=True):

@@ -15,9 +15,10 @@ from aioinfer.server.anthropic.protocol import (
     MessageTokensCountRequest,
     messages_params,
 )
-from aioinfer.server.anthropic.render import MessageEvents, anthropic_error_body, tool_input
-from aioinfer.server.openai.render import Prompt, ResponseContext
-from aioinfer.server.serving.protocol import RequestValidationError
+from aioinfer.server.anthropic.render import MessageEvents, tool_input
+from aioinfer.server.http.errors import anthropic_error_body
+from aioinfer.server.http.request_model import RequestValidationError
+from aioinfer.server.serving.context import Prompt, ResponseContext
 from aioinfer.server.serving.reasoning import ReasoningSplit
 from aioinfer.server.serving.tool_parsers import HermesToolParser
 from aioinfer.server.serving.tools import NamedToolChoice, ToolMode

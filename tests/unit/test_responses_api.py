@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
-from aioinfer.server.openai.render import Prompt, ResponseContext
+from aioinfer.server.http.request_model import RequestValidationError
 from aioinfer.server.responses.protocol import (
     INPUT_ITEMS,
     ResponsesRequest,
@@ -22,7 +22,7 @@ from aioinfer.server.responses.store import (
     input_item_page,
     listed_item,
 )
-from aioinfer.server.serving.protocol import RequestValidationError
+from aioinfer.server.serving.context import Prompt, ResponseContext
 from aioinfer.server.serving.tool_parsers import HermesToolParser
 from aioinfer.server.serving.tools import ToolMode
 

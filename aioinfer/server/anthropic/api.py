@@ -4,7 +4,7 @@ machinery.
 The request becomes a chat request (`MessagesRequest.to_chat`) that starts like any other
 (`start_chat`: admission, constraints, the chat template); the answer is a message, or named SSE
 events without [DONE]. Errors name the Messages fields and come in Anthropic's envelope (the
-error middleware picks it by path, see `errors`).
+error middleware picks it by path, see `http.errors`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from aioinfer.server.anthropic.protocol import (
 )
 from aioinfer.server.anthropic.render import MessageEvents, MessageTokensCount
 from aioinfer.server.http.bodies import BODY_SIZE, json_response, parse_request
-from aioinfer.server.http.request_log import RequestRecord
+from aioinfer.server.http.request_log import RequestRecord, generation_handler
+from aioinfer.server.http.request_model import RequestValidationError
 from aioinfer.server.http.sse import encode_named_event
 from aioinfer.server.http.state import STATE
-from aioinfer.server.openai.completions import Framing, answer, generation_handler, start_chat
-from aioinfer.server.responses.render import new_id
+from aioinfer.server.serving.answer import Framing, answer
+from aioinfer.server.serving.chat import start_chat
+from aioinfer.server.serving.context import new_id
 from aioinfer.server.serving.prompts import off_loop_if_long, render_chat_off_loop
-from aioinfer.server.serving.protocol import RequestValidationError
 from aioinfer.server.serving.tool_parsers import make_tool_parser
 from aioinfer.server.serving.tools import AUTO_NEEDS_PARSER_START
 

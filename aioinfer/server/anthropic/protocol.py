@@ -21,14 +21,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
+from aioinfer.server.http.request_model import ModelRequest, RequestValidationError, StrictModel
 from aioinfer.server.http.validation import renamed_params
-from aioinfer.server.serving.formats import JsonSchemaFormat, ResponseFormat, StrictModel
-from aioinfer.server.serving.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    OpenAIRequest,
-    RequestValidationError,
-)
+from aioinfer.server.serving.formats import JsonSchemaFormat, ResponseFormat
+from aioinfer.server.serving.protocol import ChatCompletionRequest, ChatMessage
 from aioinfer.server.serving.tools import (
     FUNCTION_NAME_PATTERN,
     AssistantToolCall,
@@ -212,7 +208,7 @@ class OutputConfig(StrictModel):
     effort: str | None = Field(None, description="Accepted and ignored.")
 
 
-class MessagesRequest(OpenAIRequest):
+class MessagesRequest(ModelRequest):
     """POST /v1/messages."""
 
     model: str | None = Field(None, description="The served model name (default: the only one).")

@@ -18,8 +18,8 @@ import pydantic_core
 from typing_extensions import NotRequired, TypedDict
 
 from aioinfer.core.outputs import RequestOutput
-from aioinfer.server.openai.render import ResponseContext
-from aioinfer.server.responses.render import new_id
+from aioinfer.server.http.errors import AnthropicErrorResponse, anthropic_error_body
+from aioinfer.server.serving.context import ResponseContext, new_id
 from aioinfer.server.serving.output_parts import (
     ArgumentsDelta,
     CallDone,
@@ -94,40 +94,6 @@ class MessageStreamEvent(TypedDict):
 
 class MessageTokensCount(TypedDict):
     input_tokens: int
-
-
-_ANTHROPIC_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",  # Anthropic's own status for it is 529; ours stays 503
-}
-
-
-class AnthropicErrorInfo(TypedDict):
-    type: str
-    message: str
-
-
-class AnthropicErrorResponse(TypedDict):
-    type: Literal["error"]
-    error: AnthropicErrorInfo
-
-
-def anthropic_error_body(
-    status: int, message: str, param: str | None = None
-) -> AnthropicErrorResponse:
-    """Anthropic's envelope has no `param`: the message names the field instead."""
-    if param and param not in message:
-        message = f"{param}: {message}"
-    kind = _ANTHROPIC_TYPE_BY_STATUS.get(
-        status, "invalid_request_error" if status < 500 else "api_error"
-    )
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 @dataclass

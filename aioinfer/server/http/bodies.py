@@ -17,24 +17,15 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from aioinfer.server.anthropic.protocol import MessagesRequest, MessageTokensCountRequest
 from aioinfer.server.http.errors import (
     BadRequestError,
     NotFoundError,
     PayloadTooLargeError,
     RequestTimeoutError,
 )
+from aioinfer.server.http.request_model import ModelRequest
 from aioinfer.server.http.sse import within
 from aioinfer.server.http.state import STATE
-from aioinfer.server.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
-from aioinfer.server.pooling.classify_protocol import ClassifyRequest
-from aioinfer.server.pooling.embeddings_protocol import EmbeddingRequest
-from aioinfer.server.pooling.scores_protocol import RerankRequest, ScoreRequest
-from aioinfer.server.responses.protocol import ResponsesRequest
-from aioinfer.server.serving.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
@@ -61,21 +52,7 @@ _OPEN, _CLOSE = b"[{", b"]}"
 _BRACKETS = bytes.maketrans(_OPEN + _CLOSE, b"\x01\x01\xff\xff")
 _NOT_BRACKETS = bytes(set(range(256)) - set(_OPEN + _CLOSE))
 
-# The requests that name a model; constrained so that each handler gets its own type back.
-_R = TypeVar(
-    "_R",
-    CompletionRequest,
-    ChatCompletionRequest,
-    EmbeddingRequest,
-    ClassifyRequest,
-    ScoreRequest,
-    RerankRequest,
-    ResponsesRequest,
-    MessagesRequest,
-    MessageTokensCountRequest,
-    TokenizeRequest,
-    DetokenizeRequest,
-)
+_R = TypeVar("_R", bound=ModelRequest)  # each handler gets its own request type back
 
 
 async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngine, _R]:

@@ -3,21 +3,21 @@ turns every failure of a handler (ours, aiohttp's 404/405/413, a bug) into that 
 
 The `type` strings follow vLLM (BadRequestError, NotFoundError, ...); `code` is the HTTP status.
 Under /v1/messages, Anthropic's clients read Anthropic's envelope instead:
-`{"type": "error", "error": {"type": "invalid_request_error", "message"}}`.
+`{"type": "error", "error": {"type": "invalid_request_error", "message"}}`. Both envelopes
+are built here, so that the middleware needs no API.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from aiohttp import web
+from typing_extensions import TypedDict
 
-from aioinfer.server.anthropic.render import anthropic_error_body
-from aioinfer.server.serving.protocol import RequestValidationError
-from aioinfer.server.serving.shapes import ErrorResponse
+from aioinfer.server.http.request_model import RequestValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +37,40 @@ _TYPE_BY_STATUS = {
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
 }
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",  # Anthropic's own status for it is 529; ours stays 503
+}
 MESSAGES_PATH = "/v1/messages"
 # Headers of aiohttp's own HTTP exceptions that must survive the rewrite.
 _KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate")
+
+
+class ErrorInfo(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(TypedDict):
+    error: ErrorInfo
+
+
+class AnthropicErrorInfo(TypedDict):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(TypedDict):
+    type: Literal["error"]
+    error: AnthropicErrorInfo
 
 
 class APIError(Exception):
@@ -92,6 +123,18 @@ def error_body(status: int, message: str, param: str | None = None) -> ErrorResp
     return {
         "error": {"message": message, "type": error_type(status), "param": param, "code": status}
     }
+
+
+def anthropic_error_body(
+    status: int, message: str, param: str | None = None
+) -> AnthropicErrorResponse:
+    """Anthropic's envelope has no `param`: the message names the field instead."""
+    if param and param not in message:
+        message = f"{param}: {message}"
+    kind = _ANTHROPIC_TYPE_BY_STATUS.get(
+        status, "invalid_request_error" if status < 500 else "api_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def is_messages_path(path: str) -> bool:

@@ -1,17 +1,36 @@
 """The request log: one line per generation request (status, token counts, finish reasons,
-latency), and a second with the clipped texts under --log-prompts."""
+latency), and a second with the clipped texts under --log-prompts. `generation_handler` wraps
+every generation handler: it counts the request in flight (shutdown waits for these) and writes
+its line.
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiohttp import web
 
 from aioinfer.core.outputs import CompletionOutput
-from aioinfer.server.openai.render import ResponseContext
+from aioinfer.server.http.errors import APIError
+from aioinfer.server.http.request_model import RequestValidationError
+from aioinfer.server.http.state import STATE
 
 logger = logging.getLogger(__name__)
+
+
+class Started(Protocol):
+    """What the log reads of a request once it started (a serving ResponseContext)."""
+
+    @property
+    def response_id(self) -> str: ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
 
 
 @dataclass
@@ -31,7 +50,7 @@ class RequestRecord:
     outputs: dict[tuple[int, int], str] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
-    def start(self, ctx: ResponseContext, prompt_texts: list[str | None]) -> None:
+    def start(self, ctx: Started, prompt_texts: list[str | None]) -> None:
         self.request_id = ctx.response_id
         self.prompt_tokens = ctx.prompt_tokens
         if self.keep_text:
@@ -65,3 +84,37 @@ class RequestRecord:
 
 def _clip(texts: Sequence[str | None], limit: int) -> list[str | None]:
     return [t if t is None or len(t) <= limit else t[:limit] + "..." for t in texts]
+
+
+def generation_handler(
+    handler: Callable[[web.Request, RequestRecord], Awaitable[web.StreamResponse]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Counts the request as in flight (shutdown waits for these) and writes its log line."""
+
+    @functools.wraps(handler)
+    async def wrapper(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        config = state.config
+        record = RequestRecord(
+            request.path,
+            keep_text=config.log_requests and config.log_prompts,
+            max_text=config.max_log_len,
+        )
+        state.in_flight += 1
+        try:
+            response = await handler(request, record)
+            if record.status is None:
+                record.status = response.status
+            return response
+        except APIError as exc:
+            record.status = exc.status
+            raise
+        except RequestValidationError:
+            record.status = 400
+            raise
+        finally:
+            state.in_flight -= 1
+            if config.log_requests:
+                record.log()
+
+    return wrapper

@@ -41,6 +41,7 @@ SSE_HEADERS = {
 DONE = b"data: [DONE]\n\n"
 KEEP_ALIVE = b": keep-alive\n\n"
 WATCH_INTERVAL = 0.1  # seconds between disconnect checks
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 
 _T = TypeVar("_T")
 
@@ -52,6 +53,11 @@ class ClientDisconnected(Exception):
     def __init__(self, message: str, reason: str = "client_disconnect") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def client_closed() -> web.Response:
+    """The answer to a client that left first: nobody reads it, the request log shows it."""
+    return web.Response(status=CLIENT_CLOSED_REQUEST, reason="Client Closed Request")
 
 
 def encode_event(payload: Any) -> bytes:

@@ -1,5 +1,6 @@
 """The state the handlers of one app share: the engine once it serves, the config, the disconnect
-watcher, the metrics and the shutdown flags."""
+watcher, the metrics and the shutdown flags. An API's own state (the Responses API's stored
+responses) lives in an app key of its package."""
 
 from __future__ import annotations
 
@@ -9,27 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
 
-from aioinfer import __version__
 from aioinfer.config import ServerConfig
 from aioinfer.server.http.errors import ServiceUnavailableError
 from aioinfer.server.http.metrics import ServerMetrics
 from aioinfer.server.http.sse import DisconnectWatcher
-from aioinfer.server.openapi import openapi_document
-from aioinfer.server.responses.store import ResponseStore
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
-
-
-@dataclass(frozen=True)
-class BackgroundResponse:
-    """The task generating a background response, and the API key it belongs to."""
-
-    task: asyncio.Task[None]
-    owner: bytes | None
 
 
 @dataclass
@@ -46,13 +35,9 @@ class ServerState:
     # Set once the engine serves, or failed to start.
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     metrics: ServerMetrics = field(init=False)
-    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
-    # Background responses being generated, by id (POST /v1/responses/{id}/cancel stops them).
-    background: dict[str, BackgroundResponse] = field(default_factory=dict)
     # (request kind, field) pairs already logged as ignored: each is logged once.
     ignored_fields_logged: set[tuple[str, str]] = field(default_factory=set)
     _token_texts: dict[int, str] = field(default_factory=dict)
-    _openapi: bytes | None = None
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(lambda: self.engine)
@@ -109,11 +94,6 @@ class ServerState:
 
         text = self.token_text(tokenizer)
         return lambda token_id: list(token_bytes(tokenizer, token_id, text(token_id)))
-
-    def openapi(self) -> bytes:
-        if self._openapi is None:
-            self._openapi = orjson.dumps(openapi_document(__version__))
-        return self._openapi
 
 
 STATE = web.AppKey("aioinfer_state", ServerState)

@@ -119,27 +119,3 @@ def renamed_params(names: Mapping[str, str]) -> Iterator[None]:
 def _head(path: str) -> str:
     """The field a path starts at: `tools` of `tools[0].function`."""
     return path.split("[", 1)[0].split(".", 1)[0]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_prompt_shape(value: Any) -> Any:
-    """A completions prompt (or embeddings input) as given; ValueError for any other shape."""
-    if is_prompt(value):
-        return value
-    raise ValueError(
-        "must be a string, a list of strings, a list of token ids or a list of token-id "
-        f"lists, none of them empty; got {short_repr(value)}"
-    )
-
-
-def is_prompt(value: Any) -> bool:
-    if isinstance(value, str):
-        return True
-    if not isinstance(value, list) or not value:
-        return False
-    if all(isinstance(p, str) for p in value) or all(_is_int(t) for t in value):
-        return True
-    return all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value)

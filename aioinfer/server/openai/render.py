@@ -1,40 +1,36 @@
-"""Engine outputs to OpenAI response bodies and SSE chunks.
+"""Engine outputs to /v1/completions and /v1/chat/completions bodies and SSE chunks.
 
 PURE (no torch, no asyncio): plain functions and classes over the core outputs, returning the
-dicts of `responses` that orjson serializes.
+dicts of `shapes` that orjson serializes.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
 from aioinfer.core.step import TokenLogprobs
-from aioinfer.server.serving.logprobs_render import (
-    TokenBytes,
-    TokenText,
-    chat_logprobs,
-    completion_logprobs,
-    prompt_logprobs_json,
-    top_trimmed,
-)
-from aioinfer.server.serving.reasoning import ReasoningSplit, ReasoningStream, ReasoningTokens
-from aioinfer.server.serving.shapes import (
+from aioinfer.server.openai.shapes import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionResponse,
     ChatDelta,
     ChatResponseMessage,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionResponse,
-    ModelCard,
-    ToolCallJson,
     UsageInfo,
 )
+from aioinfer.server.serving.context import ResponseContext
+from aioinfer.server.serving.logprobs_render import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+    top_trimmed,
+)
+from aioinfer.server.serving.reasoning import ReasoningStream, ReasoningTokens
+from aioinfer.server.serving.shapes import CompletionLogprobs, ToolCallJson
 from aioinfer.server.serving.tool_parsers import ToolCallStream, ToolParser
 from aioinfer.server.serving.tools import ToolMode, new_call_id
 
@@ -53,71 +49,6 @@ def usage(
     if reasoning_tokens is not None:
         info["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return info
-
-
-@dataclass
-class Prompt:
-    """One prompt as the engine sees it: token ids, and the text when there was one."""
-
-    token_ids: list[int]
-    text: str | None = None
-
-
-def model_card(name: str, max_model_len: int, created: int) -> ModelCard:
-    return {
-        "id": name,
-        "object": "model",
-        "created": created,
-        "owned_by": "aioinfer",
-        "root": name,
-        "parent": None,
-        "max_model_len": max_model_len,
-        "permission": [
-            {"id": f"modelperm-{name}", "object": "model_permission", "allow_sampling": True}
-        ],
-    }
-
-
-@dataclass
-class ResponseContext:
-    """What every response of one request shares."""
-
-    response_id: str
-    model: str
-    prompts: list[Prompt]
-    n: int
-    token_text: TokenText
-    token_bytes: TokenBytes | None = None  # see chat_logprobs
-    engine_id: str = ""  # the engine's request id (base); the response id where empty
-    created: int = field(default_factory=lambda: int(time.time()))
-    return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids as well
-    # vLLM's prompt_logprobs: alternatives per prompt token in the body (None: not asked).
-    prompt_logprobs: int | None = None
-    # Completions' logprobs: alternatives per token; the echoed prompt's are cut to it, as
-    # the engine computes prompt logprobs as wide as the wider of the two requests.
-    echo_logprobs: int = 0
-    reasoning: ReasoningSplit | None = None  # chat with --reasoning-parser
-    lora: str | None = None  # the LoRA adapter the request named as its model (--lora-modules)
-    cache_salt: str | None = None  # vLLM's: prefixes shared only within one salt
-    # With --enable-prompt-tokens-details: each prompt's tokens found in the prefix cache.
-    cached_tokens: dict[int, int] | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.prompts)
-
-    def saw(self, prompt_index: int, output: RequestOutput) -> None:
-        """Note what an output (or delta) of prompt `prompt_index` says about its prompt."""
-        if self.cached_tokens is not None:
-            known = self.cached_tokens.get(prompt_index, 0)
-            self.cached_tokens[prompt_index] = max(known, output.num_cached_tokens)
-
-    def choice_index(self, prompt_index: int, seq_index: int) -> int:
-        return prompt_index * self.n + seq_index
-
-    def prompt_text(self, prompt_index: int, decode: Callable[[list[int]], str]) -> str:
-        prompt = self.prompts[prompt_index]
-        return prompt.text if prompt.text is not None else decode(prompt.token_ids)
 
 
 def completion_response(

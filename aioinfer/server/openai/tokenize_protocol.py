@@ -7,15 +7,11 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from aioinfer.server.serving.protocol import (
-    ChatMessage,
-    ChatTemplateOptions,
-    OpenAIRequest,
-    RequestValidationError,
-)
+from aioinfer.server.http.request_model import ModelRequest, RequestValidationError
+from aioinfer.server.serving.protocol import ChatMessage, ChatTemplateOptions
 
 
-class TokenizeRequest(ChatTemplateOptions):
+class TokenizeRequest(ChatTemplateOptions, ModelRequest):
     """POST /tokenize: either a prompt or chat messages."""
 
     model: str | None = None
@@ -34,7 +30,7 @@ class TokenizeRequest(ChatTemplateOptions):
         self.check_template_options()
 
 
-class DetokenizeRequest(OpenAIRequest):
+class DetokenizeRequest(ModelRequest):
     """POST /detokenize."""
 
     model: str | None = None

@@ -14,11 +14,11 @@ from pydantic import Field, field_validator
 from typing_extensions import TypedDict
 
 from aioinfer.core.pooling import PoolingParams
-from aioinfer.server.http.validation import check_prompt_shape
-from aioinfer.server.serving.protocol import OpenAIRequest, RequestValidationError
+from aioinfer.server.http.request_model import ModelRequest, RequestValidationError
+from aioinfer.server.serving.protocol import check_prompt_shape
 
 
-class PoolingInputRequest(OpenAIRequest):
+class PoolingInputRequest(ModelRequest):
     """The fields /v1/embeddings and /classify share: inputs, truncation, priority."""
 
     model: str | None = Field(None, description="The served model name (default: the only one).")

@@ -16,9 +16,9 @@ from aiohttp import web
 from aioinfer.core.pooling import cosine
 from aioinfer.server.http.bodies import json_response, parse_request
 from aioinfer.server.http.errors import BadRequestError
-from aioinfer.server.http.request_log import RequestRecord
-from aioinfer.server.openai.completions import generation_handler
-from aioinfer.server.pooling.embeddings import client_closed, embed_inputs
+from aioinfer.server.http.request_log import RequestRecord, generation_handler
+from aioinfer.server.http.sse import client_closed
+from aioinfer.server.pooling.embed_inputs import embed_inputs
 from aioinfer.server.pooling.embeddings_protocol import pooling_params
 from aioinfer.server.pooling.scores_protocol import (
     RerankRequest,

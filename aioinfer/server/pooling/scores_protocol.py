@@ -15,12 +15,12 @@ from pydantic import Field
 from typing_extensions import NotRequired, TypedDict
 
 from aioinfer.core.pooling import score_pairs
-from aioinfer.server.serving.protocol import OpenAIRequest, RequestValidationError
+from aioinfer.server.http.request_model import ModelRequest, RequestModel, RequestValidationError
 
 _ALTERNATIVE = re.compile(r"\.(?:str|list\[str\]|DocumentObject)(?=[\[.:\s]|$)")
 
 
-class _ScoringRequest(OpenAIRequest):
+class _ScoringRequest(ModelRequest):
     @staticmethod
     def client_path(text: str) -> str:
         # pydantic also names the alternative a value was tried as (documents[0].str,
@@ -56,7 +56,7 @@ class RerankDocument(TypedDict):
     text: str
 
 
-class DocumentObject(OpenAIRequest):
+class DocumentObject(RequestModel):
     text: str
 
 

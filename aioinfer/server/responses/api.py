@@ -25,10 +25,9 @@ from aiohttp import web
 from aioinfer.core.outputs import RequestOutput
 from aioinfer.server.http.bodies import BODY_SIZE, json_response, parse_request
 from aioinfer.server.http.errors import BadRequestError, NotFoundError
-from aioinfer.server.http.request_log import RequestRecord
+from aioinfer.server.http.request_log import RequestRecord, generation_handler
 from aioinfer.server.http.sse import encode_named_event
-from aioinfer.server.http.state import STATE, BackgroundResponse, ServerState
-from aioinfer.server.openai.completions import Framing, answer, generation_handler, start_chat
+from aioinfer.server.http.state import STATE, ServerState
 from aioinfer.server.responses.event_log import EventLog, replay
 from aioinfer.server.responses.protocol import (
     INPUT_ITEMS,
@@ -37,12 +36,8 @@ from aioinfer.server.responses.protocol import (
     ResponsesRequest,
     responses_params,
 )
-from aioinfer.server.responses.render import (
-    ResponseDeleted,
-    ResponseEvents,
-    ResponseObject,
-    new_id,
-)
+from aioinfer.server.responses.render import ResponseDeleted, ResponseEvents, ResponseObject
+from aioinfer.server.responses.state import RESPONSES, BackgroundResponse, ResponsesState
 from aioinfer.server.responses.store import (
     ResponseStore,
     StoredResponse,
@@ -50,6 +45,9 @@ from aioinfer.server.responses.store import (
     listed_item,
     owner_of,
 )
+from aioinfer.server.serving.answer import Framing, answer
+from aioinfer.server.serving.chat import start_chat
+from aioinfer.server.serving.context import new_id
 from aioinfer.server.serving.generation import Generation, generation_error
 from aioinfer.server.serving.prompts import off_loop_if_long
 from aioinfer.server.serving.protocol import ChatCompletionRequest
@@ -59,10 +57,10 @@ logger = logging.getLogger(__name__)
 
 @generation_handler
 async def create_response(request: web.Request, record: RequestRecord) -> web.StreamResponse:
-    state = request.app[STATE]
+    state, responses = request.app[STATE], request.app[RESPONSES]
     engine, req = await parse_request(request, ResponsesRequest)
     owner = _owner(request)
-    previous = _previous(state.responses, req.previous_response_id, owner)
+    previous = _previous(responses.store, req.previous_response_id, owner)
     history = list(previous.conversation) if previous is not None else []
     previous_size = previous.size if previous is not None else 0
     chat, listed_input = await off_loop_if_long(
@@ -88,9 +86,9 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
         if log is not None:  # its events so far, and the final one (the response again)
             size += log.nbytes + body_bytes
         stored = StoredResponse(response, (*conversation, *output), owner, size, input_items, log)
-        if not state.responses.put(stored):
+        if not responses.store.put(stored):
             logger.warning("response %s not stored: %d bytes", response["id"], size)
-            state.responses.delete(response["id"], owner)  # not an earlier, stale state
+            responses.store.delete(response["id"], owner)  # not an earlier, stale state
 
     events = ResponseEvents(
         started.ctx,
@@ -105,7 +103,7 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
         return events.complete(finals[0])
 
     if req.background:
-        queued = _in_background(state, started.generation, events, store, owner, log)
+        queued = _in_background(state, responses, started.generation, events, store, owner, log)
         if log is None:
             return json_response(queued)
         return await replay(request, state.config, state.watcher, log)
@@ -138,6 +136,7 @@ def _prepare(
 
 def _in_background(
     state: ServerState,
+    responses: ResponsesState,
     generation: Generation,
     events: ResponseEvents,
     store: Callable[[ResponseObject], None],
@@ -196,22 +195,22 @@ def _in_background(
         if log is not None:
             log.close()
         state.in_flight -= 1
-        del state.background[response_id]
+        del responses.background[response_id]
 
     task = asyncio.get_running_loop().create_task(run())
     task.add_done_callback(finished)
     state.in_flight += 1  # shutdown waits for it as for a request being answered
-    state.background[response_id] = BackgroundResponse(task, owner)
+    responses.background[response_id] = BackgroundResponse(task, owner)
     return queued
 
 
 async def cancel_response(request: web.Request) -> web.Response:
     """Stop a background response that is still generating; its stored state says
     "cancelled". A finished one, or one that was not in the background, is a 400."""
-    state = request.app[STATE]
+    responses = request.app[RESPONSES]
     response_id, owner = request.match_info["response_id"], _owner(request)
-    if not await _stop(state, response_id, owner):
-        stored = state.responses.get(response_id, owner)
+    if not await _stop(responses, response_id, owner):
+        stored = responses.store.get(response_id, owner)
         if stored is None:
             raise _not_found(response_id)
         if stored.body["status"] != "cancelled":
@@ -221,16 +220,16 @@ async def cancel_response(request: web.Request) -> web.Response:
                 "has not finished can be cancelled.",
                 param="response_id",
             )
-    stored = state.responses.get(response_id, owner)
+    stored = responses.store.get(response_id, owner)
     if stored is None:  # deleted meanwhile
         raise _not_found(response_id)
     return json_response(stored.body)
 
 
-async def _stop(state: ServerState, response_id: str, owner: bytes | None) -> bool:
+async def _stop(responses: ResponsesState, response_id: str, owner: bytes | None) -> bool:
     """Cancel the background response `owner` runs under this id and wait until it stored
     its "cancelled" state; False when there is none."""
-    running = state.background.get(response_id)
+    running = responses.background.get(response_id)
     if running is None or running.owner != owner:
         return False
     running.task.cancel()
@@ -272,7 +271,7 @@ async def retrieve_response(request: web.Request) -> web.StreamResponse:
     after `starting_after` (a sequence number), then the rest as they come."""
     state = request.app[STATE]
     response_id = request.match_info["response_id"]
-    stored = state.responses.get(response_id, _owner(request))
+    stored = request.app[RESPONSES].store.get(response_id, _owner(request))
     if stored is None:
         raise _not_found(response_id)
     stream = request.query.get("stream", "false")
@@ -298,7 +297,7 @@ async def list_input_items(request: web.Request) -> web.Response:
     """GET /v1/responses/{response_id}/input_items: the items the response was generated
     from (the conversation before its output, earlier turns included), a page at a time."""
     response_id = request.match_info["response_id"]
-    stored = request.app[STATE].responses.get(response_id, _owner(request))
+    stored = request.app[RESPONSES].store.get(response_id, _owner(request))
     if stored is None:
         raise _not_found(response_id)
     query = request.query
@@ -330,10 +329,10 @@ async def list_input_items(request: web.Request) -> web.Response:
 
 
 async def delete_response(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+    responses = request.app[RESPONSES]
     response_id, owner = request.match_info["response_id"], _owner(request)
-    await _stop(state, response_id, owner)  # first, or it would store itself again when done
-    if not state.responses.delete(response_id, owner):
+    await _stop(responses, response_id, owner)  # first, or it would store itself again when done
+    if not responses.store.delete(response_id, owner):
         raise _not_found(response_id)
     deleted: ResponseDeleted = {"id": response_id, "object": "response", "deleted": True}
     return json_response(deleted)

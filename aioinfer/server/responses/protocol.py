@@ -19,14 +19,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
 from aioinfer.core.request import MAX_CACHE_SALT_CHARS
+from aioinfer.server.http.request_model import ModelRequest, RequestValidationError, StrictModel
 from aioinfer.server.http.validation import renamed_params
-from aioinfer.server.serving.formats import JsonSchemaFormat, ResponseFormat, StrictModel
-from aioinfer.server.serving.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    OpenAIRequest,
-    RequestValidationError,
-)
+from aioinfer.server.serving.formats import JsonSchemaFormat, ResponseFormat
+from aioinfer.server.serving.protocol import ChatCompletionRequest, ChatMessage
 from aioinfer.server.serving.tools import (
     AssistantToolCall,
     CalledFunction,
@@ -213,7 +209,7 @@ class TextConfig(StrictModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(OpenAIRequest):
+class ResponsesRequest(ModelRequest):
     """POST /v1/responses."""
 
     model: str | None = Field(None, description="The served model name (default: the only one).")

@@ -10,7 +10,6 @@ PURE (no torch, no asyncio).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -18,7 +17,7 @@ from typing import Any, Literal, cast
 from typing_extensions import NotRequired, TypedDict
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
-from aioinfer.server.openai.render import ResponseContext
+from aioinfer.server.serving.context import ResponseContext, new_id
 from aioinfer.server.serving.output_parts import (
     ArgumentsDelta,
     CallOpened,
@@ -158,10 +157,6 @@ class ResponseDeleted(TypedDict):
     id: str
     object: Literal["response"]
     deleted: bool
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 @dataclass

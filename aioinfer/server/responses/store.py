@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from typing_extensions import TypedDict
 
 from aioinfer.server.responses.protocol import InputItem, InputMessage, ReasoningItem
-from aioinfer.server.responses.render import ResponseObject, new_id
+from aioinfer.server.responses.render import ResponseObject
+from aioinfer.server.serving.context import new_id
 
 if TYPE_CHECKING:
     from aioinfer.server.responses.event_log import EventLog

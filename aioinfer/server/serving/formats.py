@@ -1,5 +1,5 @@
 """The request fields that constrain an output's format: OpenAI's `response_format` and vLLM's
-`structured_outputs`; and the base of every request model.
+`structured_outputs`.
 
 PURE: pydantic only.
 """
@@ -8,13 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class StrictModel(BaseModel):
-    """Strict types ("10" is not an integer, 1 is not a boolean); unknown fields ignored."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
+from aioinfer.server.http.request_model import StrictModel
 
 
 class JsonSchemaFormat(StrictModel):

@@ -27,7 +27,7 @@ from aioinfer.server.http.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
-from aioinfer.server.openai.render import Prompt, ResponseContext
+from aioinfer.server.serving.context import Prompt, ResponseContext
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine

@@ -3,7 +3,7 @@
 arguments; "required" calls come whole once their array is complete; with tool_choice "auto" a
 tool parser reads them from the text).
 
-The Responses API (`responses_render`) and the Messages API (`messages_render`) both build their
+The Responses API (`responses.render`) and the Messages API (`anthropic.render`) both build their
 items and events from these parts, so they split an output the same way.
 
 PURE (no torch, no asyncio).
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aioinfer.core.outputs import CompletionOutput
-from aioinfer.server.openai.render import ResponseContext
+from aioinfer.server.serving.context import ResponseContext
 from aioinfer.server.serving.logprobs_render import chat_logprobs
 from aioinfer.server.serving.shapes import ChatLogprob
 from aioinfer.server.serving.tool_parsers import ToolCallStream, ToolParser

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from aioinfer.config import ServerConfig
 from aioinfer.server.http.errors import BadRequestError
-from aioinfer.server.openai.render import Prompt
+from aioinfer.server.serving.context import Prompt
 
 _T = TypeVar("_T")
 

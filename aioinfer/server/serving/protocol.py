@@ -1,10 +1,11 @@
-"""OpenAI request schemas and their validation.
+"""The request models more than one API shares: the sampling and format fields of a
+generation request, chat messages and the chat template's options, and the chat completion
+request that the Responses and Messages APIs become.
 
 PURE: pydantic and the core package only (no torch, no asyncio). Requests are pydantic models with
 strict types: "10" or 1.5 is not an integer and 1 is not a boolean, while a JSON 1 is a valid
-float. Unknown fields are ignored; known fields the server does not support (tool_choice
-"auto", suffix, best_of > 1, ...) are refused with a message naming them. The response
-shapes are in `responses`, their builders in `render`, the OpenAPI document in `openapi`.
+float. Unknown fields are ignored; known fields the server does not support (suffix,
+best_of > 1, ...) are refused with a message naming them.
 """
 
 from __future__ import annotations
@@ -12,19 +13,16 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from aioinfer.core.request import MAX_CACHE_SALT_CHARS
 from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
 from aioinfer.engine.tokenizer import check_template_kwargs
-from aioinfer.server.http.validation import (
-    check_prompt_shape,
-    describe_validation_error,
-    short_repr,
-)
-from aioinfer.server.serving.formats import ResponseFormat, StrictModel, StructuredOutputs
+from aioinfer.server.http.request_model import ModelRequest, RequestModel, RequestValidationError
+from aioinfer.server.http.validation import short_repr
+from aioinfer.server.serving.formats import ResponseFormat, StructuredOutputs
 from aioinfer.server.serving.tools import (
     AssistantToolCall,
     ChatTool,
@@ -34,61 +32,38 @@ from aioinfer.server.serving.tools import (
     tool_constraint,
 )
 
-COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
 
-_M = TypeVar("_M", bound="OpenAIRequest")
-
-
-class RequestValidationError(ValueError):
-    """A request the server refuses (HTTP 400); `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+def check_prompt_shape(value: Any) -> Any:
+    """A completions prompt (or embeddings input) as given; ValueError for any other shape."""
+    if is_prompt(value):
+        return value
+    raise ValueError(
+        "must be a string, a list of strings, a list of token ids or a list of token-id "
+        f"lists, none of them empty; got {short_repr(value)}"
+    )
 
 
-# --------------------------------------------------------------------------- requests
+def is_prompt(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list) or not value:
+        return False
+    if all(isinstance(p, str) for p in value) or all(_is_int(t) for t in value):
+        return True
+    return all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value)
 
 
-class OpenAIRequest(StrictModel):
-    # vLLM's fields for what is not implemented here, and why: refused when set (not null or
-    # false), instead of being dropped with the unknown fields.
-    UNSUPPORTED: ClassVar[Mapping[str, str]] = {}
-
-    @classmethod
-    def parse(cls: type[_M], data: Mapping[str, Any]) -> _M:
-        """Validate a decoded JSON object; raises RequestValidationError with a readable
-        message that names the field."""
-        for name, why in cls.UNSUPPORTED.items():
-            if data.get(name) not in (None, False):
-                raise RequestValidationError(f"{name} is not supported: {why}", name)
-        try:
-            request = cls.model_validate(data)
-        except ValidationError as exc:
-            message, param = describe_validation_error(exc)
-            param = cls.client_path(param) if param is not None else None
-            raise RequestValidationError(cls.client_path(message), param) from None
-        request.check_supported()
-        return request
-
-    @staticmethod
-    def client_path(text: str) -> str:
-        """A field's path as the client wrote it, where a request's own union alternatives
-        show in pydantic's (see validation.format_loc for the common ones)."""
-        return text
-
-    def check_supported(self) -> None:
-        """Refuse valid-looking requests the server cannot serve."""
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-class StreamOptions(OpenAIRequest):
+class StreamOptions(RequestModel):
     include_usage: bool | None = Field(None, description="Send a final chunk with the usage.")
     continuous_usage_stats: bool | None = Field(None, description="Send the usage in each chunk.")
 
 
-class _GenerationRequest(OpenAIRequest):
-    """Fields shared by completions and chat completions."""
+class GenerationRequest(ModelRequest):
+    """Fields shared by completions and chat completions: sampling, output formats, streaming."""
 
     UNSUPPORTED: ClassVar[Mapping[str, str]] = {
         "use_beam_search": "beam search is served offline only (LLM.beam_search)",
@@ -270,76 +245,12 @@ class _GenerationRequest(OpenAIRequest):
             raise RequestValidationError(str(exc), _param_of(str(exc))) from None
 
 
-class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions."""
-
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="A text, a list of texts, a list of token ids or a list of such lists."
-    )
-    echo: bool | None = Field(
-        False,
-        description="Prepend the prompt to each completion; with max_tokens 0, return only the "
-        "prompt (and its logprobs), to score it.",
-    )
-    logprobs: int | None = Field(
-        None, ge=0, description="Top logprobs per token (0: the chosen one)."
-    )
-    suffix: str | None = Field(None, description="Not supported: refused unless empty.")
-    best_of: int | None = Field(None, description="Not supported: refused unless 1.")
-    add_special_tokens: bool = Field(
-        True, description="Add the tokenizer's special tokens (a BOS) to text prompts (vLLM's)."
-    )
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt_shape(cls, value: Any) -> Any:
-        return check_prompt_shape(value)
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.suffix:
-            raise RequestValidationError(
-                "suffix is not supported: fill-in-the-middle needs a model-specific prompt; put "
-                "the text in the prompt instead",
-                "suffix",
-            )
-        if self.best_of is not None and self.best_of != 1:
-            raise RequestValidationError(
-                f"best_of must be 1 (or omitted): it is not supported, got {self.best_of}",
-                "best_of",
-            )
-
-    @property
-    def max_tokens_given(self) -> bool:
-        return self.max_tokens is not None
-
-    @property
-    def prompt_only(self) -> bool:
-        """Echo with max_tokens 0: score the prompt (its logprobs), generate nothing."""
-        return bool(self.echo) and self.max_tokens == 0
-
-    def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
-        """The request's SamplingParams: request values, then the model's defaults, then
-        OpenAI's (max_tokens 16)."""
-        values = self._sampling_values(defaults)
-        limit = self.max_tokens
-        if limit is None:
-            limit = COMPLETION_MAX_TOKENS_DEFAULT
-        # The engine samples at least one token; the handler hides it (see `prompt_only`).
-        values["max_tokens"] = 1 if self.prompt_only else _capped(limit, defaults)
-        if self.logprobs is not None:
-            values["logprobs"] = self.logprobs
-            if self.echo:  # the echoed prompt's logprobs
-                values["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
-        return self._build(values)
-
-
-class TextPart(OpenAIRequest):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(OpenAIRequest):
+class ChatMessage(RequestModel):
     # "developer" is OpenAI's newer name for system instructions; templates see it as given.
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(
@@ -390,7 +301,7 @@ class ChatMessage(OpenAIRequest):
         return message
 
 
-class ChatTemplateOptions(OpenAIRequest):
+class ChatTemplateOptions(RequestModel):
     """How chat messages are rendered through the model's template (as vLLM's fields)."""
 
     add_generation_prompt: bool | None = Field(
@@ -443,11 +354,11 @@ class ChatTemplateOptions(OpenAIRequest):
         }
 
 
-class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
+class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
     """POST /v1/chat/completions."""
 
     UNSUPPORTED: ClassVar[Mapping[str, str]] = {
-        **_GenerationRequest.UNSUPPORTED,
+        **GenerationRequest.UNSUPPORTED,
         "echo": "a chat reply does not repeat the last message",
     }
 
@@ -545,13 +456,13 @@ class ChatCompletionRequest(_GenerationRequest, ChatTemplateOptions):
             raise RequestValidationError(
                 f"max_completion_tokens must be >= 1, got {limit}", "max_completion_tokens"
             )
-        values["max_tokens"] = _capped(limit, defaults)
+        values["max_tokens"] = capped_max_tokens(limit, defaults)
         if self.logprobs:
             values["logprobs"] = self.top_logprobs or 0
         return self._build(values)
 
 
-def _capped(limit: int | None, defaults: Mapping[str, Any]) -> int | None:
+def capped_max_tokens(limit: int | None, defaults: Mapping[str, Any]) -> int | None:
     """max_tokens under the server's cap (--override-generation-config's max_new_tokens, a
     cap as in vLLM; None: the rest of the context)."""
     cap = defaults.get("max_tokens")

@@ -23,7 +23,7 @@ from pydantic import Field
 
 from aioinfer.core.sampling_params import StructuredOutputsParams
 from aioinfer.engine.tokenizer import template_arguments
-from aioinfer.server.serving.formats import StrictModel
+from aioinfer.server.http.request_model import StrictModel
 from aioinfer.server.serving.shapes import ToolCallJson
 
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
