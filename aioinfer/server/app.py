@@ -23,14 +23,15 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from aioinfer.config import ServerConfig
-from aioinfer.server.auth import make_auth_middleware
-from aioinfer.server.bodies import MAX_BODY_BYTES
-from aioinfer.server.completions import REQUEST_ID_HEADER
-from aioinfer.server.cors import CorsPolicy
-from aioinfer.server.errors import error_middleware
+from aioinfer.server.http.auth import make_auth_middleware
+from aioinfer.server.http.bodies import MAX_BODY_BYTES
+from aioinfer.server.http.cors import CorsPolicy
+from aioinfer.server.http.errors import error_middleware
+from aioinfer.server.http.request_id import echo_request_id
+from aioinfer.server.http.sse import WATCH_INTERVAL, DisconnectWatcher
+from aioinfer.server.http.state import STATE, ServerState
+from aioinfer.server.responses.state import RESPONSES, ResponsesState
 from aioinfer.server.routes import setup_routes
-from aioinfer.server.sse import WATCH_INTERVAL, DisconnectWatcher
-from aioinfer.server.state import STATE, ServerState
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
@@ -72,6 +73,7 @@ def create_app(
         middlewares.append(auth)
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
+    app[RESPONSES] = ResponsesState()  # the Responses API's stored and background responses
     setup_routes(app)
     factory: EngineFactory | None = engine if callable(engine) else None
     if factory is None:
@@ -80,17 +82,10 @@ def create_app(
     app.cleanup_ctx.append(_engine_context(factory, owns, on_fatal))
     app.cleanup_ctx.append(_watcher_context)
     app.on_shutdown.append(_start_draining)
-    app.on_response_prepare.append(_echo_request_id)
+    app.on_response_prepare.append(echo_request_id)
     if cors is not None:
         app.on_response_prepare.append(cors.add_headers)
     return app
-
-
-async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """A client's X-Request-Id comes back on every answer (errors too), for its tracing."""
-    request_id = request.headers.get(REQUEST_ID_HEADER)
-    if request_id is not None:
-        response.headers[REQUEST_ID_HEADER] = request_id
 
 
 async def wait_for_engine(app: web.Application) -> AsyncEngine:

@@ -165,7 +165,7 @@ async def _serve(
     from aioinfer.core.lora import LoRARequest
     from aioinfer.engine.async_engine import AsyncEngine
     from aioinfer.server.app import create_app, drain
-    from aioinfer.server.state import STATE
+    from aioinfer.server.http.state import STATE
 
     started_at = started_at if started_at is not None else time.perf_counter()
     stop = asyncio.Event()

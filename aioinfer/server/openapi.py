@@ -10,42 +10,34 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter
 
-from aioinfer.server.classify_protocol import ClassifyRequest, ClassifyResponse
-from aioinfer.server.embeddings_protocol import EmbeddingRequest, EmbeddingResponse
-from aioinfer.server.messages_protocol import MessagesRequest, MessageTokensCountRequest
-from aioinfer.server.messages_render import (
-    AnthropicErrorResponse,
-    MessageObject,
-    MessageStreamEvent,
-    MessageTokensCount,
-)
-from aioinfer.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
-from aioinfer.server.responses import (
+from aioinfer.server.anthropic.protocol import MessagesRequest, MessageTokensCountRequest
+from aioinfer.server.anthropic.render import MessageObject, MessageStreamEvent, MessageTokensCount
+from aioinfer.server.http.errors import AnthropicErrorResponse, ErrorResponse
+from aioinfer.server.http.status import ServerLoad, VersionResponse
+from aioinfer.server.openai.protocol import CompletionRequest
+from aioinfer.server.openai.shapes import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
     DetokenizeResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
-    ServerLoad,
     TokenizeResponse,
-    VersionResponse,
 )
-from aioinfer.server.responses_protocol import OUTPUT_LOGPROBS, ResponsesRequest
-from aioinfer.server.responses_render import ResponseDeleted, ResponseObject, ResponseStreamEvent
-from aioinfer.server.responses_store import InputItemList
-from aioinfer.server.scores_protocol import (
+from aioinfer.server.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from aioinfer.server.pooling.classify_protocol import ClassifyRequest, ClassifyResponse
+from aioinfer.server.pooling.embeddings_protocol import EmbeddingRequest, EmbeddingResponse
+from aioinfer.server.pooling.scores_protocol import (
     RerankRequest,
     RerankResponse,
     ScoreRequest,
     ScoreResponse,
 )
-from aioinfer.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from aioinfer.server.responses.protocol import OUTPUT_LOGPROBS, ResponsesRequest
+from aioinfer.server.responses.render import ResponseDeleted, ResponseObject, ResponseStreamEvent
+from aioinfer.server.responses.store import InputItemList
+from aioinfer.server.serving.protocol import ChatCompletionRequest
 
 _JSON = "application/json"
 _ERROR_CODES = {

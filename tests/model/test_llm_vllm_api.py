@@ -22,7 +22,7 @@ from aioinfer.core.step import Logprob
 from aioinfer.engine.tokenizer import template_message
 from aioinfer.offline.metrics_reader import Counter, Gauge, Histogram, Metric, Vector, read_metrics
 from aioinfer.sampling_params import RequestOutputKind
-from aioinfer.server.protocol import ChatCompletionRequest
+from aioinfer.server.serving.protocol import ChatCompletionRequest
 from tests.tokenizer_fixtures import make_tokenizer
 
 

@@ -234,7 +234,7 @@ async def test_adapters_load_and_unload_at_runtime(lora_setup, aiohttp_client, m
     from aioinfer.config import ServerConfig
     from aioinfer.core.sampling_params import SamplingParams
     from aioinfer.server.app import create_app
-    from aioinfer.server.routes import RUNTIME_LORA_ENV
+    from aioinfer.server.openai.lora import RUNTIME_LORA_ENV
 
     root, references, requests = lora_setup
     engine = await lora_engine(root)

@@ -12,7 +12,7 @@ import pytest
 from aioinfer.config import SchedulerConfig, ServerConfig
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
-from aioinfer.server.bodies import MAX_JSON_DEPTH, json_depth
+from aioinfer.server.http.bodies import MAX_JSON_DEPTH, json_depth
 from tests.server.conftest import assert_pool_free, build_engine
 
 CHAT = "/v1/chat/completions"

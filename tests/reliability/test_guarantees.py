@@ -26,9 +26,10 @@ from aiohttp import web
 from aioinfer.config import ServerConfig
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.engine.async_engine import AsyncEngine
-from aioinfer.server import completions
 from aioinfer.server.app import create_app, drain
-from aioinfer.server.sse import KEEP_ALIVE
+from aioinfer.server.http.sse import KEEP_ALIVE
+from aioinfer.server.openai import completions
+from aioinfer.server.serving import chat as serving_chat
 from tests.server.conftest import (
     MODEL,
     LiveServer,
@@ -129,14 +130,14 @@ async def test_every_early_end_is_one_idempotent_counted_abort(serve):
 
 async def test_a_full_queue_is_a_fast_503_before_any_tokenization(serve, monkeypatch):
     tokenized: Counter[str] = Counter()
-    for name in ("encode_prompts", "render_chat_off_loop"):
-        original = getattr(completions, name)
+    for module, name in ((completions, "encode_prompts"), (serving_chat, "render_chat_off_loop")):
+        original = getattr(module, name)
 
         def counting(*args: Any, _name: str = name, _fn: Any = original) -> Any:
             tokenized[_name] += 1
             return _fn(*args)
 
-        monkeypatch.setattr(completions, name, counting)
+        monkeypatch.setattr(module, name, counting)
     engine = await build_engine(step_delay=0.02, max_num_seqs=1, max_queued_requests=2)
     server = await serve(engine)
     url = server.url

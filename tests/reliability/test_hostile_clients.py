@@ -13,9 +13,9 @@ import pytest
 
 from aioinfer.config import ServerConfig
 from aioinfer.engine.async_engine import AsyncEngine
-from aioinfer.server import bodies
 from aioinfer.server.app import create_app
-from aioinfer.server.bodies import body_limit
+from aioinfer.server.http import bodies
+from aioinfer.server.http.bodies import body_limit
 from tests.server.conftest import assert_pool_free, build_engine
 
 KEY = "sk-hostile-1"

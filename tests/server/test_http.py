@@ -11,8 +11,8 @@ from pydantic import TypeAdapter
 
 import aioinfer
 from aioinfer.config import ServerConfig
-from aioinfer.server import responses
 from aioinfer.server.app import create_app
+from aioinfer.server.openai import shapes
 from tests.server.conftest import (
     API_KEYS,
     MAX_MODEL_LEN,
@@ -81,7 +81,7 @@ async def test_plain_endpoints(client):
     body = await response.json()
     assert body["object"] == "list"
     assert [(m["id"], m["max_model_len"]) for m in body["data"]] == [(MODEL, MAX_MODEL_LEN)]
-    TypeAdapter(responses.ModelList).validate_python(body)
+    TypeAdapter(shapes.ModelList).validate_python(body)
     response = await client.get(f"/v1/models/{MODEL}")
     assert (await response.json())["id"] == MODEL
     response = await client.get("/openapi.json")
@@ -93,7 +93,7 @@ async def test_completion_matches_the_reference(client):
     response, raw = await post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 9})
     assert response.status == 200 and response.content_type == "application/json"
     body = orjson.loads(raw)
-    TypeAdapter(responses.CompletionResponse).validate_python(body)
+    TypeAdapter(shapes.CompletionResponse).validate_python(body)
     ids = text_prompt_ids(prompt)
     _, text = expected_output(ids, 9)
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
@@ -163,7 +163,7 @@ async def test_echo_and_logprobs(client):
 async def test_chat_matches_the_reference_and_fills_the_context(client):
     _, raw = await post(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6})
     body = orjson.loads(raw)
-    TypeAdapter(responses.ChatCompletionResponse).validate_python(body)
+    TypeAdapter(shapes.ChatCompletionResponse).validate_python(body)
     ids = chat_prompt_ids(MESSAGES)
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     [choice] = body["choices"]
@@ -216,7 +216,7 @@ async def test_chat_stream_framing_and_headers(client):
     assert response.headers["X-Accel-Buffering"] == "no"
     chunks = chunks_of(raw)
     for chunk in chunks:
-        TypeAdapter(responses.ChatCompletionChunk).validate_python(chunk)
+        TypeAdapter(shapes.ChatCompletionChunk).validate_python(chunk)
         assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
         assert chunk["id"] == chunks[0]["id"] and chunk["id"].startswith("chatcmpl-")
     first, *middle, last = (chunk["choices"][0] for chunk in chunks)

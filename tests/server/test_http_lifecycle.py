@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from aioinfer.server.app import create_app, wait_for_engine
-from aioinfer.server.state import STATE
+from aioinfer.server.http.state import STATE
 from tests.server.conftest import build_engine
 from tests.server.test_http import MESSAGES, error_of, post, sse_events
 

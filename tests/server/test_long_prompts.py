@@ -8,7 +8,7 @@ import asyncio
 
 import orjson
 
-from aioinfer.server import prompts
+from aioinfer.server.serving import prompts
 from tests.server.conftest import MAX_MODEL_LEN, text_prompt_ids
 from tests.server.test_http import error_of, post
 from tests.tokenizer_fixtures import make_tokenizer

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from aioinfer.server.http.request_model import RequestValidationError
+from aioinfer.server.openai.protocol import CompletionRequest
+from aioinfer.server.openai.tokenize_protocol import TokenizeRequest
 from aioinfer.server.openapi import openapi_document
-from aioinfer.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestValidationError,
-)
-from aioinfer.server.tokenize_protocol import TokenizeRequest
+from aioinfer.server.serving.protocol import ChatCompletionRequest
 
 
 def completion(**fields):

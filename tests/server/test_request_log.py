@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 
 from aioinfer.core.outputs import CompletionOutput
-from aioinfer.server.request_log import RequestRecord
+from aioinfer.server.http.request_log import RequestRecord
 
 
 def test_texts_are_clipped_to_max_log_len(caplog):
-    caplog.set_level(logging.INFO, logger="aioinfer.server.request_log")
+    caplog.set_level(logging.INFO, logger="aioinfer.server.http.request_log")
     record = RequestRecord("/v1/completions", keep_text=True, max_text=5)
     record.prompt_texts = ["abcdefgh", "xyz", None]
     record.add(0, CompletionOutput(index=0, text="0123456789", token_ids=[1, 2]))

@@ -12,8 +12,9 @@ import aiohttp
 import openai
 import pytest
 
-from aioinfer.server.responses_render import ResponseEvents
-from aioinfer.server.state import STATE
+from aioinfer.server.http.state import STATE
+from aioinfer.server.responses.render import ResponseEvents
+from aioinfer.server.responses.state import RESPONSES
 from tests.server.conftest import assert_pool_free
 from tests.server.test_disconnect import wait_until
 
@@ -55,7 +56,7 @@ async def test_a_background_response_is_answered_queued_and_read_back_complete(
     assert final.usage is not None and reference.usage is not None
     assert final.usage.output_tokens == reference.usage.output_tokens == 5
     assert final.usage.input_tokens == reference.usage.input_tokens  # the second one hits the cache
-    assert server.app[STATE].in_flight == 0 and not server.app[STATE].background
+    assert server.app[STATE].in_flight == 0 and not server.app[RESPONSES].background
     # Only a response still generating can be cancelled.
     with pytest.raises(openai.BadRequestError) as info:
         await oai.responses.cancel(final.id)
@@ -86,7 +87,7 @@ async def test_a_background_response_can_be_cancelled_or_deleted_while_it_runs(s
     await wait_until(lambda: slow_engine.num_unfinished == 0)
     with pytest.raises(openai.NotFoundError):
         await oai.responses.retrieve(second.id)
-    assert server.app[STATE].in_flight == 0 and not server.app[STATE].background
+    assert server.app[STATE].in_flight == 0 and not server.app[RESPONSES].background
     assert_pool_free(slow_engine)
 
 
@@ -97,14 +98,14 @@ async def test_a_background_response_is_found_by_its_task_and_ends_even_when_fin
     a continuation of an unfinished one is refused; delete and cancel at once leave no stale
     answer; an error while the response is built ends it "failed"."""
     server, oai = slow
-    state = server.app[STATE]
+    state, responses = server.app[STATE], server.app[RESPONSES]
     create = {"model": slow_engine.model_name, "input": "Hi", "max_output_tokens": 100}
     queued = await oai.responses.create(**create, background=True)
     await wait_until(lambda: slow_engine.scheduler.num_running == 1)
     with pytest.raises(openai.BadRequestError) as info:
         await oai.responses.create(**create, previous_response_id=queued.id)
     assert info.value.body["param"] == "previous_response_id"  # type: ignore[index]
-    state.responses.capacity = 1
+    responses.store.capacity = 1
     await oai.responses.create(**{**create, "max_output_tokens": 1})  # evicts the running one
     assert (await oai.responses.cancel(queued.id)).status == "cancelled"
     again = await oai.responses.create(**create, background=True)
@@ -125,7 +126,7 @@ async def test_a_background_response_is_found_by_its_task_and_ends_even_when_fin
     failed = await poll(oai, failing.id)
     assert failed.status == "failed" and "no output today" in failed.error.message
     await wait_until(lambda: slow_engine.num_unfinished == 0)
-    assert state.in_flight == 0 and not state.background
+    assert state.in_flight == 0 and not responses.background
     assert_pool_free(slow_engine)
 
 
@@ -158,7 +159,7 @@ async def test_a_streamed_background_response_goes_on_without_its_reader_and_str
     assert [e.model_dump() for e in events] == [e.model_dump() async for e in again]
     after_end = await oai.responses.retrieve(response_id, stream=True, starting_after=len(events))
     assert [e async for e in after_end] == []
-    assert server.app[STATE].in_flight == 0 and not server.app[STATE].background
+    assert server.app[STATE].in_flight == 0 and not server.app[RESPONSES].background
     assert_pool_free(slow_engine)
     # Only a streamed background response streams again; a cursor is a sequence number.
     url = f"{server.url}/v1/responses/{reference.id}"
@@ -199,5 +200,5 @@ async def test_a_reader_of_a_cancelled_background_stream_is_not_left_waiting(slo
     finals = ("response.completed", "response.incomplete", "response.failed")
     assert not [e for events in done for e in events if e.type in finals]
     await wait_until(lambda: slow_engine.num_unfinished == 0)
-    assert server.app[STATE].in_flight == 0 and not server.app[STATE].background
+    assert server.app[STATE].in_flight == 0 and not server.app[RESPONSES].background
     assert_pool_free(slow_engine)

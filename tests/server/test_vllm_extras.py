@@ -8,9 +8,9 @@ import logging
 import orjson
 
 from aioinfer.config import ServerConfig
-from aioinfer.server import bodies
 from aioinfer.server.app import create_app
-from aioinfer.server.state import STATE
+from aioinfer.server.http import bodies
+from aioinfer.server.http.state import STATE
 from tests.server.conftest import BLOCK_SIZE, MODEL
 from tests.server.test_http import MESSAGES, chunks_of, error_of, post
 

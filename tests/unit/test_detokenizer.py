@@ -398,8 +398,8 @@ def test_metaspace_token_texts_keep_their_space_so_text_offsets_stay_on_the_text
     every token being at the start of its text): completions' text_offset then follows the
     output text word by word."""
     from aioinfer.config import ServerConfig
-    from aioinfer.server.logprobs_render import completion_logprobs
-    from aioinfer.server.state import ServerState
+    from aioinfer.server.http.state import ServerState
+    from aioinfer.server.serving.logprobs_render import completion_logprobs
 
     tokenizer = metaspace_tokenizer()
     prompt = tokenizer.encode("the", add_special_tokens=False)
@@ -453,14 +453,15 @@ def test_an_echoed_metaspace_prompt_s_first_token_follows_the_text():
     """The echoed prompt's text starts without the space its first token's own text has (the
     decoder strips it at the start of a text): the token and the offsets follow the text."""
     from aioinfer.config import ServerConfig
-    from aioinfer.server import render
-    from aioinfer.server.state import ServerState
+    from aioinfer.server.http.state import ServerState
+    from aioinfer.server.openai import render
+    from aioinfer.server.serving.context import Prompt, ResponseContext
 
     tokenizer = metaspace_tokenizer()
     prompt = tokenizer.encode("world stream token", add_special_tokens=False)
     echo = tokenizer.decode(prompt)
     token_text = ServerState(ServerConfig()).token_text(tokenizer)
-    ctx = render.ResponseContext("c", "m", [render.Prompt(prompt)], 1, token_text)
+    ctx = ResponseContext("c", "m", [Prompt(prompt)], 1, token_text)
     block, end = render._echoed_prompt_logprobs(ctx, 0, [None] * len(prompt), echo)
     assert "".join(block["tokens"]) == echo and end == len(echo) and not echo.startswith(" ")
     for token, offset in zip(block["tokens"], block["text_offset"], strict=True):

@@ -10,17 +10,18 @@ from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
-from aioinfer.server.messages_protocol import (
+from aioinfer.server.anthropic.protocol import (
     MessagesRequest,
     MessageTokensCountRequest,
     messages_params,
 )
-from aioinfer.server.messages_render import MessageEvents, anthropic_error_body, tool_input
-from aioinfer.server.protocol import RequestValidationError
-from aioinfer.server.reasoning import ReasoningSplit
-from aioinfer.server.render import Prompt, ResponseContext
-from aioinfer.server.tool_parsers import HermesToolParser
-from aioinfer.server.tools import NamedToolChoice, ToolMode
+from aioinfer.server.anthropic.render import MessageEvents, tool_input
+from aioinfer.server.http.errors import anthropic_error_body
+from aioinfer.server.http.request_model import RequestValidationError
+from aioinfer.server.serving.context import Prompt, ResponseContext
+from aioinfer.server.serving.reasoning import ReasoningSplit
+from aioinfer.server.serving.tool_parsers import HermesToolParser
+from aioinfer.server.serving.tools import NamedToolChoice, ToolMode
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
 HI = [{"role": "user", "content": "Hi"}]

@@ -11,7 +11,7 @@ from aioinfer.config import REASONING_PARSER_NAMES
 from aioinfer.core.constraints import ConstraintBuilder, mask_allows, with_reasoning_gate
 from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
-from aioinfer.server.reasoning import REASONING_PARSERS, ReasoningSplit, continued_text
+from aioinfer.server.serving.reasoning import REASONING_PARSERS, ReasoningSplit, continued_text
 from tests.tokenizer_fixtures import make_tokenizer
 
 
@@ -171,8 +171,8 @@ def test_the_output_may_not_end_while_its_grammar_waits():
 def test_a_named_call_needs_arguments_and_arguments_need_json():
     """A named tool_choice whose model only reasoned makes no call (streamed or not), and
     NaN, which Python parses, is no JSON argument."""
-    from aioinfer.server.tool_parsers import HermesToolParser
-    from aioinfer.server.tools import ToolMode
+    from aioinfer.server.serving.tool_parsers import HermesToolParser
+    from aioinfer.server.serving.tools import ToolMode
 
     assert ToolMode(named="f").calls("") is None
     assert ToolMode(named="f").calls('{"x": 1}') is not None

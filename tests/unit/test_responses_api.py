@@ -8,23 +8,23 @@ from typing import Any
 import pytest
 
 from aioinfer.core.outputs import CompletionOutput, RequestOutput
-from aioinfer.server.protocol import RequestValidationError
-from aioinfer.server.render import Prompt, ResponseContext
-from aioinfer.server.responses_protocol import (
+from aioinfer.server.http.request_model import RequestValidationError
+from aioinfer.server.responses.protocol import (
     INPUT_ITEMS,
     ResponsesRequest,
     items_to_messages,
     responses_params,
 )
-from aioinfer.server.responses_render import ResponseEvents
-from aioinfer.server.responses_store import (
+from aioinfer.server.responses.render import ResponseEvents
+from aioinfer.server.responses.store import (
     ResponseStore,
     StoredResponse,
     input_item_page,
     listed_item,
 )
-from aioinfer.server.tool_parsers import HermesToolParser
-from aioinfer.server.tools import ToolMode
+from aioinfer.server.serving.context import Prompt, ResponseContext
+from aioinfer.server.serving.tool_parsers import HermesToolParser
+from aioinfer.server.serving.tools import ToolMode
 
 
 def context() -> ResponseContext:
@@ -226,7 +226,7 @@ def test_reasoning_is_an_item_of_its_own_before_the_message(pieces):
     from openai.types.responses import Response, ResponseStreamEvent
     from pydantic import TypeAdapter
 
-    from aioinfer.server.reasoning import ReasoningSplit
+    from aioinfer.server.serving.reasoning import ReasoningSplit
 
     ctx = context()
     ctx.reasoning = ReasoningSplit(opened=False, include=True)
@@ -332,8 +332,8 @@ def test_input_item_pages_follow_both_cursors_in_either_order():
 def test_a_key_that_is_not_utf8_still_owns_its_responses():
     """A key from the environment in another encoding arrives with surrogates: hashed from its
     bytes, as the key check does, not a UnicodeEncodeError (a 500)."""
-    from aioinfer.server.auth import key_digest
-    from aioinfer.server.responses_store import owner_of
+    from aioinfer.server.http.auth import key_digest
+    from aioinfer.server.responses.store import owner_of
 
     key = b"sk-\xe9t\xe9".decode("utf-8", "surrogateescape")
     assert owner_of(key) == key_digest(key) != owner_of("sk-ete")

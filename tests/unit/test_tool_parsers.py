@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aioinfer.config import TOOL_CALL_PARSER_NAMES
-from aioinfer.server.tool_parsers import (
+from aioinfer.server.serving.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from aioinfer.server.tools import ChatTool, NamedToolChoice, ToolMode, tool_constraint
+from aioinfer.server.serving.tools import ChatTool, NamedToolChoice, ToolMode, tool_constraint
 
 WEATHER = ChatTool.model_validate(
     {

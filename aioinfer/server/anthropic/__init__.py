@@ -1,0 +1,1 @@
+"""Anthropic's Messages API: requests as chats, outputs as content blocks and named events."""

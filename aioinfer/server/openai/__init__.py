@@ -1,0 +1,2 @@
+"""OpenAI's and vLLM's endpoints: completions, chat completions, models, tokenize and
+detokenize, runtime LoRA adapters."""

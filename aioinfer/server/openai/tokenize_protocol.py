@@ -1,0 +1,37 @@
+"""The /tokenize and /detokenize request schemas (vLLM's shapes).
+
+PURE: pydantic and the core package only (no torch, no asyncio).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from aioinfer.server.http.request_model import ModelRequest, RequestValidationError
+from aioinfer.server.serving.protocol import ChatMessage, ChatTemplateOptions
+
+
+class TokenizeRequest(ChatTemplateOptions, ModelRequest):
+    """POST /tokenize: either a prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(True, description="For prompt: add BOS etc.")
+    return_token_strs: bool | None = Field(
+        False, description="Also return each token's string in the vocabulary (token_strs)."
+    )
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestValidationError(
+                "give exactly one of prompt and messages", "prompt" if self.prompt else "messages"
+            )
+        self.check_template_options()
+
+
+class DetokenizeRequest(ModelRequest):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,1 @@
+"""The endpoints of pooling models: embeddings, classification, scores and reranking."""

@@ -1,0 +1,114 @@
+"""Prompts to token ids: the completions prompt shapes and chat messages (through the model's
+chat template), refusing what cannot be rendered with a 400."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from aioinfer.config import ServerConfig
+from aioinfer.server.http.errors import BadRequestError
+from aioinfer.server.serving.context import Prompt
+
+_T = TypeVar("_T")
+
+# Texts longer than this are tokenized on a worker thread (tokenizers release the GIL): a
+# prompt of megabytes takes seconds, which on the event loop would stall every other stream.
+OFF_LOOP_CHARS = 16_384
+
+
+async def off_loop_if_long(num_chars: int, fn: Callable[..., _T], *args: Any) -> _T:
+    """fn(*args) at once for short texts, else on a worker thread."""
+    if num_chars <= OFF_LOOP_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def num_chars(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """Characters of text in a completions prompt (token ids count none)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
+
+
+def message_chars(messages: Sequence[dict[str, Any]]) -> int:
+    return sum(len(str(m.get("content") or "")) for m in messages)
+
+
+def count_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
+    """How many prompts a (validated) completions prompt holds, without tokenizing it."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def encode_prompts(
+    tokenizer: Any,
+    prompt: str | list[str] | list[int] | list[list[int]],
+    add_special_tokens: bool = True,
+) -> list[Prompt]:
+    """One Prompt per text or token-id list (the shapes were checked by the protocol)."""
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif isinstance(prompt[0], str):
+        texts = prompt
+    elif isinstance(prompt[0], int):
+        return [Prompt(list(prompt))]
+    else:
+        return [Prompt(list(ids)) for ids in prompt]
+    encoded = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    return [Prompt(list(ids), text) for ids, text in zip(encoded, texts, strict=True)]
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    options: dict[str, Any],
+    config: ServerConfig,
+) -> list[int]:
+    """Prompt token ids of chat messages through the model's chat template; `options` are
+    `apply_chat_template`'s (a request's `template_options()`), under which the server's
+    chat_template_kwargs lie. A request's own chat template needs the server's trust."""
+    import jinja2
+
+    from aioinfer.engine.tokenizer import apply_chat_template
+
+    if options.get("chat_template") is not None and not config.trust_request_chat_template:
+        raise BadRequestError(
+            "chat_template in a request is refused: the server was not started with "
+            "--trust-request-chat-template",
+            param="chat_template",
+        )
+    defaults = config.chat_template_defaults
+    if defaults:
+        options = {
+            **options,
+            "chat_template_kwargs": {**defaults, **(options.get("chat_template_kwargs") or {})},
+        }
+    try:
+        return apply_chat_template(tokenizer, list(messages), **options)
+    # What a template can raise from Jinja's sandbox: its own errors, raise_exception, 1/0,
+    # range(10**9), a macro calling itself.
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        ArithmeticError,
+        RecursionError,
+        jinja2.TemplateError,
+    ) as exc:
+        param = "chat_template" if options.get("chat_template") is not None else "messages"
+        raise BadRequestError(f"The chat template failed: {exc}", param=param) from None
+
+
+async def render_chat_off_loop(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    options: dict[str, Any],
+    config: ServerConfig,
+) -> list[int]:
+    """`render_chat`, on a worker thread when the messages are long."""
+    return await off_loop_if_long(
+        message_chars(messages), render_chat, tokenizer, messages, options, config
+    )
