@@ -45,7 +45,8 @@ def check_sampling_range(name: str, value: float) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-# The parsers of server/tool_parsers.py and server/reasoning.py (a test keeps the lists the same).
+# The parsers of server/serving/tool_parsers.py and server/serving/reasoning.py (a test keeps
+# the lists the same).
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic", "phi4_mini_json")
 REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
 

@@ -15,44 +15,6 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_BYTES = 8192
 
-# The source layout the README's module map describes, which other branches are moving into
-# place. A README link to one of these paths may point nowhere until that move lands; every
-# other link must resolve. Delete this constant, and its use in
-# test_readme_links_into_the_source_tree, once the paths exist.
-PENDING_SOURCE_PATHS = frozenset(
-    {
-        "aioinfer/core/",
-        "aioinfer/core/scheduler.py",
-        "aioinfer/core/step.py",
-        "aioinfer/model/",
-        "aioinfer/model/loader/",
-        "aioinfer/model/kernels/",
-        "aioinfer/model/cpu/",
-        "aioinfer/gpu/",
-        "aioinfer/gpu/runner.py",
-        "aioinfer/gpu/kv_cache.py",
-        "aioinfer/gpu/thread.py",
-        "aioinfer/engine/",
-        "aioinfer/engine/async_engine.py",
-        "aioinfer/engine/step_loop.py",
-        "aioinfer/offline/",
-        "aioinfer/server/",
-        "aioinfer/server/http/",
-        "aioinfer/server/serving/",
-        "aioinfer/server/openai/",
-        "aioinfer/server/openai/completions.py",
-        "aioinfer/server/responses/",
-        "aioinfer/server/anthropic/",
-        "aioinfer/server/pooling/",
-        "aioinfer/server/app.py",
-        "aioinfer/server/routes.py",
-        "aioinfer/cli/",
-        "aioinfer/bench/",
-        "aioinfer/config.py",
-        "aioinfer/sizing.py",
-    }
-)
-
 EXTERNAL = re.compile(r"^(?:https?|mailto):", re.IGNORECASE)
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
@@ -170,10 +132,7 @@ def test_every_relative_link_resolves(page: Path):
 
 @pytest.mark.parametrize("target", readme_source_links())
 def test_readme_links_into_the_source_tree(target: str):
-    problems = broken_links(README, skip=lambda t: t != target)
-    if problems and target.split("#")[0] in PENDING_SOURCE_PATHS:
-        pytest.skip(f"{target}: not moved into place yet (PENDING_SOURCE_PATHS)")
-    assert problems == []
+    assert broken_links(README, skip=lambda t: t != target) == []
 
 
 def test_the_readme_maps_the_chat_handler_the_scheduler_and_the_device_thread():

@@ -3,7 +3,7 @@
 The CPU cache is a lazily zero-filled mapping (kv_cache.lazy_zeros): 4 GiB cost nothing at
 start, but the first write to each 4 KiB page faults, and until the pool has handed out every
 block once (it hands them out from block 1 up), steps store their K/V into fresh pages. On the
-2-vCPU VM of docs/benchmarks.md those faults took 1.9 ms of a 30 ms decode step of 16 SmolLM2
+2-vCPU VM of docs/benchmarks-log.md those faults took 1.9 ms of a 30 ms decode step of 16 SmolLM2
 sequences. This thread faults in the pages of the blocks just past the highest block a step has
 used (madvise MADV_POPULATE_WRITE, about 2 us a page where a store's fault took 3-5), keeping
 the resident cache within `lookahead` blocks of what requests have used. It works only while
