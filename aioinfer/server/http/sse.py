@@ -107,6 +107,15 @@ class EventStream:
             await self.response.write_eof()
 
     async def _write(self, data: bytes) -> None:
+        protocol = self.request.protocol
+        if self.response.prepared and protocol is not None and not protocol.writing_paused:
+            # The transport takes the bytes at once (it pauses the protocol when its buffer is
+            # full): no wait, so no timer to arm, as each token's write would otherwise.
+            try:
+                await self.response.write(data)
+            except ConnectionError as exc:
+                raise ClientDisconnected(str(exc)) from exc
+            return
         try:
             await within(self.write_timeout, self._prepare_and_write(data))
         except asyncio.TimeoutError:

@@ -1,0 +1,36 @@
+"""The event loop the server runs on: uvloop's where it is installed (its transports and
+callbacks are C: a streamed token's socket write, timers and wake-ups cost a fraction of
+asyncio's), else asyncio's own. AIOINFER_EVENT_LOOP=asyncio picks asyncio's. (The offline LLM
+keeps asyncio's: a Ctrl-C raised in the caller's thread must stop its batch at once, and
+uvloop's loop, waiting in C, does not see one raised by `_thread.interrupt_main`.)"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+EVENT_LOOP_ENV = "AIOINFER_EVENT_LOOP"
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    choice = os.environ.get(EVENT_LOOP_ENV, "auto")
+    if choice not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"{EVENT_LOOP_ENV} must be auto, uvloop or asyncio, got {choice!r}")
+    if choice != "asyncio" and (choice == "uvloop" or importlib.util.find_spec("uvloop")):
+        import uvloop
+
+        return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+def run_on_event_loop(main: Coroutine[Any, Any, _T]) -> _T:
+    """asyncio.run(main) on the loop of `loop_factory`."""
+    if sys.version_info < (3, 11):  # no Runner: asyncio's loop
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main)
