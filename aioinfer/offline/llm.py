@@ -30,6 +30,7 @@ from aioinfer.core.step import TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.engine.lora_adapters import load_for_batch
 from aioinfer.engine.metrics import EngineCollector
+from aioinfer.engine.request_shaping import queue_all, shape
 from aioinfer.engine.stream import RequestStream, gather_or_cancel
 from aioinfer.offline.beam_search import beam_search
 from aioinfer.offline.llm_inputs import (
@@ -486,25 +487,28 @@ class LLM:
                         progress.advance()
                     return acc.result()
 
+        def add(index: int) -> RequestStream:
+            prompt, lora = batch.prompts[index], loras[index]
+            # A truncated prompt keeps its text, as in vLLM; its ids are the kept ones. As
+            # vLLM's offline engine, output stops at the context's end ("length") rather than
+            # the request failing when prompt + max_tokens exceed it.
+            ids, params = shape(
+                self.engine.limits, prompt.ids, params_list[index], clamp_max_tokens=True
+            )
+            return self.engine.add_request(
+                ids,
+                params,
+                request_id=batch.request_ids[index],
+                prompt=prompt.text,
+                priority=batch.priorities[index],
+                lora=lora.lora_name if lora is not None else None,
+                cache_salt=prompt.cache_salt,
+            )
+
         with self._batch(streams, lambda: progress):
             # Every request is validated and queued before the first step runs; one that fails
             # validation aborts those queued before it.
-            for prompt, params, priority, lora, request_id in zip(
-                batch.prompts, params_list, batch.priorities, loras, batch.request_ids, strict=True
-            ):
-                # A truncated prompt keeps its text, as in vLLM; its ids are the kept ones.
-                ids = self.engine.truncate_prompt(prompt.ids, params)
-                params = self._fit_max_tokens(ids, params)
-                stream = self.engine.add_request(
-                    ids,
-                    params,
-                    request_id=request_id,
-                    prompt=prompt.text,
-                    priority=priority,
-                    lora=lora.lora_name if lora is not None else None,
-                    cache_salt=prompt.cache_salt,
-                )
-                streams.append(stream)
+            streams += queue_all(self.engine, len(batch.prompts), add)
             if use_tqdm:
                 progress = Progress(len(streams), self.engine, use_tqdm=use_tqdm)
             outputs = await asyncio.gather(
@@ -559,14 +563,6 @@ class LLM:
             bar = progress()
             if bar is not None:
                 bar.close()
-
-    def _fit_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """As vLLM's offline engine: output stops at the context's end ("length") rather than
-        the request failing when prompt + max_tokens exceed it."""
-        room = self.engine.max_model_len - len(prompt_ids)
-        if params.max_tokens is not None and 1 <= room < params.max_tokens:
-            return params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
-        return params
 
     def _with_decoded_logprobs(self, output: RequestOutput) -> RequestOutput:
         """Logprob entries with their tokens' text (vLLM's `Logprob.decoded_token`)."""

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from aioinfer.core.constraints import ConstraintFactory, InvalidGrammarError
 from aioinfer.core.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from aioinfer.core.sampling_params import SamplingParams
+from aioinfer.engine.request_shaping import queue_all as queue_all_or_none
+from aioinfer.engine.request_shaping import shape
 from aioinfer.engine.stream import (
     EngineDeadError,
     EngineOverloadedError,
@@ -224,10 +226,9 @@ def start_generation(
 
     def add(index: int) -> RequestStream:
         prompt = ctx.prompts[index]
-        prompt_params = params
-        room = engine.max_model_len - len(prompt.token_ids)
-        if clamp_max_tokens and params.max_tokens is not None and 1 <= room < params.max_tokens:
-            prompt_params = params.clone(max_tokens=room)
+        _, prompt_params = shape(
+            engine.limits, prompt.token_ids, params, clamp_max_tokens=clamp_max_tokens
+        )
         base = ctx.engine_id or ctx.response_id
         request_id = base if len(ctx.prompts) == 1 else f"{base}-{index}"
         return engine.add_request(
@@ -255,22 +256,22 @@ def queue_all(
     add: Callable[[int], RequestStream],
     param_of: Callable[[str, int], str],
 ) -> list[RequestStream]:
-    """`add(i)` for each of a request's `count` prompts, all or none: when one is refused, those
-    queued before it are aborted. 400 naming `param_of(message, i)` for what does not fit,
-    503 once the engine died."""
-    streams: list[RequestStream] = []
+    """`add(i)` for each of a request's `count` prompts, all or none (request_shaping's):
+    400 naming `param_of(message, i)` for what does not fit, 503 once the engine died."""
+    added = 0
+
+    def counted(index: int) -> RequestStream:
+        nonlocal added
+        stream = add(index)
+        added += 1
+        return stream
+
     try:
-        for index in range(count):
-            streams.append(add(index))
-    except BaseException as exc:
-        for stream in streams:
-            engine.abort(stream.request_id, "rejected")
-        if isinstance(exc, EngineDeadError):
-            raise _engine_failed(exc) from None
-        if isinstance(exc, ValueError):
-            raise BadRequestError(str(exc), param=param_of(str(exc), len(streams))) from None
-        raise
-    return streams
+        return queue_all_or_none(engine, count, counted)
+    except EngineDeadError as exc:
+        raise _engine_failed(exc) from None
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param=param_of(str(exc), added)) from None
 
 
 def generation_error(exc: BaseException) -> APIError | None:
