@@ -553,6 +553,19 @@ class ServerConfig:
         + ".",
     )
 
+    metrics_prefix: str = _opt(
+        "aioinfer",
+        "The engine's /metrics series as aioinfer:* or as vllm:* (vLLM's names, which routers "
+        "such as the Gateway API inference extension's endpoint picker, autoscaling rules and "
+        "dashboards built for vLLM read): aioinfer or vllm.",
+    )
+    shutdown_notice: float = _opt(
+        0.0,
+        "Seconds between SIGTERM and the drain: /health answers 503 at once, but new requests "
+        "are still served until then, so that a router that health-checks drops this server "
+        "before it refuses anything (in Kubernetes, a preStop sleep does this instead).",
+    )
+
     trust_request_chat_template: bool = _opt(
         False,
         "Render a request's own chat_template; without this flag such requests are refused "
@@ -594,6 +607,7 @@ class ServerConfig:
             "sse_keep_alive_interval",
             "watchdog_timeout",
             "max_log_len",
+            "shutdown_notice",
         ):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -609,6 +623,10 @@ class ServerConfig:
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
+        if self.metrics_prefix not in ("aioinfer", "vllm"):
+            raise ValueError(
+                f"metrics_prefix must be one of aioinfer, vllm, got {self.metrics_prefix!r}"
+            )
         if self.reasoning_parser not in (None, *REASONING_PARSER_NAMES):
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "

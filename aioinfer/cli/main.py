@@ -191,6 +191,43 @@ def bench_throughput(
         rounds)  # fmt: skip
 
 
+@bench_app.command("overhead")
+def bench_overhead(
+    concurrency: str = typer.Option("64,256", help="Concurrent streams, comma-separated."),
+    duration: float = typer.Option(20.0, help="Seconds of load at each concurrency."),
+    output_len: int = typer.Option(128, help="Output tokens of each request (EOS ignored)."),
+    offline_prompts: int = typer.Option(512, help="Prompts of the offline run (0: none)."),
+    base_url: str = typer.Option(
+        None, help="A server already serving the tiny model (a peer); default: start aioinfer."
+    ),
+    model: str = typer.Option("host-overhead", help="The model name to request."),
+    client: str = typer.Option("auto", help="wrk, python, or auto (wrk where installed)."),
+    result_file: str = typer.Option(None, help="Write the results as JSON here."),
+    prepare: str = typer.Option(
+        None, help="Only write the tiny model's folder here (for a peer to serve), then exit."
+    ),
+) -> None:
+    """Host overhead per token: a near-free model, streamed and offline (see bench/overhead.py)."""
+    from pathlib import Path
+
+    from aioinfer.bench.overhead import OverheadConfig, prepare_model
+    from aioinfer.bench.overhead import main as run
+
+    if prepare:
+        print(prepare_model(Path(prepare)))
+        return
+    if client not in ("wrk", "python", "auto"):
+        raise typer.BadParameter("client must be wrk, python or auto", param_hint="--client")
+    levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
+    run(
+        OverheadConfig(
+            concurrencies=levels, duration=duration, output_len=output_len,
+            offline_prompts=offline_prompts, base_url=base_url, model=model,
+            offline=offline_prompts > 0, client=client, result_file=result_file,
+        )
+    )  # fmt: skip
+
+
 @bench_app.command("serve")
 def bench_serve(
     base_url: str = typer.Option("http://127.0.0.1:8000", help="Root URL of the server."),
@@ -561,7 +598,7 @@ def main() -> None:
     elif argv and argv[0] == "plan":
         from aioinfer.cli.vllm_args import human_number_args
 
-        argv = ["plan", *human_number_args(argv[1:])]
+        argv = ["plan", *human_number_args(argv[1:], _flag_kind)]
     app(args=argv)
 
 

@@ -21,7 +21,6 @@ from typing import Any
 from aioinfer.offline.llm_options import FIXED_VLLM_OPTIONS
 
 _GRAPHS = "CUDA graphs cover every decode batch shape"
-_ONE_STEP = "steps are scheduled one at a time, each after the last returns"
 _BUDGET = "prompts are chunked by the token budget alone"
 # vLLM flags that change nothing here, with the number of values each takes, and why.
 IGNORED_FLAGS: dict[str, tuple[int, str]] = {
@@ -44,8 +43,6 @@ IGNORED_FLAGS: dict[str, tuple[int, str]] = {
     "--allowed-methods": (1, "the allowed origins may use every method"),
     "--allowed-headers": (1, "the allowed origins may send any header"),
     "--chat-template-content-format": (1, "a message's text parts are joined for every template"),
-    "--async-scheduling": (0, _ONE_STEP),
-    "--no-async-scheduling": (0, _ONE_STEP),
     "--disable-frontend-multiprocessing": (0, "the API and the engine are one process"),
     "--api-server-count": (1, "one process serves the API"),
     "--max-cudagraph-capture-size": (1, _GRAPHS),
@@ -80,7 +77,7 @@ def translate(argv: list[str], kind: FlagKind) -> tuple[list[str], list[str]]:
     """`serve`'s arguments (after "serve") in our spelling, and notes on what was dropped.
     `kind(flag)`: "value", "switch", "negatable" or None (not ours). Raises ValueError for a
     vLLM flag at a value that cannot apply here."""
-    args = _expand_config(argv, kind)
+    args = _expand_config(dashed(argv, kind), kind)
     out: list[str] = []
     notes: list[str] = []
     model: str | None = None
@@ -178,12 +175,30 @@ def _check_fixed(option: str, flag: str, value: str | None) -> None:
         raise ValueError(f"{flag} {must} here ({why}), got {value}")
 
 
-def human_number_args(argv: list[str]) -> list[str]:
+def dashed(argv: list[str], kind: FlagKind) -> list[str]:
+    """argv with vLLM's underscore spellings of flags (`--gpu_memory_utilization 0.9`, as Helm
+    charts pass them) written with dashes. Values stay as they are, also one that starts with
+    "--" after a flag of ours that takes one (an API key, say)."""
+    out: list[str] = []
+    takes_value = False
+    for arg in argv:
+        if not takes_value and arg.startswith("--"):
+            flag, eq, value = arg.partition("=")
+            flag = "--" + flag[2:].replace("_", "-")
+            takes_value = not eq and (kind(flag) == "value" or flag in MULTI_VALUE_FLAGS)
+            arg = flag + eq + value
+        else:
+            takes_value = False
+        out.append(arg)
+    return out
+
+
+def human_number_args(argv: list[str], kind: FlagKind) -> list[str]:
     """argv with the values of --max-model-len (32k, auto -> -1) and --kv-cache-memory-bytes
-    (8G) as numbers, as `translate` writes them; for `plan`, which takes no other vLLM
-    spelling."""
+    (8G) as numbers, as `translate` writes them, and flags written with dashes; for `plan`,
+    which takes no other vLLM spelling."""
     readers = {"--max-model-len": _max_model_len, "--kv-cache-memory-bytes": _human_int}
-    out = list(argv)
+    out = dashed(argv, kind)
     for i, arg in enumerate(out):
         flag, eq, inline = arg.partition("=")
         read = readers.get(flag)

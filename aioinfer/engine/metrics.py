@@ -21,11 +21,14 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from aioinfer.engine.stats import HOST_PHASES
+
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
     from aioinfer.engine.stats import Histogram
 
 PREFIX = "aioinfer:"
+METRICS_PREFIXES = ("aioinfer", "vllm")
 _LABELS = ("model_name",)
 _FINISH_REASONS = ("abort", "length", "stop")  # vLLM's FinishReason
 _ABORT_REASONS = ("cancelled", "client_disconnect", "error", "queue_timeout", "rejected",
@@ -48,12 +51,26 @@ _HISTOGRAM_DOCS = {
 
 
 class EngineCollector(Collector):
-    """Reads the engine's gauges and cumulative counters when scraped."""
+    """Reads the engine's gauges and cumulative counters when scraped. `prefix` names the
+    series: "aioinfer" (aioinfer:num_requests_waiting, ...) or "vllm" (vllm:..., the names
+    that routers, autoscalers and dashboards built for vLLM read)."""
 
-    def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
+    def __init__(
+        self, get_engine: Callable[[], AsyncEngine | None], prefix: str = "aioinfer"
+    ) -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self._get_engine = get_engine
+        self._prefix = prefix + ":"
 
     def collect(self) -> Iterator[Metric]:
+        if self._prefix == PREFIX:
+            yield from self._collect()
+            return
+        for family in self._collect():
+            yield _renamed(family, self._prefix)
+
+    def _collect(self) -> Iterator[Metric]:
         engine = self._get_engine()
         if engine is None or engine.scheduler is None:
             return
@@ -107,6 +124,14 @@ class EngineCollector(Collector):
             for position, count in enumerate(scheduler.spec_stats.accepted_per_position):
                 per_position.add_metric([*name, str(position)], float(count))
             yield per_position
+        host = CounterMetricFamily(
+            PREFIX + "host_seconds",
+            "Host seconds spent on the per-token path, by phase (see engine/stats.py).",
+            labels=(*_LABELS, "phase"),
+        )
+        for phase, seconds in host_seconds(engine).items():
+            host.add_metric([*name, phase], seconds)
+        yield host
         for metric, histogram in engine.stats.histograms.items():
             yield _histogram(metric, _HISTOGRAM_DOCS[metric], name, histogram)
         if engine.model_config.enable_lora:
@@ -197,3 +222,28 @@ def _cache_config_info(engine: AsyncEngine) -> GaugeMetricFamily:
     )
     gauge.add_metric([str(v) for v in info.values()], 1.0)
     return gauge
+
+
+def host_seconds(engine: AsyncEngine) -> dict[str, float]:
+    """Seconds per phase of the per-token path (HOST_PHASES), each phase counted once: the GPU
+    thread's launch without its prepare, the loop's apply without its detokenize."""
+    loop = engine.stats.host_seconds
+    runner = getattr(engine.gpu.runner, "host_seconds", None) or {}
+    detokenize = engine.scheduler.detokenize_seconds if engine.scheduler is not None else 0.0
+    own = {
+        "prepare": runner.get("prepare", 0.0),
+        "launch": runner.get("launch", 0.0) - runner.get("prepare", 0.0),
+        "finish": runner.get("finish", 0.0),
+        "apply": loop.get("apply", 0.0) - detokenize,
+        "detokenize": detokenize,
+    }
+    return {phase: own.get(phase, loop.get(phase, 0.0)) for phase in HOST_PHASES}
+
+
+def _renamed(family: Metric, prefix: str) -> Metric:
+    """The family and its samples under `prefix` instead of PREFIX."""
+    family.name = prefix + family.name.removeprefix(PREFIX)
+    family.samples = [
+        sample._replace(name=prefix + sample.name.removeprefix(PREFIX)) for sample in family.samples
+    ]
+    return family

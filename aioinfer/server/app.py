@@ -27,6 +27,7 @@ from aioinfer.server.http.auth import make_auth_middleware
 from aioinfer.server.http.bodies import MAX_BODY_BYTES
 from aioinfer.server.http.cors import CorsPolicy
 from aioinfer.server.http.errors import error_middleware
+from aioinfer.server.http.probes import quiet_probes
 from aioinfer.server.http.request_id import echo_request_id
 from aioinfer.server.http.sse import WATCH_INTERVAL, DisconnectWatcher
 from aioinfer.server.http.state import STATE, ServerState
@@ -63,6 +64,7 @@ def create_app(
     the engine dies.
     """
     config = server_config or ServerConfig()
+    quiet_probes()
     state = ServerState(config, watcher=DisconnectWatcher(disconnect_check_interval))
     middlewares: list[Middleware] = [error_middleware]
     cors = CorsPolicy(config.allowed_origins) if config.allowed_origins else None

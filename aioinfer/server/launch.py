@@ -30,6 +30,7 @@ from aioinfer.config import (
     ServerConfig,
     non_default_args,
 )
+from aioinfer.engine.event_loop import run_on_event_loop
 from aioinfer.startup_log import (
     log_engine_started,
     log_non_default_args,
@@ -131,7 +132,7 @@ def run_server(
     if "api_key" in args:
         args["api_key"] = f"<{len(server_config.api_key)} key(s)>"
     log_non_default_args(args)
-    code = asyncio.run(
+    code = run_on_event_loop(
         _serve(model_config, cache_config, scheduler_config, server_config, started_at)
     )
     _exit_now_if_gpu_thread_alive(code)
@@ -241,6 +242,14 @@ async def _serve(
     )
     try:
         await stop.wait()
+        notice = server_config.shutdown_notice
+        if exit_code == 0 and notice > 0:
+            app[STATE].leaving = True
+            logger.info("Shutting down in %g s (--shutdown-notice): /health answers 503, "
+                        "requests are still served", notice)  # fmt: skip
+            stop.clear()  # a second signal ends the notice at once
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), notice)
         if exit_code == 0:
             logger.info("Shutting down: draining in-flight requests (up to %g s; a second "
                         "signal aborts them)", server_config.shutdown_timeout)  # fmt: skip

@@ -5,7 +5,6 @@ routes that span APIs: /invocations (SageMaker's, which picks an API by the body
 from __future__ import annotations
 
 import functools
-import os
 
 import orjson
 from aiohttp import web
@@ -15,9 +14,21 @@ from aioinfer.server.anthropic.api import count_message_tokens, create_message
 from aioinfer.server.http.bodies import body_limit, read_json
 from aioinfer.server.http.errors import BadRequestError
 from aioinfer.server.http.state import STATE
-from aioinfer.server.http.status import health, load, metrics, ping, version
+from aioinfer.server.http.status import (
+    health,
+    is_sleeping,
+    load,
+    metrics,
+    ping,
+    server_info,
+    version,
+)
 from aioinfer.server.openai.completions import create_chat_completion, create_completion
-from aioinfer.server.openai.lora import RUNTIME_LORA_ENV, load_lora_adapter, unload_lora_adapter
+from aioinfer.server.openai.lora import (
+    load_lora_adapter,
+    runtime_lora_updating,
+    unload_lora_adapter,
+)
 from aioinfer.server.openai.models import list_models, retrieve_model
 from aioinfer.server.openai.tokenize import detokenize, tokenize
 from aioinfer.server.openapi import openapi_document
@@ -40,6 +51,9 @@ def setup_routes(app: web.Application) -> None:
     router.add_get("/load", load)
     router.add_post("/invocations", invocations)
     router.add_get("/version", version)
+    router.add_get("/is_sleeping", is_sleeping)
+    for path in ("/server_info", "/get_server_info"):
+        router.add_get(path, server_info)
     router.add_get("/metrics", metrics)
     router.add_get("/openapi.json", openapi)
     router.add_get("/v1/models", list_models)
@@ -60,7 +74,7 @@ def setup_routes(app: web.Application) -> None:
     router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     router.add_post("/v1/messages", create_message)
     router.add_post("/v1/messages/count_tokens", count_message_tokens)
-    if os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"):
+    if runtime_lora_updating():
         router.add_post("/v1/load_lora_adapter", load_lora_adapter)
         router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     router.add_post("/tokenize", tokenize)

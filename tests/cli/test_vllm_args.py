@@ -66,14 +66,29 @@ def test_several_values_after_one_flag_repeat_it_and_lengths_read_as_vllm_reads_
     assert ours("M", "--enable-sleep-mode", "--max-model-len", "4096") == [
         "M", "--enable-sleep-mode", "--max-model-len", "4096"
     ]  # fmt: skip
-    # Deployment switches of current vLLM recipes, dropped with a note each, their values too.
+    # Deployment switches of current vLLM recipes, dropped with a note each, their values too;
+    # vLLM's --async-scheduling is ours (on by default).
     args, notes = translate(
         ["M", "--async-scheduling", "--api-server-count", "1", "--disable-frontend-multiprocessing",
          "--max-cudagraph-capture-size", "64", "--long-prefill-token-threshold", "512"],
         _flag_kind,
     )  # fmt: skip
-    assert args == ["M"] and len(notes) == 5
-    assert "scheduled one at a time" in notes[0] and "one process" in notes[1]
+    assert args == ["M", "--async-scheduling"] and len(notes) == 4
+    assert "one process" in notes[0]
+
+
+def test_underscore_spellings_of_flags_read_as_the_dashed_ones():
+    """As vLLM's parser, and Helm charts, spell them; values are never rewritten."""
+    assert ours("M", "--gpu_memory_utilization", "0.9", "--max_loras=2") == [
+        "M", "--gpu-memory-utilization", "0.9", "--max-loras=2"
+    ]  # fmt: skip
+    assert ours("M", "--api_key", "--my_key", "--served_model_name", "a_b") == [
+        "M", "--api-key", "--my_key", "--served-model-name", "a_b"
+    ]  # fmt: skip
+    assert ours("M", "--no_async_scheduling") == ["M", "--no-async-scheduling"]
+    assert human_number_args(["M", "--max_model_len", "4k"], _flag_kind) == [
+        "M", "--max-model-len", "4000"
+    ]  # fmt: skip
 
 
 def test_a_config_file_holds_flags_that_the_command_line_overrides(tmp_path: Path):
@@ -225,12 +240,15 @@ def test_lora_modules_without_enable_lora_are_refused_before_anything_loads():
 
 
 def test_plan_reads_the_length_and_the_kv_bytes_as_serve_does():
-    assert human_number_args(["M", "--max-model-len", "32k", "--json"]) == [
+    assert human_number_args(["M", "--max-model-len", "32k", "--json"], _flag_kind) == [
         "M", "--max-model-len", "32000", "--json"
     ]  # fmt: skip
-    assert human_number_args(["--max-model-len=auto", "M"]) == ["--max-model-len=-1", "M"]
-    assert human_number_args(["M", "--max-model-len"]) == ["M", "--max-model-len"]
-    assert human_number_args(["M", "--kv-cache-memory-bytes=1G"]) == [
+    assert human_number_args(["--max-model-len=auto", "M"], _flag_kind) == [
+        "--max-model-len=-1",
+        "M",
+    ]
+    assert human_number_args(["M", "--max-model-len"], _flag_kind) == ["M", "--max-model-len"]
+    assert human_number_args(["M", "--kv-cache-memory-bytes=1G"], _flag_kind) == [
         "M", f"--kv-cache-memory-bytes={2**30}"
     ]  # fmt: skip
     done = run_cli("plan", "--device", "cpu", "--kv-cache-memory-bytes", "1G", "--json")

@@ -17,7 +17,7 @@ from aiohttp.typedefs import Middleware
 
 from aioinfer.server.http.errors import AuthenticationError, Handler, is_messages_path
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version", "/is_sleeping"})
 _SCHEME = "bearer"
 ANTHROPIC_KEY_HEADER = "x-api-key"
 

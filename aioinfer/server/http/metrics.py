@@ -17,9 +17,11 @@ if TYPE_CHECKING:
 class ServerMetrics:
     """The registry of one app, over the engine collector."""
 
-    def __init__(self, get_engine: Callable[[], AsyncEngine | None]) -> None:
+    def __init__(
+        self, get_engine: Callable[[], AsyncEngine | None], prefix: str = "aioinfer"
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(get_engine))
+        self.registry.register(EngineCollector(get_engine, prefix))
         # process_*, python_gc_* and python_info, as the default registry that vLLM's metrics
         # live in exports them.
         ProcessCollector(registry=self.registry)

@@ -30,6 +30,8 @@ class ServerState:
     engine: AsyncEngine | None = None
     startup_error: BaseException | None = None
     draining: bool = False
+    # Told to stop, serving on through --shutdown-notice: /health answers 503 already.
+    leaving: bool = False
     in_flight: int = 0  # generation requests being answered; shutdown waits for them
     created: int = field(default_factory=lambda: int(time.time()))
     # Set once the engine serves, or failed to start.
@@ -40,7 +42,7 @@ class ServerState:
     _token_texts: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(lambda: self.engine)
+        self.metrics = ServerMetrics(lambda: self.engine, self.config.metrics_prefix)
 
     def set_engine(self, engine: AsyncEngine) -> None:
         self.engine = engine

@@ -17,12 +17,27 @@ class VersionResponse(TypedDict):
     version: str
 
 
+class SleepState(TypedDict):
+    is_sleeping: bool
+
+
+class ServerInfo(TypedDict):
+    model_path: str
+    served_model_name: str
+    version: str
+    max_total_tokens: int  # tokens the KV cache holds
+    max_model_len: int
+
+
 class ServerLoad(TypedDict):
     server_load: int
 
 
 async def health(request: web.Request) -> web.Response:
-    reason = request.app[STATE].unavailable_reason()
+    state = request.app[STATE]
+    reason = state.unavailable_reason()
+    if reason is None and state.leaving:
+        reason = "The server is shutting down (still serving during its notice period)"
     if reason is not None:
         raise ServiceUnavailableError(reason)
     return web.Response(status=200)
@@ -43,6 +58,25 @@ async def load(request: web.Request) -> web.Response:
 
 async def version(request: web.Request) -> web.Response:
     body: VersionResponse = {"version": __version__}
+    return json_response(body)
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    """vLLM's sleep-mode probe (routers of the production stack ask it): never asleep here."""
+    body: SleepState = {"is_sleeping": False}
+    return json_response(body)
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """What SGLang's router reads to name a backend's model (`/get_server_info` too)."""
+    engine = request.app[STATE].serving_engine()
+    body: ServerInfo = {
+        "model_path": str(engine.model_config.model or engine.model_name),
+        "served_model_name": engine.model_name,
+        "version": __version__,
+        "max_total_tokens": (engine.info.num_blocks - 1) * engine.cache_config.block_size,
+        "max_model_len": engine.max_model_len,
+    }
     return json_response(body)
 
 

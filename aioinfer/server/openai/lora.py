@@ -4,6 +4,7 @@ adapters from the server's paths)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from aiohttp import web
@@ -13,8 +14,18 @@ from aioinfer.server.http.bodies import MiB, read_json
 from aioinfer.server.http.errors import BadRequestError, NotFoundError
 from aioinfer.server.http.state import STATE
 
-# vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: any client may then load adapters from server paths.
+# vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (read too, as charts set it): any client may then
+# load adapters from server paths.
 RUNTIME_LORA_ENV = "AIOINFER_ALLOW_RUNTIME_LORA_UPDATING"
+VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating() -> bool:
+    """Whether the load/unload endpoints are served (ours, else vLLM's variable)."""
+    value = os.environ.get(RUNTIME_LORA_ENV)
+    if value is None:
+        value = os.environ.get(VLLM_RUNTIME_LORA_ENV, "")
+    return value.lower() in ("1", "true")
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
