@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.serve_process import ServeProcess, free_port, make_tiny_model_dir
+from tests.support.serve_process import ServeProcess, free_port, make_tiny_model_dir
 
 
 @pytest.fixture(scope="module")

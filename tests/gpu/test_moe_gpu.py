@@ -13,8 +13,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
 def test_cuda_graphs_with_experts_equal_transformers(tmp_path, variant):
     from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
-    from tests.model.tiny_models import make_variant
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.support.tiny_models import make_variant
+    from tests.support.tokenizers import make_tokenizer
 
     hf = make_variant(variant)
     hf.save_pretrained(tmp_path)

@@ -9,8 +9,8 @@ import pytest
 
 from aioinfer import LLM
 from aioinfer.model.cpu import kernels as cpu_native
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 
 @pytest.fixture(scope="module")

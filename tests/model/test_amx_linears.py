@@ -14,8 +14,8 @@ from aioinfer.model.cpu import kernels as cpu_native
 from aioinfer.model.cpu.layers import PackedLinear
 from aioinfer.model.cpu.packed_weights import CodedWeight, code_weight
 from tests.model.test_coded_weights import _quantized_tiny_model, ggml_round_trip, random_blocks
-from tests.model.tiny_models import make_hf_model
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_hf_model
+from tests.support.tokenizers import make_tokenizer
 
 # Error allowed per output, as a share of sum_k |x_k w_k| + |bias|: a few float32 roundings
 # (each run's sums hold 96 exact products). x in two bfloat16 parts would be off by about

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from aioinfer import LLM, SamplingParams
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 PROMPTS = [[5 + i, 17, 300 + i] * (2 + i) for i in range(6)]
 CASES = {

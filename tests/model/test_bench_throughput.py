@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from aioinfer.bench import throughput
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": 128}
 

@@ -22,8 +22,8 @@ from aioinfer.model.cpu import kernels as cpu_native
 from aioinfer.model.cpu import packed_weights
 from aioinfer.model.cpu.layers import PackedLinear, use_native_kernels
 from aioinfer.model.cpu.packed_weights import CodedWeight, code_weight
-from tests.model.tiny_models import make_hf_model
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_hf_model
+from tests.support.tokenizers import make_tokenizer
 
 SIMPLE_QUANTS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 

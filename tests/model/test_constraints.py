@@ -12,7 +12,7 @@ from aioinfer import LLM, SamplingParams
 from aioinfer.core.constraints import GrammarCompiler
 from aioinfer.core.sampling_params import StructuredOutputsParams
 from tests.model.test_llm_features import random_prompts
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 
 def _sample(**kwargs: object) -> SamplingParams:

@@ -373,7 +373,7 @@ def test_decoder_layers_match_the_torch_modules(
     from aioinfer.model.layers.attention import AttentionMetadata
     from aioinfer.model.layers.torch_attention import TorchAttentionBackend
     from aioinfer.model.llama import LlamaModel
-    from tests.model.tiny_models import make_hf_model
+    from tests.support.tiny_models import make_hf_model
 
     hf = make_hf_model(arch, seed=5, **overrides)
     reference, native = _our_model_of(hf), _our_model_of(hf)

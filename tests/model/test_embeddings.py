@@ -14,8 +14,8 @@ import torch
 from aioinfer import LLM, SamplingParams
 from aioinfer.core.pooling import PoolingParams
 from aioinfer.model.cpu import kernels as cpu_native
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 from tests.unit.test_pooling import sentence_transformers_folder
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": 128}

@@ -19,8 +19,8 @@ from aioinfer.model.loader import gguf_cache as cache_module
 from aioinfer.model.loader.gguf_cache import GGUFFingerprint, check_entry, entry_dir
 from tests.model.test_loader import write_gguf
 from tests.model.test_tokenizer_loading import CONVERSATIONS, PROBE_TEXTS
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import smollm2_gguf_path, smollm2_reference_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import smollm2_gguf_path, smollm2_reference_tokenizer
 
 CPU = torch.device("cpu")
 

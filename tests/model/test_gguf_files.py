@@ -26,8 +26,8 @@ from aioinfer.model.loader.gguf_cache import GGUFFingerprint
 from tests.model.test_gguf_cache import cache  # noqa: F401  (autouse: a cache per test)
 from tests.model.test_llm_vs_hf import hf_greedy
 from tests.model.test_loader import write_gguf
-from tests.model.tiny_models import make_hf_model, make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_hf_model, make_variant
+from tests.support.tokenizers import make_tokenizer
 
 PROMPT = [5, 17, 3, 44, 9, 30, 3, 61, 12, 7]
 

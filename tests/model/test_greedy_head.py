@@ -17,8 +17,8 @@ from aioinfer.model.cpu import kernels as cpu_native
 from aioinfer.model.cpu import packed_weights
 from aioinfer.model.cpu.greedy_head import MAX_STRIPS, ROWS, GreedyHead
 from aioinfer.offline.llm import LLM
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import time
 from aioinfer import LLM, SamplingParams
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.gpu import runner as runner_module
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 
 def prefault_threads() -> list[threading.Thread]:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from aioinfer import LLM, SamplingParams
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer, smollm2_gguf_path
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer, smollm2_gguf_path
 
 
 def random_prompts(seed: int, n: int, vocab: int = 500) -> list[list[int]]:

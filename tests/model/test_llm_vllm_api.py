@@ -23,7 +23,7 @@ from aioinfer.engine.tokenizer import template_message
 from aioinfer.offline.metrics_reader import Counter, Gauge, Histogram, Metric, Vector, read_metrics
 from aioinfer.sampling_params import RequestOutputKind
 from aioinfer.server.serving.protocol import ChatCompletionRequest
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 
 def test_logprobs_are_dicts_of_token_id_to_logprob(tiny):

@@ -12,8 +12,8 @@ import torch
 
 from aioinfer import LLM, SamplingParams
 from aioinfer.model.cpu import kernels as cpu_native
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 MAX_NEW = 12
 

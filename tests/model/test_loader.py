@@ -40,8 +40,8 @@ from aioinfer.model.loader import (
 from aioinfer.model.loader.gguf_config import gguf_served_name
 from aioinfer.model.loader.gguf_loader import unpermute_qk
 from aioinfer.model.registry import get_model_class
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import MESSAGES, smollm2_gguf_path, smollm2_reference_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import MESSAGES, smollm2_gguf_path, smollm2_reference_tokenizer
 
 CPU = torch.device("cpu")
 

@@ -20,8 +20,8 @@ from aioinfer.gpu.cuda_graphs import CudaGraphRunner, capture_sizes
 from aioinfer.gpu.runner import ModelRunner
 from aioinfer.model import loader
 from aioinfer.model.layers.torch_attention import TorchAttentionBackend
-from tests.fake_cuda import FakeDevice, GiB
-from tests.model.tiny_models import make_variant
+from tests.support.fake_cuda import FakeDevice, GiB
+from tests.support.tiny_models import make_variant
 
 MAX_NUM_SEQS = 4
 BUDGET = 256

@@ -17,7 +17,7 @@ from aioinfer.core.step import ScheduledChunk
 from aioinfer.gpu.sampler import Sampler
 from aioinfer.model.cpu import kernels as cpu_native
 from tests.model.test_llm_vs_hf import hf_greedy, model_dir  # noqa: F401 (fixture)
-from tests.tokenizer_fixtures import smollm2_gguf_path
+from tests.support.tokenizers import smollm2_gguf_path
 
 SPEC = {
     "method": "ngram",

@@ -23,8 +23,8 @@ from aioinfer.bench.startup import (
     peer_command,
     server_label,
 )
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 HEAVY_MODULES = ("torch", "transformers", "tokenizers", "aiohttp", "gguf", "safetensors", "numpy")
 REPO = Path(__file__).resolve().parents[2]

@@ -24,8 +24,8 @@ from aioinfer.engine.tokenizer import (
 from aioinfer.model.loader import (
     resolve_model,
 )
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import (
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import (
     CHAT_TEMPLATE,
     MESSAGES,
     make_tokenizer,

@@ -364,7 +364,7 @@ def tiny_llama_logits(
     torch backend, so only the step under test differs between backends. Same seed, same step.
     """
     from aioinfer.model.registry import get_model_class
-    from tests.model.tiny_models import make_variant
+    from tests.support.tiny_models import make_variant
 
     hf = make_variant("llama")
     model = get_model_class(hf.config)(hf.config)

@@ -11,7 +11,7 @@ from aioinfer.config import ServerConfig
 from aioinfer.server.app import create_app
 from tests.server.conftest import chat_prompt_ids, expected_output
 from tests.server.test_http import error_of, post
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 CONTINUED = [
     {"role": "user", "content": "Name a primary colour."},

@@ -16,8 +16,8 @@ from aioinfer.server.app import create_app
 from tests.server.conftest import assert_pool_free, build_engine, text_prompt_ids
 from tests.server.test_embeddings_http import response_json
 from tests.server.test_http import error_of, post
-from tests.tokenizer_fixtures import make_tokenizer
-from tests.unit.fake_runner import reference_pooled
+from tests.support.fake_runner import reference_pooled
+from tests.support.tokenizers import make_tokenizer
 
 LABELS = ("negative", "neutral", "positive")
 

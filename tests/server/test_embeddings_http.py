@@ -19,7 +19,7 @@ from aioinfer.server.app import create_app
 from tests.server.conftest import MODEL, assert_pool_free, build_engine, text_prompt_ids
 from tests.server.test_disconnect import raw_request, wait_until
 from tests.server.test_http import error_of, post
-from tests.unit.fake_runner import FAKE_HIDDEN, reference_pooled
+from tests.support.fake_runner import FAKE_HIDDEN, reference_pooled
 
 
 def expected(prompt: list[int], pooling: str = "LAST", dims: int | None = None) -> np.ndarray:

@@ -24,7 +24,7 @@ from tests.server.conftest import (
     fake_logprobs,
     text_prompt_ids,
 )
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

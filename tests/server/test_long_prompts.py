@@ -11,7 +11,7 @@ import orjson
 from aioinfer.server.serving import prompts
 from tests.server.conftest import MAX_MODEL_LEN, text_prompt_ids
 from tests.server.test_http import error_of, post
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 1000  # 45,000 characters
 

@@ -18,7 +18,7 @@ from tests.server.conftest import (
     fake_logprobs,
     text_prompt_ids,
 )
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Hello, world! How are you today?"}]
 

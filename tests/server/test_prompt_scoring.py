@@ -8,7 +8,7 @@ import pytest
 
 from tests.server.conftest import assert_pool_free, fake_logprobs
 from tests.server.test_http import chunks_of, error_of, post
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 PROMPTS = [[40, 41, 42, 43], [7, 8, 9]]
 SCORE = {"prompt": PROMPTS, "max_tokens": 0, "echo": True, "logprobs": 1}

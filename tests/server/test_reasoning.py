@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from aioinfer.engine.async_engine import AsyncEngine
-from tests.model.tiny_models import make_hf_model
 from tests.server.test_http import post
 from tests.server.test_tools import TOOLS
-from tests.tokenizer_fixtures import CHAT_TEMPLATE, make_tokenizer
+from tests.support.tiny_models import make_hf_model
+from tests.support.tokenizers import CHAT_TEMPLATE, make_tokenizer
 
 HELLO = [{"role": "user", "content": "Hi"}]  # leaves room for the outputs below
 

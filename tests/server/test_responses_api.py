@@ -25,7 +25,7 @@ from tests.server.conftest import (
 from tests.server.test_disconnect import check_a_leaving_client_frees_its_blocks
 from tests.server.test_http import error_of, post
 from tests.server.test_tools import WEATHER, _check_weather
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 WEATHER_TOOL = {"type": "function", **WEATHER["function"]}  # the Responses API's flat shape
 TIME_TOOL = {"type": "function", "name": "get_time"}

@@ -15,8 +15,8 @@ from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
 from tests.server.conftest import assert_pool_free, build_engine, fake_logprobs
 from tests.server.test_http import chunks_of, post
-from tests.tokenizer_fixtures import make_tokenizer
-from tests.unit.fake_runner import reference_output, repeating_next_token
+from tests.support.fake_runner import reference_output, repeating_next_token
+from tests.support.tokenizers import make_tokenizer
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}  # fmt: skip

@@ -12,7 +12,7 @@ import pydantic
 import pytest
 
 from tests.server.conftest import assert_pool_free
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 SCHEMA = {

@@ -16,7 +16,7 @@ from tests.server.conftest import (
     text_prompt_ids,
 )
 from tests.server.test_http import MESSAGES, chunks_of, error_of, post
-from tests.tokenizer_fixtures import make_bos_tokenizer, make_tokenizer
+from tests.support.tokenizers import make_bos_tokenizer, make_tokenizer
 
 PROMPT = "The quick brown fox"
 

@@ -13,7 +13,7 @@ import pytest
 from aioinfer.config import ServerConfig
 from tests.server.conftest import assert_pool_free
 from tests.server.test_http import error_of, post
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {

@@ -27,7 +27,7 @@ from aioinfer.bench.datasets import (
     make_dataset,
 )
 from aioinfer.bench.serve import RequestRecord, ServeBenchConfig
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 MODEL = "fake-model"
 # Chunks cannot come sooner than the server's sleeps, so lower bounds are tight; upper bounds

@@ -18,7 +18,7 @@ from aioinfer.core.constraints import (
 )
 from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 VOCAB = 100
 

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 
 from aioinfer.core import detokenizer as detokenizer_module
 from aioinfer.core.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from tests.tokenizer_fixtures import (
+from tests.support.tokenizers import (
     byte_token_ids,
     make_tokenizer,
     smollm2_gguf_path,

@@ -19,8 +19,8 @@ from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.engine.stream import EngineDeadError
 from aioinfer.offline.llm import LLM
 from aioinfer.offline.llm_options import llm_configs
-from tests.tokenizer_fixtures import make_tokenizer
-from tests.unit.fake_runner import FAKE_HIDDEN, FakeRunner, next_token, reference_output
+from tests.support.fake_runner import FAKE_HIDDEN, FakeRunner, next_token, reference_output
+from tests.support.tokenizers import make_tokenizer
 
 NUM_BLOCKS, BLOCK_SIZE = 64, 4
 

@@ -1,4 +1,4 @@
-"""tests/gpu/parity.py on the CPU: the logits comparison on synthetic logits, and the
+"""tests/support/parity.py on the CPU: the logits comparison on synthetic logits, and the
 teacher-forced runs on a tiny float32 model: eager, the triton kernels under TRITON_INTERPRET=1
 against the torch backend, and the graph path through CudaGraphRunner.replay with each graph
 standing in as its forward run eagerly (capturing needs CUDA)."""
@@ -14,7 +14,7 @@ import torch
 
 from aioinfer import LLM, SamplingParams
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
-from tests.gpu.parity import (
+from tests.support.parity import (
     ParityReport,
     assert_parity,
     block_tables,
@@ -152,8 +152,8 @@ PROMPTS = [[5 + i] * (3 + 7 * i) for i in range(5)]
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.model.tiny_models import make_variant
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.support.tiny_models import make_variant
+    from tests.support.tokenizers import make_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny-qwen2")
     make_variant("qwen2").save_pretrained(folder)

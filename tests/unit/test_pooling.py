@@ -32,7 +32,7 @@ from aioinfer.core.scheduler import Scheduler
 from aioinfer.engine.stream import RequestAbortedError
 from aioinfer.server.pooling.scores_protocol import ranked
 from tests.server.conftest import build_engine
-from tests.unit.fake_runner import FAKE_HIDDEN, FakeRunner, reference_output, reference_pooled
+from tests.support.fake_runner import FAKE_HIDDEN, FakeRunner, reference_output, reference_pooled
 from tests.unit.test_engine import FakeRunnerFactory, make_engine
 from tests.unit.test_scheduler import make_request, run_to_completion
 

@@ -18,7 +18,7 @@ from aioinfer.core.scheduler import PriorityQueue, Scheduler
 from aioinfer.server.app import create_app
 from tests.server.conftest import build_engine
 from tests.server.test_http import error_of, post
-from tests.unit.fake_runner import FakeRunner, reference_output
+from tests.support.fake_runner import FakeRunner, reference_output
 from tests.unit.test_engine import FakeRunnerFactory, fake_llm
 from tests.unit.test_scheduler import run_to_completion
 

@@ -12,7 +12,7 @@ from aioinfer.core.constraints import ConstraintBuilder, mask_allows, with_reaso
 from aioinfer.core.request import Request
 from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
 from aioinfer.server.serving.reasoning import REASONING_PARSERS, ReasoningSplit, continued_text
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 
 def test_the_config_knows_every_parser():

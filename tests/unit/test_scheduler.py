@@ -11,7 +11,7 @@ from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.request import Request, RequestStatus
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import Scheduler
-from tests.unit.fake_runner import FakeRunner, reference_output, repeating_next_token
+from tests.support.fake_runner import FakeRunner, reference_output, repeating_next_token
 
 
 def make_engine(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, prefix=True):
@@ -322,7 +322,7 @@ def test_a_stop_string_found_only_in_the_last_text_makes_the_finish_a_stop():
     from transformers import PreTrainedTokenizerFast
 
     from aioinfer.core.detokenizer import IncrementalDetokenizer
-    from tests.tokenizer_fixtures import bytes_to_unicode
+    from tests.support.tokenizers import bytes_to_unicode
 
     chars = bytes_to_unicode()  # byte -> the character a byte-level vocabulary writes it as
     vocab = {chars[b]: b for b in range(256)}
@@ -350,7 +350,7 @@ def test_a_stop_string_found_only_in_the_last_text_makes_the_finish_a_stop():
 def test_min_tokens_holds_off_stop_strings_through_its_last_token():
     """As vLLM: the first min_tokens tokens cannot end the output by a stop string either."""
     from aioinfer.core.detokenizer import IncrementalDetokenizer
-    from tests.tokenizer_fixtures import byte_token_ids, make_tokenizer
+    from tests.support.tokenizers import byte_token_ids, make_tokenizer
 
     tokenizer = make_tokenizer()
     ids = byte_token_ids(tokenizer)

@@ -16,7 +16,7 @@ from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import Scheduler
 from aioinfer.core.spec_decode import NgramProposer, draft_rows, verify
 from aioinfer.core.step import ScheduledChunk
-from tests.unit.fake_runner import FakeRunner, reference_output, repeating_next_token
+from tests.support.fake_runner import FakeRunner, reference_output, repeating_next_token
 from tests.unit.test_scheduler import run_to_completion
 
 

@@ -21,8 +21,8 @@ def free_port() -> int:
 
 
 def make_tiny_model_dir(path: Path, max_position_embeddings: int = 256) -> Path:
-    from tests.model.tiny_models import make_hf_model
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.support.tiny_models import make_hf_model
+    from tests.support.tokenizers import make_tokenizer
 
     make_hf_model("llama", max_position_embeddings=max_position_embeddings).save_pretrained(path)
     make_tokenizer().save_pretrained(path)
