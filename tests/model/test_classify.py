@@ -18,7 +18,7 @@ from transformers import (
 
 from aioinfer import LLM
 from aioinfer.model.cpu import kernels as cpu_native
-from tests.model.test_llm_vs_hf import make_prompts
+from tests.offline.test_llm_vs_hf import make_prompts
 from tests.support.tiny_models import ARCH_CONFIG, BASE_CONFIG, _randomize
 from tests.support.tokenizers import make_tokenizer
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from aioinfer import LLM, LoRARequest
 from aioinfer.model.cpu import kernels as cpu_native
-from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+from tests.offline.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
 from tests.support.tiny_models import make_variant
 from tests.support.tokenizers import make_tokenizer
 

@@ -297,7 +297,7 @@ def test_sliding_windows_equal_transformers_past_the_window(
 ) -> None:
     """Prompts and outputs far past an 8-token window, in chunks of 16 tokens with prefix-cache
     hits: greedy outputs token for token equal to transformers'."""
-    from tests.model.test_llm_vs_hf import hf_greedy, make_prompts, run_llm
+    from tests.offline.test_llm_vs_hf import hf_greedy, make_prompts, run_llm
     from tests.support.tokenizers import make_tokenizer
 
     hf = make_hf_model(arch, **overrides)
@@ -346,7 +346,7 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(scaling) -> No
 def test_a_yarn_model_through_the_engine(tmp_path) -> None:
     """Built on the meta device and loaded, as the engine builds it."""
     from aioinfer import LLM
-    from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+    from tests.offline.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
     from tests.support.tokenizers import make_tokenizer
 
     hf = hf_model("qwen2-yarn")

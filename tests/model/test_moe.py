@@ -17,8 +17,8 @@ from aioinfer.model.cpu import kernels as cpu_native
 from aioinfer.model.loader import checkpoint_keys, resolve_model
 from aioinfer.model.loader.gguf_loader import iter_gguf
 from aioinfer.model.registry import get_model_class
-from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
-from tests.model.test_loader import write_gguf
+from tests.model.loader.test_loader import write_gguf
+from tests.offline.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
 from tests.support.tiny_models import make_hf_model, make_variant
 from tests.support.tokenizers import make_tokenizer
 

@@ -19,10 +19,10 @@ from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerCon
 from aioinfer.core.step import StepPlan, StepResult, TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
+from tests.engine.test_engine import FakeRunnerFactory
 from tests.support.fake_runner import VOCAB, next_token, reference_output
 from tests.support.tiny_models import make_variant
 from tests.support.tokenizers import make_tokenizer
-from tests.unit.test_engine import FakeRunnerFactory
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 512
