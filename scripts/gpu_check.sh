@@ -137,18 +137,15 @@ fi
 rm -f "$INSTALL_LOG"
 
 echo "-- phase 1" >>"$SUMMARY"
-# a. Kernel-only tests, in parallel. A file is left out until it exists.
-kernel_tests=()
-for f in tests/model/test_triton_kernels.py tests/model/test_triton_layers.py \
-  tests/model/test_fused_moe.py tests/gpu/test_triton_gpu.py tests/gpu/test_kv_index_range.py; do
-  [ -f "$f" ] && kernel_tests+=("$f")
-done
-pytest_step "kernel tests" 75 -n 8 --timeout=60 "${kernel_tests[@]}"
+# a. Kernel-only tests, in parallel: the files of tests/model/kernels, whole (their cases that
+# the CPU suite runs interpreted run compiled here).
+pytest_step "kernel tests" 75 -n 8 --timeout=60 tests/model/kernels
 
-# b. Engine-level tests, one at a time (each builds an engine that takes the GPU's memory). The
-# live log at WARNING shows a Triton kernel's fallback to torch, which a passing test would hide.
-engine_tests=(tests/gpu --ignore=tests/gpu/test_triton_gpu.py
-  --ignore=tests/gpu/test_kv_index_range.py)
+# b. Engine-level tests, one at a time (each builds an engine that takes the GPU's memory): the
+# tests marked `gpu` of tests/gpu (its other tests run in the CPU suite) and the MoE decoders on
+# CUDA. The live log at WARNING shows a Triton kernel's fallback to torch, which a passing test
+# would hide.
+engine_tests=(-m gpu tests/gpu tests/model/test_moe_gpu.py)
 if grep -q "def test_plan_matches_serve_on_cuda" tests/ship/test_plan.py; then
   engine_tests+=(tests/ship/test_plan.py::test_plan_matches_serve_on_cuda)
 fi

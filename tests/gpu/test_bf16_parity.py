@@ -2,7 +2,7 @@
 eager, and the triton attention backend against the torch one.
 
 With random weights, exact greedy tokens are a valid check only where the same kernels run
-the same shapes (tests/gpu/parity.py says why): graphs against eager at the bucket sizes,
+the same shapes (tests/support/parity.py says why): graphs against eager at the bucket sizes,
 token for token; at a padded size, and across attention backends, teacher-forced logits within
 bfloat16's precision. Exact tokens across backends hold in float32, on a tiny model.
 
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 
 from aioinfer import LLM, SamplingParams
-from tests.gpu.parity import assert_parity, compare_logits, teacher_forced
+from tests.support.parity import assert_parity, compare_logits, teacher_forced
 
 pytestmark = pytest.mark.gpu
 
@@ -100,8 +100,8 @@ def test_graph_replay_logits_at_a_padded_size(qwen_folder: Path) -> None:
 def test_triton_backend_equals_torch_tokens_float32(tmp_path: Path) -> None:
     # In float32 the backends agree to ~1e-6 while this tiny model's closest top-2 logits over
     # these requests are 2e-3 apart: the tokens must be the same, graphs (padded to 16) and all.
-    from tests.model.tiny_models import make_variant
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.support.tiny_models import make_variant
+    from tests.support.tokenizers import make_tokenizer
 
     make_variant("qwen2").save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)

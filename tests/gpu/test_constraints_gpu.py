@@ -26,8 +26,8 @@ def test_mask_bias_on_cuda_equals_the_cpu():
 
 def test_json_schema_through_the_engine(tmp_path):
     pytest.importorskip("xgrammar")  # JSON schemas compile through it; the test above does not
-    from tests.model.tiny_models import make_variant
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.support.tiny_models import make_variant
+    from tests.support.tokenizers import make_tokenizer
 
     make_variant("qwen2").save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)

@@ -10,8 +10,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_graph_replay_equals_eager(tmp_path):
-    from tests.model.tiny_models import make_variant
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.support.tiny_models import make_variant
+    from tests.support.tokenizers import make_tokenizer
 
     make_variant("qwen2").save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)

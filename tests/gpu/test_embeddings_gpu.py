@@ -12,8 +12,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_cuda_embeddings_equal_the_cpus(tmp_path):
-    from tests.model.tiny_models import make_variant
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.support.tiny_models import make_variant
+    from tests.support.tokenizers import make_tokenizer
 
     decoder = make_variant("qwen3").model
     decoder.config.architectures = ["Qwen3Model"]

@@ -42,8 +42,8 @@ def plans(n: int) -> list[StepPlan]:
 
 
 def test_launch_never_waits_for_the_device(tmp_path):
-    from tests.model.tiny_models import make_variant
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.support.tiny_models import make_variant
+    from tests.support.tokenizers import make_tokenizer
 
     make_variant("qwen2").save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)
@@ -71,8 +71,8 @@ def test_launch_never_waits_for_the_device(tmp_path):
 def test_overlapped_steps_on_cuda_give_the_same_outputs(tmp_path):
     """On CUDA the loop launches step N+1 before it collects N, whose outputs reach the host
     behind N's work only (an event): the outputs are those of one step at a time."""
-    from tests.model.tiny_models import make_variant
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.support.tiny_models import make_variant
+    from tests.support.tokenizers import make_tokenizer
 
     make_variant("qwen2").save_pretrained(tmp_path)
     make_tokenizer().save_pretrained(tmp_path)

@@ -18,9 +18,9 @@ from transformers import (
 
 from aioinfer import LLM
 from aioinfer.model.cpu import kernels as cpu_native
-from tests.model.test_llm_vs_hf import make_prompts
-from tests.model.tiny_models import ARCH_CONFIG, BASE_CONFIG, _randomize
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.offline.test_llm_vs_hf import make_prompts
+from tests.support.tiny_models import ARCH_CONFIG, BASE_CONFIG, _randomize
+from tests.support.tokenizers import make_tokenizer
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": 128}
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}

@@ -14,9 +14,9 @@ import torch
 from aioinfer import LLM, SamplingParams
 from aioinfer.core.pooling import PoolingParams
 from aioinfer.model.cpu import kernels as cpu_native
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
-from tests.unit.test_pooling import sentence_transformers_folder
+from tests.core.test_pooling import sentence_transformers_folder
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": 128}
 
@@ -152,7 +152,7 @@ def test_an_embedding_gguf_pools_as_it_declares(tmp_path, monkeypatch, cached):
     decoder with that pooling, straight from the file or from its converted cache."""
     import gguf
 
-    from tests.model.test_loader import write_gguf
+    from tests.model.loader.test_loader import write_gguf
 
     monkeypatch.setenv("AIOINFER_GGUF_CACHE", "1" if cached else "0")
     monkeypatch.setenv("AIOINFER_CACHE", str(tmp_path / "cache"))

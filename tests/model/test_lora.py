@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 
 from aioinfer import LLM, LoRARequest
 from aioinfer.model.cpu import kernels as cpu_native
-from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.offline.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": 128, "enable_lora": True}
 TARGETS = {"q_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -208,7 +208,7 @@ def test_serve_loads_the_lora_modules_it_is_given(lora_setup):
     """`aioinfer serve --enable-lora --lora-modules NAME=PATH` (twice): both adapters listed."""
     import urllib.request
 
-    from tests.serve_process import ServeProcess, free_port
+    from tests.support.serve_process import ServeProcess, free_port
 
     root, _, requests = lora_setup
     port = free_port()

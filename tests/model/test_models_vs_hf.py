@@ -19,7 +19,7 @@ from aioinfer.model.layers.attention import AttentionMetadata
 from aioinfer.model.layers.rotary import compute_inv_freq, rope_config_from_hf
 from aioinfer.model.llama import LlamaForCausalLM, MergedLinear
 from aioinfer.model.registry import get_model_class
-from tests.model.tiny_models import VARIANTS, make_hf_model, make_variant
+from tests.support.tiny_models import VARIANTS, make_hf_model, make_variant
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -297,8 +297,8 @@ def test_sliding_windows_equal_transformers_past_the_window(
 ) -> None:
     """Prompts and outputs far past an 8-token window, in chunks of 16 tokens with prefix-cache
     hits: greedy outputs token for token equal to transformers'."""
-    from tests.model.test_llm_vs_hf import hf_greedy, make_prompts, run_llm
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.offline.test_llm_vs_hf import hf_greedy, make_prompts, run_llm
+    from tests.support.tokenizers import make_tokenizer
 
     hf = make_hf_model(arch, **overrides)
     hf.config.architectures = [type(hf).__name__]
@@ -346,8 +346,8 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(scaling) -> No
 def test_a_yarn_model_through_the_engine(tmp_path) -> None:
     """Built on the meta device and loaded, as the engine builds it."""
     from aioinfer import LLM
-    from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
-    from tests.tokenizer_fixtures import make_tokenizer
+    from tests.offline.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+    from tests.support.tokenizers import make_tokenizer
 
     hf = hf_model("qwen2-yarn")
     hf.save_pretrained(tmp_path)
@@ -363,7 +363,7 @@ def test_the_bundled_gemma_3_1b_has_the_real_shapes() -> None:
     and shape, five sliding layers of 512 tokens to each full one, each kind with its rotary
     base, and `aioinfer plan`'s parameter count."""
     from aioinfer.cli.plan import count_parameters
-    from tests.model.tiny_models import bundled_model_and_reference
+    from tests.support.tiny_models import bundled_model_and_reference
 
     _, ours, ref = bundled_model_and_reference("google/gemma-3-1b-it")
     assert ours.config.sliding_windows == ((512,) * 5 + (0,)) * 4 + (512,) * 2

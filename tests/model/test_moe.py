@@ -17,10 +17,10 @@ from aioinfer.model.cpu import kernels as cpu_native
 from aioinfer.model.loader import checkpoint_keys, resolve_model
 from aioinfer.model.loader.gguf_loader import iter_gguf
 from aioinfer.model.registry import get_model_class
-from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
-from tests.model.test_loader import write_gguf
-from tests.model.tiny_models import make_hf_model, make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.model.loader.test_loader import write_gguf
+from tests.offline.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+from tests.support.tiny_models import make_hf_model, make_variant
+from tests.support.tokenizers import make_tokenizer
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01, "max_model_len": 128}
 
@@ -126,7 +126,7 @@ def test_sparse_and_dense_layers_follow_the_config():
 def test_the_bundled_qwen3_30b_a3b_has_the_real_shapes():
     """The config `--load-format dummy` benchmarks with: our model's parameters are
     transformers' in name and shape, and the checkpoint keys are one per expert and projection."""
-    from tests.model.tiny_models import bundled_model_and_reference
+    from tests.support.tiny_models import bundled_model_and_reference
 
     config, _, _ = bundled_model_and_reference("Qwen/Qwen3-30B-A3B")
     keys = checkpoint_keys(config)

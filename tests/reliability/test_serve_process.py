@@ -16,8 +16,8 @@ import orjson
 import pytest
 
 from aioinfer.gpu.thread import FAULT_ENV
-from tests.serve_process import ServeProcess, free_port
-from tests.tokenizer_fixtures import smollm2_gguf_path
+from tests.support.serve_process import ServeProcess, free_port
+from tests.support.tokenizers import smollm2_gguf_path
 
 KEY = "sk-process-key-7730"
 EXIT_AFTER_FAULT = 5.0  # seconds

@@ -24,8 +24,8 @@ from tests.server.conftest import (
     chat_prompt_ids,
     text_prompt_ids,
 )
-from tests.tokenizer_fixtures import make_tokenizer
-from tests.unit.fake_runner import VOCAB, reference_output
+from tests.support.fake_runner import VOCAB, reference_output
+from tests.support.tokenizers import make_tokenizer
 
 NUM_REQUESTS = 3000
 TIME_BUDGET = 50.0  # seconds: no new request after this, whatever the count

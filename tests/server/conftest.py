@@ -1,6 +1,7 @@
-"""Fixtures for the server tests: the real AsyncEngine over the fake runner (tests/unit), with
-logprobs added and an optional per-step delay, served by the real app through aiohttp's test
-client or through a live TCP site that the official `openai` client talks to."""
+"""Fixtures for the server tests: the real AsyncEngine over the fake runner
+(tests/support/fake_runner.py), with logprobs added and an optional per-step delay, served by the
+real app through aiohttp's test client or through a live TCP site that the official `openai`
+client talks to."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerCon
 from aioinfer.core.step import StepPlan, StepResult, TokenLogprobs
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
-from tests.unit.fake_runner import VOCAB, next_token, reference_output
-from tests.unit.test_engine import FakeRunnerFactory
+from tests.engine.test_engine import FakeRunnerFactory
+from tests.support.fake_runner import VOCAB, next_token, reference_output
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 512

@@ -1,5 +1,6 @@
 """The app through aiohttp's test client: responses against the fake model's reference outputs,
-exact SSE framing, every error class, auth and the engine lifecycle (metrics: test_metrics.py)."""
+exact SSE framing, every error class, auth and the engine lifecycle (metrics:
+http/test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tests.server.conftest import (
     fake_logprobs,
     text_prompt_ids,
 )
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tokenizers import make_tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve_process import ServeProcess, free_port, make_tiny_model_dir
+from tests.support.serve_process import ServeProcess, free_port, make_tiny_model_dir
 
 READY_TIMEOUT = 120
 API_KEY = "ship-test-key"

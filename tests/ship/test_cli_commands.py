@@ -13,9 +13,9 @@ import pytest
 from aioinfer.cli.client import API_KEY_ENV
 from aioinfer.cli.main import app
 from aioinfer.cli.plan import build_plan_configs, make_plan
-from tests.serve_process import free_port
 from tests.ship.conftest import API_KEY, LiveServer, cli_flags
 from tests.ship.test_client import FIRST, MAX_TOKENS, reference_chat, reference_completion
+from tests.support.serve_process import free_port
 
 
 def command(name: str) -> pytest.MarkDecorator:

@@ -30,8 +30,8 @@ from aioinfer.cli.client import (
     iter_sse_events,
     normalize_url,
 )
-from tests.serve_process import free_port
 from tests.ship.conftest import API_KEY, LiveServer
+from tests.support.serve_process import free_port
 
 MAX_TOKENS = 8
 FIRST = "Hello, world!"

@@ -586,8 +586,8 @@ async def scrape_metrics() -> dict[str, Series]:
     from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
     from aioinfer.engine.async_engine import AsyncEngine
     from aioinfer.server.app import create_app
-    from tests.tokenizer_fixtures import make_tokenizer
-    from tests.unit.test_engine import FakeRunnerFactory
+    from tests.engine.test_engine import FakeRunnerFactory
+    from tests.support.tokenizers import make_tokenizer
 
     engine = await AsyncEngine.create(
         ModelConfig(model="fake", enable_lora=True),  # lora_requests_info needs LoRA on

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from tests.serve_process import free_port
 from tests.ship.conftest import LiveServer
+from tests.support.serve_process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

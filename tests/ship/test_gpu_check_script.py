@@ -18,13 +18,25 @@ CHECK = ROOT / "scripts" / "gpu_check.sh"
 WHEELS = ROOT / "scripts" / "gpu_wheels.sh"
 MAX_FILES = 8
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+# The kernel step runs the folder of the Triton kernels' tests, each file whole; the engine step
+# the tests marked `gpu` of the engine-level files, one at a time.
+KERNEL_DIR = "tests/model/kernels"
 KERNEL_TESTS = [
-    "tests/model/test_triton_kernels.py",
-    "tests/model/test_triton_layers.py",
-    "tests/model/test_fused_moe.py",
-    "tests/gpu/test_triton_gpu.py",
-    "tests/gpu/test_kv_index_range.py",
+    "tests/model/kernels/test_triton_kernels.py",
+    "tests/model/kernels/test_triton_layers.py",
+    "tests/model/kernels/test_fused_moe.py",
+    "tests/model/kernels/test_triton_gpu.py",
+    "tests/model/kernels/test_kv_index_range.py",
 ]
+ENGINE_TESTS = [
+    "tests/gpu/test_bf16_parity.py",
+    "tests/gpu/test_constraints_gpu.py",
+    "tests/gpu/test_cuda_graphs.py",
+    "tests/gpu/test_embeddings_gpu.py",
+    "tests/gpu/test_host_sync.py",
+    "tests/model/test_moe_gpu.py",
+]
+GPU_MARK = re.compile(r"^(?:pytestmark = pytest\.mark\.gpu|\s*@pytest\.mark\.gpu)\b", re.M)
 FAKE = '#!/bin/sh\necho "fake $(basename "$0") $*"\n'
 # A python3 whose import check (the script's `python3 -` with a program on stdin) fails.
 FAKE_BROKEN_PYTHON = (
@@ -105,6 +117,15 @@ def files_a_real_run_writes(results: Path) -> set[str]:
     return names
 
 
+def selects(argv: list[str], path: str) -> bool:
+    """Whether a pytest command line names the test file, or a folder above it."""
+    return any(
+        path == arg.split("::")[0] or path.startswith(arg.rstrip("/") + "/")
+        for arg in argv
+        if arg.startswith("tests/")
+    )
+
+
 @pytest.mark.parametrize("script", [CHECK, WHEELS], ids=lambda p: p.name)
 def test_script_parses(script: Path):
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -171,11 +192,23 @@ def test_dry_run_runs_every_step_into_at_most_eight_files(tmp_path: Path):
     for argv in pytests:
         assert "--durations=15" in argv and "no:cacheprovider" in argv
     assert kernels[kernels.index("-n") + 1] == "8"
-    assert [f for f in KERNEL_TESTS if (ROOT / f).exists()] == [
-        a for a in kernels if a.startswith("tests/")
+    assert [a for a in kernels if a.startswith("tests/")] == [KERNEL_DIR]
+    assert "-m" not in kernels[3:]  # each kernel file runs whole
+    assert engine[engine.index("-m", 3) + 1] == "gpu"
+    assert not [a for a in engine if a.startswith(KERNEL_DIR)], engine
+    for path in KERNEL_TESTS:
+        assert (ROOT / path).is_file() and selects(kernels, path), path
+    for path in ENGINE_TESTS:
+        assert GPU_MARK.search((ROOT / path).read_text()), f"{path} has no test marked gpu"
+        assert selects(engine, path), (path, engine)
+    # Every test file with tests marked `gpu` runs in one of the two steps.
+    marked = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "tests").rglob("test_*.py"))
+        if GPU_MARK.search(p.read_text())
     ]
-    assert "tests/gpu" in engine and not {"tests/gpu/test_triton_gpu.py"} & set(engine)
-    assert "--ignore=tests/gpu/test_triton_gpu.py" in engine
+    assert len(marked) >= len(ENGINE_TESTS) + 2, marked
+    assert [p for p in marked if not (selects(kernels, p) or selects(engine, p))] == []
     plan_source = (ROOT / "tests" / "ship" / "test_plan.py").read_text()
     on_cuda = "tests/ship/test_plan.py::test_plan_matches_serve_on_cuda"
     assert (on_cuda in engine) == ("def test_plan_matches_serve_on_cuda(" in plan_source)

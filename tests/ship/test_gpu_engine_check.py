@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.model.tiny_models import make_variant
-from tests.tokenizer_fixtures import make_tokenizer
+from tests.support.tiny_models import make_variant
+from tests.support.tokenizers import make_tokenizer
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_engine_check.py"
 

@@ -36,10 +36,10 @@ from aioinfer.gpu.runner import ModelRunner
 from aioinfer.model.loader.resolve import BUNDLED_CONFIGS, resolve_model
 from aioinfer.model.registry import get_model_class
 from aioinfer.sizing import kv_cache_too_small
-from tests.fake_cuda import FakeDevice
-from tests.model.tiny_models import ARCH_CONFIG, ARCHS, BASE_CONFIG, VARIANTS
-from tests.serve_process import ServeProcess, free_port
 from tests.ship.conftest import LiveServer, cli_flags
+from tests.support.fake_cuda import FakeDevice
+from tests.support.serve_process import ServeProcess, free_port
+from tests.support.tiny_models import ARCH_CONFIG, ARCHS, BASE_CONFIG, VARIANTS
 
 TOLERANCE = 0.02
 
