@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from tests.reliability.test_serve_process import serve_args
-from tests.serve_process import ServeProcess, free_port
+from tests.support.serve_process import ServeProcess, free_port
 
 
 async def test_sigterm_with_a_notice_keeps_serving_while_health_turns_503(tiny_model_dir: Path):
