@@ -53,6 +53,7 @@ class RequestStream:
         self._prompt_logprobs: list[TokenLogprobs | None] | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
+        self._idle_wake = False  # get_within's timer set _ready, not news
         self.taken_final = False
         # An embedding request's folded pooled parts (core/pooling.py), set when it finishes.
         self.pooled: Any = None
@@ -102,10 +103,29 @@ class RequestStream:
         return self._take()
 
     async def get_within(self, timeout: float | None) -> RequestOutput | None:
-        """Like get(), but None when `timeout` seconds pass with nothing new (None: no limit)."""
-        if timeout is not None and not await wait_event(self._ready, timeout):
-            return None
-        return await self.get()
+        """Like get(), but None when `timeout` seconds pass with nothing new (None: no limit).
+        The timer is a plain callback that wakes the wait, not asyncio.timeout's cancellation
+        machinery: a stream waits once per token."""
+        if timeout is None or self._ready.is_set():
+            return await self.get()
+        woken = asyncio.get_running_loop().call_later(timeout, self._wake_idle)
+        try:
+            await self._ready.wait()
+        finally:
+            woken.cancel()
+        if self._idle_wake:
+            self._idle_wake = False
+            if not self._has_news():
+                self._ready.clear()
+                return None
+        return self._take()
+
+    def _wake_idle(self) -> None:
+        self._idle_wake = True
+        self._ready.set()
+
+    def _has_news(self) -> bool:
+        return bool(self._pending) or self._error is not None or self._prompt_logprobs is not None
 
     def _take(self) -> RequestOutput:
         if self._error is not None:

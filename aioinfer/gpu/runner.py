@@ -5,9 +5,9 @@ Everything here runs on the GPU thread (also when the device is the CPU).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import importlib.util
-import itertools
 import logging
 import os
 import secrets
@@ -506,9 +506,11 @@ class ModelRunner:
         self, chunks: Sequence[ScheduledChunk]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids and positions of the whole step, and its attention metadata."""
-        query_lens = [c.num_tokens for c in chunks]
+        query_lens = [len(c.token_ids) for c in chunks]
         starts = [c.start_pos for c in chunks]
-        token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+        token_ids = array.array("q")
+        for chunk in chunks:
+            token_ids.extend(chunk.token_ids)
         metadata = AttentionMetadata.build(
             query_lens, starts, [c.block_table for c in chunks], self.block_size, self.device
         )
@@ -517,7 +519,7 @@ class ModelRunner:
                 torch.tensor(query_lens)
             )
             metadata = replace(metadata, long_rope_rows=to_device(rows, self.device))
-        input_ids = to_device(torch.tensor(token_ids, dtype=torch.long), self.device)
+        input_ids = to_device(torch.frombuffer(token_ids, dtype=torch.long), self.device)
         if any(c.previous_token for c in chunks):
             self._take_previous_tokens(chunks, input_ids)
         return input_ids, metadata.positions, metadata

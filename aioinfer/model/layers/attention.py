@@ -12,6 +12,8 @@ computed before and which feeds 3 new ones:
 
 from __future__ import annotations
 
+import array
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -75,41 +77,56 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Metadata for requests fed `query_lens[i]` tokens after `context_lens_before[i]`."""
+        """Metadata for requests fed `query_lens[i]` tokens after `context_lens_before[i]`.
+
+        Built from Python lists, two tensors in all (one per dtype): a step's metadata is
+        small, and each torch op on it costs more to dispatch than to run."""
         _check_build_args(query_lens, context_lens_before, block_tables, block_size)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        ctx_lens = torch.tensor(context_lens_before, dtype=torch.int64)
-        seq_lens = q_lens + ctx_lens
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        tables = _pad_block_tables(block_tables)
-
-        # Token t of request r sits at position ctx_lens[r] + (t - qsl[r]).
-        req_of_token = request_of_token(q_lens)
-        positions = torch.arange(int(qsl[-1])) - qsl[req_of_token] + ctx_lens[req_of_token]
-        blocks = tables[req_of_token, positions // block_size].to(torch.int64)
-        slot_mapping = blocks * block_size + positions % block_size
-
+        qsl = [0, *itertools.accumulate(query_lens)]
+        seq_lens = [q + c for q, c in zip(query_lens, context_lens_before, strict=True)]
+        positions: list[int] = []
+        slots: list[int] = []
+        for q, start, table in zip(query_lens, context_lens_before, block_tables, strict=True):
+            if q == 1:  # a decode: the common case, kept cheap
+                positions.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+                continue
+            span = range(start, start + q)
+            positions += span
+            slots += [table[p // block_size] * block_size + p % block_size for p in span]
+        num_reqs = len(query_lens)
         num_decodes = 0
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        while num_decodes < num_reqs and query_lens[num_decodes] == 1:
             num_decodes += 1
-        seq_lens_host = tuple(int(s) for s in seq_lens.tolist())
+        # array.array converts a list in C; torch.tensor of a list goes element by element.
+        longs_host = array.array("q", positions)
+        longs_host.extend(slots)
+        ints_host = array.array("i", qsl)
+        ints_host.extend(seq_lens)
+        width = max(len(t) for t in block_tables)
+        padding = [0] * width
+        for table in block_tables:  # padded with 0 to the widest
+            ints_host.extend(table)
+            if len(table) < width:
+                ints_host.extend(padding[len(table) :])
+        longs = torch.frombuffer(longs_host, dtype=torch.int64)
+        ints = torch.frombuffer(ints_host, dtype=torch.int32)
         device = torch.device(device)
-        positions, slot_mapping = upload([positions, slot_mapping], device)
-        qsl_device, seq_lens_device, tables = upload(
-            [qsl.to(torch.int32), seq_lens.to(torch.int32), tables], device
-        )
+        if device.type == "cuda":
+            longs, ints = to_device(longs, device), to_device(ints, device)
+        num_tokens = len(positions)
+        tables_end = 2 * num_reqs + 1 + num_reqs * width
         return AttentionMetadata(
-            positions=positions,
-            slot_mapping=slot_mapping,
-            query_start_loc=qsl_device,
-            seq_lens=seq_lens_device,
-            block_tables=tables,
-            query_start_loc_host=tuple(int(s) for s in qsl.tolist()),
-            seq_lens_host=seq_lens_host,
+            positions=longs[:num_tokens],
+            slot_mapping=longs[num_tokens:],
+            query_start_loc=ints[: num_reqs + 1],
+            seq_lens=ints[num_reqs + 1 : 2 * num_reqs + 1],
+            block_tables=ints[2 * num_reqs + 1 : tables_end].view(num_reqs, width),
+            query_start_loc_host=tuple(qsl),
+            seq_lens_host=tuple(seq_lens),
             num_decodes=num_decodes,
             max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens_host),
+            max_seq_len=max(seq_lens),
         )
 
 
@@ -162,12 +179,6 @@ def _check_build_args(
                 f"block_tables[{i}] holds {len(table)} blocks of {block_size}, "
                 f"too few for {q + ctx} tokens"
             )
-
-
-def _pad_block_tables(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-    width = max(len(t) for t in block_tables)
-    padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
-    return torch.tensor(padded, dtype=torch.int32)
 
 
 class AttentionBackend(Protocol):
