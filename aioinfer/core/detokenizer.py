@@ -96,6 +96,17 @@ def _decode_fn(tokenizer: Any, skip_special_tokens: bool) -> tuple[Decode, froze
     return decode_slow, frozenset(special)
 
 
+def _decodes_by_concatenation(tokenizer: Any) -> bool:
+    """Whether decode(a + b) == decode(a) + decode(b) whenever decode(a) ends on a whole
+    character: a plain byte-level decoder (GPT-2's, Llama 3's, Qwen's, SmolLM2's), which maps
+    each token to bytes and the bytes to text. Metaspace and byte-fallback decoders are not:
+    they read a token differently at the start of a sequence."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    return isinstance(backend, tokenizers.Tokenizer) and isinstance(
+        backend.decoder, tokenizers.decoders.ByteLevel
+    )
+
+
 def _stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     for s in stops:
@@ -122,6 +133,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._decode, self._skipped = _decode_fn(tokenizer, skip_special_tokens)
         self._is_byte_token, self._anchor = _byte_fallback(tokenizer)
+        self._concatenates = _decodes_by_concatenation(tokenizer)
         self._stops = _stop_strings(stop)
         self._include_stop = include_stop_str_in_output
         # Characters before new text that a stop string can start in.
@@ -231,13 +243,17 @@ class IncrementalDetokenizer:
         """Commit window[read:end], whose context-including text is `text`."""
         new_text = text[len(self._prefix_text) :]
         self._pending_text = ""
-        self._advance(end, text)
+        # A byte-level decoder decodes a sequence as the concatenation of its parts where the
+        # first ends on a character, as committed text does: the new tokens' own text is known.
+        self._advance(end, text, new_text if self._concatenates else None)
         return self._append(new_text)
 
-    def _advance(self, end: int, text: str) -> None:
-        """Make window[read:end] the new context, unless it decodes to nothing (a lone "▁word"
-        must not lose its space): then the old context stays."""
-        last = self._decode(self._window[self._read : end])
+    def _advance(self, end: int, text: str, last: str | None = None) -> None:
+        """Make window[read:end] (whose own text is `last`, decoded here when not given) the
+        new context, unless it decodes to nothing (a lone "▁word" must not lose its space):
+        then the old context stays."""
+        if last is None:
+            last = self._decode(self._window[self._read : end])
         if last or len(self._window) > _MAX_WINDOW_TOKENS:
             del self._window[: self._read]
             end -= self._read
