@@ -337,6 +337,13 @@ class CacheConfig:
     )
     num_gpu_blocks_override: int | None = _opt(None, "Use exactly this many KV blocks.")
     enable_prefix_caching: bool = _opt(True, "Reuse the KV cache of shared prompt prefixes.")
+    kv_events_config: str | Mapping[str, Any] | None = _opt(
+        None,
+        "Publish the prefix cache's changes as vLLM's KV events, for routers that route on "
+        "each replica's cache (llm-d, vllm-router --policy kv_aware): a JSON object with "
+        'vLLM\'s keys, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "topic": "kv@pod-1@model"}\' (needs pyzmq and msgpack).',
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -346,6 +353,41 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        self.kv_events  # noqa: B018 (checks the JSON)
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """--kv-events-config, parsed; None when events are off."""
+        return _kv_events(self.kv_events_config)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """--kv-events-config: where the KV events go (engine/kv_events.py)."""
+
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+
+
+# vLLM's KVEventsConfig keys that change nothing here.
+_KV_EVENTS_NOOP_KEYS = {"buffer_steps", "hwm", "max_queue_size", "replay_endpoint"}
+
+
+def _kv_events(value: str | Mapping[str, Any] | None) -> KVEventsConfig | None:
+    parsed = _json_object("kv_events_config", value)
+    if not parsed or not parsed.get("enable_kv_cache_events", False):
+        return None
+    known = {"enable_kv_cache_events", "publisher", "endpoint", "topic", *_KV_EVENTS_NOOP_KEYS}
+    unknown = sorted(set(parsed) - known)
+    if unknown:
+        raise ValueError(f"kv_events_config has unknown keys {unknown}; known: {sorted(known)}")
+    publisher = parsed.get("publisher", "zmq")
+    if publisher != "zmq":
+        raise ValueError(f"kv_events_config.publisher must be 'zmq', got {publisher!r}")
+    endpoint, topic = parsed.get("endpoint", "tcp://*:5557"), parsed.get("topic", "")
+    if not isinstance(endpoint, str) or not endpoint or not isinstance(topic, str):
+        raise ValueError("kv_events_config.endpoint and .topic must be strings")
+    return KVEventsConfig(endpoint, topic)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from aioinfer.core.kv_events import AllBlocksCleared, BlockRemoved, KVEventLog
+
 NULL_BLOCK = 0
 
 BlockHash = bytes
@@ -34,7 +36,8 @@ def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> Block
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
+        """`events`: where the prefix cache's changes are recorded (None: nowhere)."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (one is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -43,6 +46,7 @@ class BlockPool:
         self.cached: dict[BlockHash, int] = {}  # block hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.ref_counts[NULL_BLOCK] = 1  # never freed, never evicted
+        self.events = events
 
     @property
     def num_usable_blocks(self) -> int:
@@ -92,24 +96,30 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self.cached.get(block_hash)
 
-    def cache(self, block: int, block_hash: BlockHash) -> None:
-        """Record that a full block holds the tokens behind block_hash. A hash that another
-        block already holds keeps its first block (the duplicate just stays uncached)."""
+    def cache(self, block: int, block_hash: BlockHash) -> bool:
+        """Record that a full block holds the tokens behind block_hash; whether it did. A hash
+        that another block already holds keeps its first block (the duplicate just stays
+        uncached)."""
         if self.block_hashes[block] is not None or block_hash in self.cached:
-            return
+            return False
         self.block_hashes[block] = block_hash
         self.cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after the KV tensors were reallocated)."""
         for block in list(self.cached.values()):
-            self._drop_hash(block)
+            self._drop_hash(block, report=False)
+        if self.events is not None:
+            self.events.events.append(AllBlocksCleared())
 
-    def _drop_hash(self, block: int) -> None:
+    def _drop_hash(self, block: int, report: bool = True) -> None:
         block_hash = self.block_hashes[block]
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hashes[block] = None
+            if report and self.events is not None:
+                self.events.events.append(BlockRemoved([block_hash]))
 
     def check_integrity(self, used: dict[int, int]) -> None:
         """Raise AssertionError unless every block is free xor referenced exactly `used[b]` times.

@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass
 
 from aioinfer.core.block_pool import BlockPool, hash_block
+from aioinfer.core.kv_events import BlockStored, KVEventLog
 from aioinfer.core.request import Request
 
 
@@ -29,10 +30,18 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        events: KVEventLog | None = None,
+    ):
+        """`events`: where the prefix cache's changes are recorded (core/kv_events.py)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, events)
+        self.events = events
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[int]] = {}
@@ -143,6 +152,17 @@ class KVCacheManager:
         self._extend_hashes(request, num_tokens)
         first = self.num_cached_blocks.get(request.request_id, 0)
         last = num_tokens // self.block_size
+        hashes = request.block_hashes
         for i in range(first, last):
-            self.pool.cache(table[i], request.block_hashes[i])
+            if self.pool.cache(table[i], hashes[i]) and self.events is not None:
+                tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
+                self.events.events.append(
+                    BlockStored(
+                        [hashes[i]],
+                        hashes[i - 1] if i else None,
+                        list(tokens),
+                        self.block_size,
+                        request.lora_slot or None,
+                    )
+                )
         self.num_cached_blocks[request.request_id] = max(first, last)

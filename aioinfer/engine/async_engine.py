@@ -18,6 +18,7 @@ from typing import Any
 from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from aioinfer.core.constraints import ConstraintBuilder, ConstraintFactory
 from aioinfer.core.detokenizer import IncrementalDetokenizer
+from aioinfer.core.kv_events import KVEventLog
 from aioinfer.core.kv_manager import KVCacheManager
 from aioinfer.core.lora import LoRARequest
 from aioinfer.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -25,6 +26,7 @@ from aioinfer.core.pooling import PoolerConfig, PoolingParams, embedding
 from aioinfer.core.request import Request, never_started
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.scheduler import RequestUpdate, Scheduler
+from aioinfer.engine.kv_events import KVEventPublisher
 from aioinfer.engine.lora_adapters import LoRAAdapters
 from aioinfer.engine.model_limits import ModelLimits
 from aioinfer.engine.runner_factory import default_runner_factory
@@ -95,6 +97,9 @@ class AsyncEngine:
         self.gpu = GpuThread()
         self.loras = LoRAAdapters(self.gpu)
         self.info: Any = None  # RunnerInfo from the GPU thread
+        # With --kv-events-config: the prefix cache's events, published after each step.
+        self.kv_events: KVEventLog | None = None
+        self.kv_event_publisher: KVEventPublisher | None = None
         self.tokenizer: Any = tokenizer  # loaded at start() unless given
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
@@ -164,10 +169,15 @@ class AsyncEngine:
         self.constraints = ConstraintBuilder(
             self.tokenizer, self.info.vocab_size, self.eos_token_ids
         )
+        events_config = self.cache_config.kv_events
+        if events_config is not None:
+            self.kv_events = KVEventLog()
+            self.kv_event_publisher = KVEventPublisher(events_config)
         kv = KVCacheManager(
             self.info.num_blocks,
             self.cache_config.block_size,
             enable_prefix_caching=self.cache_config.enable_prefix_caching,
+            events=self.kv_events,
         )
         self.scheduler = Scheduler(
             kv,
@@ -207,6 +217,9 @@ class AsyncEngine:
         stuck = isinstance(self.dead_error, StepTimeoutError)
         await asyncio.to_thread(self.gpu.stop, 0.0 if stuck else 10.0)
         self.ready = False
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+            self.kv_event_publisher = None
 
     @property
     def max_model_len(self) -> int:
@@ -546,6 +559,8 @@ class AsyncEngine:
     # ----------------------------------------------------------------- step-loop callbacks
 
     def _fan_out(self, updates: list[RequestUpdate]) -> None:
+        if self.kv_event_publisher is not None and self.kv_events is not None:
+            self.kv_event_publisher.publish(self.kv_events.drain())
         now = time.monotonic()
         for update in updates:
             child = self._children.get(update.request_id)
