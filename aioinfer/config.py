@@ -99,8 +99,21 @@ def _origins(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(origins)
 
 
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
+def _check_keys(keys: tuple[str, ...]) -> None:
+    """A key that is empty or has whitespace around it could never match: a client's key is
+    compared stripped. The errors never show a key."""
+    for number, key in enumerate(keys, start=1):
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError(f"api_key: key {number} of {len(keys)} is empty")
+        if key != key.strip():
+            raise ValueError(
+                f"api_key: key {number} of {len(keys)} begins or ends with whitespace, so no "
+                "client could send it (keys are compared without it): remove the whitespace"
+            )
+
+
+def _opt(default, help: str, *, repr: bool = True, **extra):
+    return field(default=default, repr=repr, metadata={"help": help, **extra})
 
 
 def _type_fits(value: Any, hint: Any) -> bool:
@@ -482,7 +495,10 @@ class ServerConfig:
     ssl_keyfile: str | None = _opt(
         None, "The certificate's private key (PEM; default: in the certificate file)."
     )
-    api_key: tuple[str, ...] = _opt((), "Accepted API key (repeatable; also AIOINFER_API_KEY).")
+    # repr=False: no repr of the config (a log line, a traceback) shows a key.
+    api_key: tuple[str, ...] = _opt(
+        (), "Accepted API key (repeatable; also AIOINFER_API_KEY).", repr=False
+    )
     lora_modules: tuple[str, ...] = _opt(
         (),
         "A LoRA adapter to serve as NAME=PATH (a PEFT folder), or vLLM's JSON "
@@ -612,6 +628,7 @@ class ServerConfig:
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_positive(self, "stream_write_timeout")
+        _check_keys(self.api_key)
         object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
         self.lora_adapters  # noqa: B018 (checks each NAME=PATH)
         if self.ssl_keyfile and not self.ssl_certfile:
