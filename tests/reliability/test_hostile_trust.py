@@ -1,0 +1,60 @@
+"""What a client may make the server keep, log or show: field names it made up, request ids,
+other keys' cached prompts, adapters' paths and runtime LoRA paths. Each is bounded, escaped,
+refused or kept apart, through the real app over the fake engine."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+
+from aioinfer.config import ServerConfig
+from aioinfer.engine.async_engine import AsyncEngine
+from aioinfer.server.app import create_app
+from aioinfer.server.http.bodies import MiB
+from aioinfer.server.http.state import STATE
+from tests.server.conftest import assert_pool_free, build_engine
+
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[AsyncEngine]:
+    eng = await build_engine()
+    yield eng
+    await eng.shutdown()
+
+
+def remembered_bytes(logged: set[tuple[str, str]]) -> int:
+    """What the remembered field names hold in memory: the set, its tuples and their strings."""
+    strings = {id(s): sys.getsizeof(s) for entry in logged for s in entry}
+    return sys.getsizeof(logged) + sum(sys.getsizeof(e) for e in logged) + sum(strings.values())
+
+
+async def test_a_huge_made_up_field_name_is_clipped_in_the_log_and_in_memory(
+    aiohttp_client, engine, caplog
+):
+    """A field name as long as the body was logged in full and kept for the process's life
+    (4 MiB a request, from cheap /tokenize calls). Now it is logged and remembered as a
+    clipped repr; many long names stop at a bound in characters, not only in count."""
+    client = await aiohttp_client(create_app(engine, ServerConfig()))
+    caplog.set_level(logging.WARNING, logger="aioinfer.server")
+    body = orjson.dumps({"prompt": "a", "a" * (4 * MiB): 1, "x\nFORGED": 2})
+    response = await client.post("/tokenize", data=body, headers=JSON)
+    assert response.status == 200
+    [line] = [r.getMessage() for r in caplog.records if "but ignored" in r.getMessage()]
+    assert len(line.encode()) < 1024 and "\n" not in line and "FORGED" in line
+    logged = client.app[STATE].ignored_fields_logged
+    assert len(logged) == 2 and remembered_bytes(logged) < 64 * 1024
+
+    # Thousands of long names, distinct where the clip keeps them: bounded in bytes too.
+    names = {f"{i:06d}" + "b" * 2000 + f"{i:06d}": 0 for i in range(2000)}
+    response = await client.post("/tokenize", data=orjson.dumps({"prompt": "a", **names}),
+                                 headers=JSON)  # fmt: skip
+    assert response.status == 200
+    assert remembered_bytes(logged) < 64 * 1024
+    assert "the last such warning" in caplog.records[-1].getMessage()
+    assert_pool_free(engine)
