@@ -58,3 +58,42 @@ async def test_a_huge_made_up_field_name_is_clipped_in_the_log_and_in_memory(
     assert remembered_bytes(logged) < 64 * 1024
     assert "the last such warning" in caplog.records[-1].getMessage()
     assert_pool_free(engine)
+
+
+FORGED = "2026-12-07 00:00:00 INFO aioinfer: FORGED admin login ok"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_request_id_that_could_forge_a_log_line_is_refused(
+    aiohttp_client, engine, caplog, path
+):
+    """The body's request_id reached the request log and "client left; aborted ..." raw: a
+    newline in it forged a second log line. Ids are printable ASCII without spaces, at most
+    256 characters: anything else is a 400 naming the field (or the header), before any work."""
+    config = ServerConfig(log_requests=True)
+    client = await aiohttp_client(create_app(engine, config))
+    caplog.set_level(logging.DEBUG)
+    body: dict = {"max_tokens": 2}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    for bad in (f"x\n{FORGED}", f"x\r{FORGED}", "x\x1b[2J", "a b", "é", "x" * 257):
+        response = await client.post(path, json={**body, "request_id": bad})
+        error = (await response.json())["error"]
+        assert response.status == 400 and error["param"] == "request_id", bad
+        assert "printable ASCII" in error["message"]
+    for bad in ("a b", "é", "x" * 257):
+        response = await client.post(path, json=body, headers={"X-Request-Id": bad})
+        error = (await response.json())["error"]
+        assert response.status == 400 and error["param"] == "X-Request-Id", bad
+        assert "X-Request-Id" not in response.headers
+    ok = "trace-" + "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"\\')[:200]
+    response = await client.post(path, json={**body, "request_id": ok})
+    assert response.status == 200 and (await response.json())["id"].endswith(ok)
+    response = await client.post(path, json=body, headers={"X-Request-Id": ok})
+    assert response.status == 200 and response.headers["X-Request-Id"] == ok
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(ok in m for m in messages)  # the request log names the accepted id
+    assert not [m for m in messages if "FORGED" in m or "\x1b" in m]
+    assert_pool_free(engine)
