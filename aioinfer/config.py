@@ -505,6 +505,12 @@ class ServerConfig:
         '\'{"name": ..., "path": ...}\' (repeatable; needs --enable-lora). Requests pick it by '
         "its name in `model`.",
     )
+    lora_names_in_metrics: bool = _opt(
+        True,
+        "Name the adapters of running and waiting requests in /metrics' lora_requests_info, as "
+        "vLLM does (--no-lora-names-in-metrics: adapter-<slot> instead, since /metrics needs "
+        "no key; routers then cannot pick a server by its adapters).",
+    )
     allowed_origins: tuple[str, ...] = _opt(
         (),
         "Origins whose browser apps may call the API, as scheme://host[:port] (repeatable, or "

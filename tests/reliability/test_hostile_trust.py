@@ -4,6 +4,8 @@ refused or kept apart, through the real app over the fake engine."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -97,3 +99,41 @@ async def test_a_request_id_that_could_forge_a_log_line_is_refused(
     assert any(ok in m for m in messages)  # the request log names the accepted id
     assert not [m for m in messages if "FORGED" in m or "\x1b" in m]
     assert_pool_free(engine)
+
+
+@pytest.mark.parametrize("named", [True, False])
+async def test_adapters_show_their_names_not_their_server_paths(aiohttp_client, named):
+    """/v1/models showed each adapter's folder on the server as its `root`; it shows its name.
+    /metrics (no key) names the adapters of running and waiting requests, as vLLM's
+    lora_requests_info does, unless --no-lora-names-in-metrics puts adapter-<slot> instead."""
+    engine = await build_engine(step_delay=0.05, max_num_seqs=1)
+    engine.model_config = dataclasses.replace(engine.model_config, enable_lora=True)
+    path = "/srv/private/adapters/sql-v3"
+    engine.loras.slots["sql"], engine.loras.paths["sql"] = 1, path  # as add_lora leaves them
+    try:
+        config = ServerConfig(api_key=("k",), lora_names_in_metrics=named)
+        client = await aiohttp_client(create_app(engine, config))
+        auth = {"Authorization": "Bearer k"}
+        response = await client.get("/v1/models", headers=auth)
+        text = await response.text()
+        assert response.status == 200 and path not in text and "private" not in text
+        cards = {card["id"]: card for card in orjson.loads(text)["data"]}
+        assert cards["sql"]["root"] == "sql" and cards["sql"]["parent"] == engine.model_name
+        card = await (await client.get("/v1/models/sql", headers=auth)).json()
+        assert card["root"] == "sql"
+
+        body = {"model": "sql", "prompt": [5, 6, 7], "max_tokens": 20}
+        posts = [
+            asyncio.ensure_future(client.post("/v1/completions", json=body, headers=auth))
+            for _ in range(2)
+        ]
+        await asyncio.sleep(0.3)
+        metrics = await (await client.get("/metrics")).text()  # no key needed
+        for task in posts:
+            assert (await task).status == 200
+    finally:
+        await engine.shutdown()
+    [line] = [ln for ln in metrics.splitlines() if ln.startswith("aioinfer:lora_requests_info{")]
+    shown = "sql" if named else "adapter-1"
+    assert f'running_lora_adapters="{shown}"' in line and f'waiting_lora_adapters="{shown}"' in line
+    assert ("sql" in metrics) is named and path not in metrics
