@@ -505,6 +505,12 @@ class ServerConfig:
         '\'{"name": ..., "path": ...}\' (repeatable; needs --enable-lora). Requests pick it by '
         "its name in `model`.",
     )
+    lora_root: str | None = _opt(
+        None,
+        "The folder runtime LoRA loading (AIOINFER_ALLOW_RUNTIME_LORA_UPDATING) loads adapters "
+        "from: a lora_path must lie under it, symlinks resolved (a relative one is taken from "
+        "it). Without it, runtime loading refuses every path.",
+    )
     lora_names_in_metrics: bool = _opt(
         True,
         "Name the adapters of running and waiting requests in /metrics' lora_requests_info, as "

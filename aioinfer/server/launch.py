@@ -153,14 +153,24 @@ def is_loopback(host: str) -> bool:
 
 
 def warn_if_exposed(config: ServerConfig) -> None:
-    """A WARNING for a start that leaves the server open: every route without a key on an
-    address other than loopback (vLLM's default too)."""
+    """WARNING lines for a start that leaves the server open: every route without a key on
+    an address other than loopback (vLLM's default too); runtime LoRA loading without a root
+    for its paths (it then refuses every path)."""
     if not config.api_key and not config.uds and not is_loopback(config.host):
         logger.warning(
             "Serving on %s without an API key: anyone who can reach this address can use "
             "every route; set --api-key (or AIOINFER_API_KEY), or --host 127.0.0.1",
             server_address(config),
         )
+    from aioinfer.server.openai.lora import runtime_lora_updating
+
+    if runtime_lora_updating() and config.lora_root is None:
+        logger.warning(
+            "Runtime LoRA loading is switched on, but without --lora-root it refuses every "
+            "lora_path: set --lora-root to the folder the adapters may be loaded from"
+        )
+    if config.lora_root is not None and not os.path.isdir(config.lora_root):
+        logger.warning("--lora-root %s is not a folder: no adapter loads from it", config.lora_root)
 
 
 def _exit_now_if_gpu_thread_alive(code: int) -> None:

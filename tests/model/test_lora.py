@@ -243,7 +243,7 @@ async def test_adapters_load_and_unload_at_runtime(lora_setup, aiohttp_client, m
         response = await closed.post("/v1/load_lora_adapter", json={"lora_name": "x"})
         assert response.status == 404  # not served without the switch
         monkeypatch.setenv(RUNTIME_LORA_ENV, "true")
-        client = await aiohttp_client(create_app(engine, ServerConfig()))
+        client = await aiohttp_client(create_app(engine, ServerConfig(lora_root=str(root))))
         first = {"lora_name": "first", "lora_path": requests["first"].lora_path}
         prompt = make_prompts(4, 512, lengths=(33,))[0]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator
 
@@ -137,3 +138,73 @@ async def test_adapters_show_their_names_not_their_server_paths(aiohttp_client, 
     shown = "sql" if named else "adapter-1"
     assert f'running_lora_adapters="{shown}"' in line and f'waiting_lora_adapters="{shown}"' in line
     assert ("sql" in metrics) is named and path not in metrics
+
+
+async def test_runtime_lora_paths_stay_under_the_lora_root(
+    aiohttp_client, engine, monkeypatch, tmp_path, caplog
+):
+    """Runtime loading took any server path, and its errors told whether adapter_config.json
+    and the weights existed there. Now a lora_path must lie under --lora-root (symlinks
+    resolved, relative paths taken from it), without the flag every path is refused, and every
+    path that fails gets the same message, which names no file."""
+    monkeypatch.setenv("AIOINFER_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    engine.model_config = dataclasses.replace(engine.model_config, enable_lora=True)
+    root, outside = tmp_path / "adapters", tmp_path / "private"
+    for folder in (root / "sql", outside / "secret"):
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text("{}")
+    (root / "escape").symlink_to(outside / "secret")
+    (root / "not-an-adapter").mkdir()
+    loaded: list[str] = []
+
+    async def add_lora(lora):  # the engine's, without weights: a folder with a config loads
+        if not os.path.isfile(os.path.join(lora.lora_path, "adapter_config.json")):
+            raise ValueError(
+                f"{lora.lora_path} is not a LoRA adapter: it needs adapter_config.json"
+            )
+        loaded.append(lora.lora_path)
+        engine.loras.slots[lora.lora_name] = lora.lora_int_id
+        engine.loras.paths[lora.lora_name] = lora.lora_path
+
+    monkeypatch.setattr(engine, "add_lora", add_lora)
+
+    async def load(client, name: str, path: str) -> tuple[int, dict | str]:
+        response = await client.post(
+            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+        )
+        if response.status == 200:
+            return 200, await response.text()
+        return response.status, (await response.json())["error"]
+
+    closed = await aiohttp_client(create_app(engine, ServerConfig()))
+    status, error = await load(closed, "sql", str(root / "sql"))
+    assert status == 400 and "--lora-root" in error["message"] and loaded == []
+
+    client = await aiohttp_client(create_app(engine, ServerConfig(lora_root=str(root))))
+    messages = set()
+    for i, path in enumerate(
+        [
+            str(outside / "secret"),  # an adapter, but outside the root
+            str(root / ".." / "private" / "secret"),
+            "../private/secret",
+            str(root / "escape"),  # a symlink out of the root
+            "escape",
+            "/etc/passwd",
+            "/nonexistent/folder",
+            str(root / "missing"),
+            "not-an-adapter",
+            "sql\x00",
+        ]
+    ):
+        status, error = await load(client, f"bad-{i}", path)
+        assert status == 400 and error["param"] == "lora_path", path
+        messages.add(error["message"].replace(f"'bad-{i}'", "NAME"))
+    [message] = messages  # one message whatever the reason
+    for word in ("passwd", "private", "secret", "exist", "adapter_config", str(tmp_path)):
+        assert word not in message
+    assert loaded == []
+    assert all("\n" not in r.getMessage() for r in caplog.records)
+
+    assert (await load(client, "sql", "sql"))[0] == 200
+    assert (await load(client, "sql-abs", str(root / "sql")))[0] == 200
+    assert loaded == [str((root / "sql").resolve())] * 2

@@ -1,5 +1,5 @@
 """What `aioinfer serve` warns about at start: a server every route of which is open to the
-network."""
+network, and runtime LoRA loading without a root for its paths."""
 
 from __future__ import annotations
 
@@ -37,3 +37,13 @@ def test_loopback_or_a_unix_socket_without_a_key_is_no_warning(caplog, host):
     assert is_loopback(host)
     assert warnings_of(caplog, ServerConfig(host=host)) == []
     assert warnings_of(caplog, ServerConfig(uds="/tmp/aioinfer.sock")) == []
+
+
+def test_runtime_lora_loading_without_a_root_is_a_warning(caplog, monkeypatch, tmp_path):
+    monkeypatch.setenv(VLLM_RUNTIME_LORA_ENV, "true")
+    [line] = warnings_of(caplog, ServerConfig(host="127.0.0.1"))
+    assert "--lora-root" in line
+    assert warnings_of(caplog, ServerConfig(host="127.0.0.1", lora_root=str(tmp_path))) == []
+    missing = str(tmp_path / "missing")
+    [line] = warnings_of(caplog, ServerConfig(host="127.0.0.1", lora_root=missing))
+    assert "is not a folder" in line
