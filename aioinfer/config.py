@@ -511,6 +511,12 @@ class ServerConfig:
         "from: a lora_path must lie under it, symlinks resolved (a relative one is taken from "
         "it). Without it, runtime loading refuses every path.",
     )
+    share_prefix_cache_across_keys: bool = _opt(
+        False,
+        "With several API keys, let requests of different keys share cached prompt prefixes "
+        "(off: each key's prefixes are its own, so no key can time or count another's cached "
+        "prompts; a request's cache_salt still separates within a key).",
+    )
     lora_names_in_metrics: bool = _opt(
         True,
         "Name the adapters of running and waiting requests in /metrics' lora_requests_info, as "

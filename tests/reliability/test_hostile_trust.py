@@ -15,11 +15,12 @@ import orjson
 import pytest
 
 from aioinfer.config import ServerConfig
+from aioinfer.core.pooling import PoolerConfig
 from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
 from aioinfer.server.http.bodies import MiB
 from aioinfer.server.http.state import STATE
-from tests.server.conftest import assert_pool_free, build_engine
+from tests.server.conftest import BLOCK_SIZE, assert_pool_free, build_engine
 
 JSON = {"Content-Type": "application/json"}
 
@@ -208,3 +209,73 @@ async def test_runtime_lora_paths_stay_under_the_lora_root(
     assert (await load(client, "sql", "sql"))[0] == 200
     assert (await load(client, "sql-abs", str(root / "sql")))[0] == 200
     assert loaded == [str((root / "sql").resolve())] * 2
+
+
+@pytest.mark.parametrize("share", [False, True])
+async def test_with_several_keys_each_key_caches_its_own_prefixes(aiohttp_client, engine, share):
+    """Keys were separate owners of stored responses but shared the prefix cache: one key's
+    client read another's prompts from cached_tokens (or the time to its first token), a
+    block at a time. With several keys each key's prompts are cached under a root of its own,
+    a client's cache_salt within it; --share-prefix-cache-across-keys shares them again."""
+    config = ServerConfig(
+        api_key=("key-a", "key-b"),
+        enable_prompt_tokens_details=True,
+        share_prefix_cache_across_keys=share,
+    )
+    client = await aiohttp_client(create_app(engine, config))
+    prompt = list(range(7, 7 + 64))
+
+    async def cached(key: str, salt: str | None = None, route: str = "/v1/completions") -> int:
+        body: dict = {"max_tokens": 1} | ({"cache_salt": salt} if salt else {})
+        if route == "/v1/completions":
+            body["prompt"] = prompt
+        else:
+            body["messages"] = [{"role": "user", "content": "the same words " * 8}]
+        headers = {"Authorization": f"Bearer {key}"}
+        response = await client.post(route, json=body, headers=headers)
+        assert response.status == 200
+        return (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    full = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE  # one token is always computed
+    assert await cached("key-a") == 0
+    assert await cached("key-b") == (full if share else 0)
+    assert await cached("key-a") == full  # the same key hits
+    assert await cached("key-b") == full
+    # A client's salt separates within its key, and never reaches another key's prefixes.
+    assert await cached("key-a", salt="s") == 0
+    assert await cached("key-b", salt="s") == (full if share else 0)
+    assert await cached("key-a", salt="s") == full
+    chat = "/v1/chat/completions"  # chat renders its prompt, then caches it alike
+    assert await cached("key-a", route=chat) == 0
+    assert (await cached("key-b", route=chat) > 0) is share
+    assert await cached("key-a", route=chat) > 0
+    assert_pool_free(engine)
+
+
+async def test_embeddings_of_several_keys_are_cached_apart_too(aiohttp_client, monkeypatch):
+    """A pooling model of LAST pooling reuses cached prefixes as well (its time shows them)."""
+    engine = await build_engine(pooler=PoolerConfig("LAST"))
+    salts: list[str | None] = []
+    add = engine.add_pooling_request
+
+    def recording(*args, **kwargs):
+        salts.append(kwargs.get("cache_salt"))
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_pooling_request", recording)
+    try:
+        for share in (False, True):
+            config = ServerConfig(api_key=("key-a", "key-b"), share_prefix_cache_across_keys=share)
+            client = await aiohttp_client(create_app(engine, config))
+            for key in ("key-a", "key-b", "key-a"):
+                response = await client.post(
+                    "/v1/embeddings",
+                    json={"input": "the same words"},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+                assert response.status == 200
+    finally:
+        await engine.shutdown()
+    a, b, a_again, *shared = salts
+    assert a is not None and a != b and a == a_again
+    assert shared == [None, None, None]
