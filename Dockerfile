@@ -32,14 +32,15 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/constr
     && rm /tmp/constraints.txt
 
 # A fixed, high id: no clash with users of the base image, and numeric so that a runtime
-# (Kubernetes runAsNonRoot) can see it is not root without reading /etc/passwd. The home and its
-# caches are writable by any uid (sticky, like /tmp) for `docker run --user`.
+# (Kubernetes runAsNonRoot) can see it is not root without reading /etc/passwd. The home, .cache
+# and the hub cache are writable by any uid (sticky, like /tmp) for `docker run --user`. The
+# aioinfer cache is not made here: it holds compiled kernels that the server loads, so the uid
+# that serves creates it, its own (a folder any uid could write would let one plant a library).
 RUN groupadd --gid 10001 aioinfer \
     && useradd --create-home --uid 10001 --gid 10001 --shell /usr/sbin/nologin aioinfer \
-    && mkdir -p /home/aioinfer/.cache/huggingface /home/aioinfer/.cache/aioinfer \
+    && mkdir -p /home/aioinfer/.cache/huggingface \
     && chown -R 10001:10001 /home/aioinfer \
-    && chmod 1777 /home/aioinfer /home/aioinfer/.cache \
-        /home/aioinfer/.cache/huggingface /home/aioinfer/.cache/aioinfer
+    && chmod 1777 /home/aioinfer /home/aioinfer/.cache /home/aioinfer/.cache/huggingface
 USER 10001:10001
 WORKDIR /home/aioinfer
 

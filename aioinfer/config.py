@@ -99,8 +99,21 @@ def _origins(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(origins)
 
 
-def _opt(default, help: str, **extra):
-    return field(default=default, metadata={"help": help, **extra})
+def _check_keys(keys: tuple[str, ...]) -> None:
+    """A key that is empty or has whitespace around it could never match: a client's key is
+    compared stripped. The errors never show a key."""
+    for number, key in enumerate(keys, start=1):
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError(f"api_key: key {number} of {len(keys)} is empty")
+        if key != key.strip():
+            raise ValueError(
+                f"api_key: key {number} of {len(keys)} begins or ends with whitespace, so no "
+                "client could send it (keys are compared without it): remove the whitespace"
+            )
+
+
+def _opt(default, help: str, *, repr: bool = True, **extra):
+    return field(default=default, repr=repr, metadata={"help": help, **extra})
 
 
 def _type_fits(value: Any, hint: Any) -> bool:
@@ -524,12 +537,33 @@ class ServerConfig:
     ssl_keyfile: str | None = _opt(
         None, "The certificate's private key (PEM; default: in the certificate file)."
     )
-    api_key: tuple[str, ...] = _opt((), "Accepted API key (repeatable; also AIOINFER_API_KEY).")
+    # repr=False: no repr of the config (a log line, a traceback) shows a key.
+    api_key: tuple[str, ...] = _opt(
+        (), "Accepted API key (repeatable; also AIOINFER_API_KEY).", repr=False
+    )
     lora_modules: tuple[str, ...] = _opt(
         (),
         "A LoRA adapter to serve as NAME=PATH (a PEFT folder), or vLLM's JSON "
         '\'{"name": ..., "path": ...}\' (repeatable; needs --enable-lora). Requests pick it by '
         "its name in `model`.",
+    )
+    lora_root: str | None = _opt(
+        None,
+        "The folder runtime LoRA loading (AIOINFER_ALLOW_RUNTIME_LORA_UPDATING) loads adapters "
+        "from: a lora_path must lie under it, symlinks resolved (a relative one is taken from "
+        "it). Without it, runtime loading refuses every path.",
+    )
+    share_prefix_cache_across_keys: bool = _opt(
+        False,
+        "With several API keys, let requests of different keys share cached prompt prefixes "
+        "(off: each key's prefixes are its own, so no key can time or count another's cached "
+        "prompts; a request's cache_salt still separates within a key).",
+    )
+    lora_names_in_metrics: bool = _opt(
+        True,
+        "Name the adapters of running and waiting requests in /metrics' lora_requests_info, as "
+        "vLLM does (--no-lora-names-in-metrics: adapter-<slot> instead, since /metrics needs "
+        "no key; routers then cannot pick a server by its adapters).",
     )
     allowed_origins: tuple[str, ...] = _opt(
         (),
@@ -654,6 +688,7 @@ class ServerConfig:
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_positive(self, "stream_write_timeout")
+        _check_keys(self.api_key)
         object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
         self.lora_adapters  # noqa: B018 (checks each NAME=PATH)
         if self.ssl_keyfile and not self.ssl_certfile:

@@ -99,6 +99,10 @@ def build_configs(
     keys = list(values.get("api_key") or [])
     if any(not key.strip() for key in keys):  # `--api-key "$KEY"` with KEY unset
         raise ValueError("--api-key must not be empty (is the variable it reads unset?)")
+    if any(key != key.strip() for key in keys):  # a client's key is compared stripped
+        raise ValueError(
+            "--api-key must not begin or end with whitespace: no client could send such a key"
+        )
     if not keys:  # --api-key wins over the variables, as in vLLM; an empty one is not set
         env_keys = os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV) or ""
         keys = [k.strip() for k in env_keys.split(",") if k.strip()]

@@ -377,10 +377,12 @@ class AsyncEngine:
         prompt: str | None = None,
         priority: int = 0,
         group: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Admit one embedding request of a pooling model: its prompt is prefilled and pooled,
         and the stream's final output carries the folded parts (`stream.pooled`; `encode`
-        makes them an embedding). Raises ValueError as add_request does."""
+        makes them an embedding). Raises ValueError as add_request does. `cache_salt` as
+        add_request's."""
         self._check_running()
         assert self.scheduler is not None
         pooler = self.pooler
@@ -403,6 +405,7 @@ class AsyncEngine:
             max_tokens=1,
             pooler=pooler,
             priority=priority,
+            cache_salt=cache_salt,
         )
         stream = RequestStream(request_id, prompt, list(prompt_token_ids), 1)
         self._queue(stream, [request], group)

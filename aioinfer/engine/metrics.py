@@ -53,15 +53,20 @@ _HISTOGRAM_DOCS = {
 class EngineCollector(Collector):
     """Reads the engine's gauges and cumulative counters when scraped. `prefix` names the
     series: "aioinfer" (aioinfer:num_requests_waiting, ...) or "vllm" (vllm:..., the names
-    that routers, autoscalers and dashboards built for vLLM read)."""
+    that routers, autoscalers and dashboards built for vLLM read). `lora_names`: False puts
+    adapter-<slot> where lora_requests_info names an adapter (the route needs no key)."""
 
     def __init__(
-        self, get_engine: Callable[[], AsyncEngine | None], prefix: str = "aioinfer"
+        self,
+        get_engine: Callable[[], AsyncEngine | None],
+        prefix: str = "aioinfer",
+        lora_names: bool = True,
     ) -> None:
         if prefix not in METRICS_PREFIXES:
             raise ValueError(f"prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self._get_engine = get_engine
         self._prefix = prefix + ":"
+        self._lora_names = lora_names
 
     def collect(self) -> Iterator[Metric]:
         if self._prefix == PREFIX:
@@ -135,7 +140,7 @@ class EngineCollector(Collector):
         for metric, histogram in engine.stats.histograms.items():
             yield _histogram(metric, _HISTOGRAM_DOCS[metric], name, histogram)
         if engine.model_config.enable_lora:
-            yield _lora_info(engine)
+            yield _lora_info(engine, self._lora_names)
         yield _cache_config_info(engine)
         yield _by_reason(
             "request_aborted",
@@ -154,13 +159,17 @@ class EngineCollector(Collector):
         )
 
 
-def _lora_info(engine: AsyncEngine) -> GaugeMetricFamily:
+def _lora_info(engine: AsyncEngine, named: bool = True) -> GaugeMetricFamily:
     """vLLM's `lora_requests_info`: the adapters of the running and the waiting requests as
-    labels (names joined by commas), its value the time of the scrape."""
+    labels (names joined by commas; without `named`, adapter-<slot> for each), its value the
+    time of the scrape."""
     scheduler = engine.scheduler
     assert scheduler is not None
-    running = adapters_of(engine.loras.slots, scheduler.running)
-    waiting = adapters_of(engine.loras.slots, scheduler.waiting)
+    slots = engine.loras.slots
+    if not named:
+        slots = {f"adapter-{slot}": slot for slot in slots.values()}
+    running = adapters_of(slots, scheduler.running)
+    waiting = adapters_of(slots, scheduler.waiting)
     info = GaugeMetricFamily(
         PREFIX + "lora_requests_info",
         "Running stats on LoRA requests.",

@@ -52,6 +52,8 @@ from aioinfer.model.layers.attention import AttentionMetadata, to_device
 from aioinfer.model.lora import LoRAManager, LoRAMapping
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from aioinfer.model.cpu.kernels import NativeKernels
 
 logger = logging.getLogger(__name__)
@@ -193,6 +195,7 @@ class ModelRunner:
             self.dtype,
             weight_format=model_config.cpu_weight_format,
             amx=model_config.cpu_amx,
+            codes_entry=resolved.folder if resolved.converted_from is not None else None,
         )
         load_seconds = time.perf_counter() - start
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -699,18 +702,22 @@ def select_cpu_kernels(
     *,
     weight_format: str = "auto",
     amx: bool = False,
+    codes_entry: Path | None = None,
 ) -> str:
     """Swap the model's linears, norms and activations for the native CPU kernels when `name`
     allows it; returns what runs them. `auto`: native for float32 on the CPU when the kernels
-    build, else torch. `weight_format`, `amx`: as use_native_kernels."""
+    build, else torch. `weight_format`, `amx`: as use_native_kernels. `codes_entry`: the GGUF
+    cache entry the weights came from, where the byte codes found are kept for the next start
+    (model/cpu/codes_cache.py)."""
     if name == "torch":
         return "torch"
     if device.type != "cpu" or dtype != torch.float32:
         if name == "native":
             raise ValueError("cpu_kernels 'native' needs float32 on the CPU")
         return "torch"
+    from aioinfer.model.cpu import codes_cache
     from aioinfer.model.cpu import kernels as native
-    from aioinfer.model.cpu.layers import use_native_kernels
+    from aioinfer.model.cpu.layers import WeightCoder, use_native_kernels
 
     kernels = native.load()
     if kernels is None:
@@ -719,7 +726,11 @@ def select_cpu_kernels(
             raise ValueError(f"cpu_kernels 'native' is unavailable: {reason}")
         logger.info("Native CPU kernels unavailable (%s); using torch ops.", reason)
         return "torch"
-    use_native_kernels(model, kernels, weight_format=weight_format, amx=amx)
+    kept = codes_cache.codes_file(codes_entry) if codes_entry is not None else None
+    coder = WeightCoder(kernels, codes_cache.read_codes(kept) if kept is not None else None)
+    use_native_kernels(model, kernels, weight_format=weight_format, amx=amx, coder=coder)
+    if kept is not None and coder.found:
+        codes_cache.write_codes(kept, {**coder.known, **coder.found})
     return "native"
 
 

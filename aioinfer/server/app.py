@@ -70,7 +70,8 @@ def create_app(
     cors = CorsPolicy(config.allowed_origins) if config.allowed_origins else None
     if cors is not None:
         middlewares.append(cors.middleware())
-    auth = make_auth_middleware(config.api_key)
+    separate = len(config.api_key) > 1 and not config.share_prefix_cache_across_keys
+    auth = make_auth_middleware(config.api_key, separate_prefixes=separate)
     if auth is not None:
         middlewares.append(auth)
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)

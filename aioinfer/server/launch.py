@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import ipaddress
 import logging
 import os
 import signal
@@ -132,11 +133,44 @@ def run_server(
     if "api_key" in args:
         args["api_key"] = f"<{len(server_config.api_key)} key(s)>"
     log_non_default_args(args)
+    warn_if_exposed(server_config)
     code = run_on_event_loop(
         _serve(model_config, cache_config, scheduler_config, server_config, started_at)
     )
     _exit_now_if_gpu_thread_alive(code)
     return code
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (a name other than localhost is
+    not known to be)."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(config: ServerConfig) -> None:
+    """WARNING lines for a start that leaves the server open: every route without a key on
+    an address other than loopback (vLLM's default too); runtime LoRA loading without a root
+    for its paths (it then refuses every path)."""
+    if not config.api_key and not config.uds and not is_loopback(config.host):
+        logger.warning(
+            "Serving on %s without an API key: anyone who can reach this address can use "
+            "every route; set --api-key (or AIOINFER_API_KEY), or --host 127.0.0.1",
+            server_address(config),
+        )
+    from aioinfer.server.openai.lora import runtime_lora_updating
+
+    if runtime_lora_updating() and config.lora_root is None:
+        logger.warning(
+            "Runtime LoRA loading is switched on, but without --lora-root it refuses every "
+            "lora_path: set --lora-root to the folder the adapters may be loaded from"
+        )
+    if config.lora_root is not None and not os.path.isdir(config.lora_root):
+        logger.warning("--lora-root %s is not a folder: no adapter loads from it", config.lora_root)
 
 
 def _exit_now_if_gpu_thread_alive(code: int) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from aioinfer.cli.main import _flag_kind, build_configs, serve_help
 from aioinfer.cli.vllm_args import human_number_args, translate
-from aioinfer.config import ModelConfig
+from aioinfer.config import ModelConfig, ServerConfig
 from tests.cli.test_cli_help import run_cli
 
 
@@ -125,6 +125,24 @@ def test_vllm_s_key_variable_is_read_when_ours_is_not_set(monkeypatch):
     for empty in ("", "  "):
         with pytest.raises(ValueError, match="--api-key must not be empty"):
             build_configs({"api_key": ["k", empty]})
+
+
+def test_keys_with_whitespace_around_them_are_refused_and_no_repr_shows_a_key(monkeypatch):
+    """A client's key is compared stripped, so a key configured with whitespace around it
+    could never match: refused, without showing it. No repr of the config shows a key."""
+    monkeypatch.delenv("AIOINFER_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    for spaced in (" sk-secret", "sk-secret\n", "sk-secret\t"):
+        with pytest.raises(ValueError, match="whitespace") as refused:
+            build_configs({"api_key": ["k", spaced]})
+        assert "sk-secret" not in str(refused.value)
+        with pytest.raises(ValueError, match="key 2 of 2 begins or ends with whitespace"):
+            ServerConfig(api_key=("k", spaced))
+    with pytest.raises(ValueError, match="key 1 of 1 is empty"):
+        ServerConfig(api_key=("",))
+    server = build_configs({"api_key": ["sk-secret-1", "sk-secret-2"]})[3]
+    assert server.api_key == ("sk-secret-1", "sk-secret-2")
+    assert "sk-secret" not in repr(server) and "sk-secret" not in str(server)
 
 
 def test_repeatable_flags_left_at_their_default_are_tuples_so_not_reported_as_changed():

@@ -165,7 +165,7 @@ async def test_the_server_routes_requests_by_adapter_name(lora_setup, aiohttp_cl
         models = (await (await client.get("/v1/models")).json())["data"]
         assert [m["id"] for m in models] == [engine.model_name, "first", "second"]
         assert models[1]["parent"] == engine.model_name
-        assert models[1]["root"] == requests["first"].lora_path
+        assert models[1]["root"] == "first"  # its name: never its folder on the server
         prompt = make_prompts(2, 512, lengths=(12,))[0]
         for name in ("second", engine.model_name, "first"):
             body = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
@@ -243,7 +243,7 @@ async def test_adapters_load_and_unload_at_runtime(lora_setup, aiohttp_client, m
         response = await closed.post("/v1/load_lora_adapter", json={"lora_name": "x"})
         assert response.status == 404  # not served without the switch
         monkeypatch.setenv(RUNTIME_LORA_ENV, "true")
-        client = await aiohttp_client(create_app(engine, ServerConfig()))
+        client = await aiohttp_client(create_app(engine, ServerConfig(lora_root=str(root))))
         first = {"lora_name": "first", "lora_path": requests["first"].lora_path}
         prompt = make_prompts(4, 512, lengths=(33,))[0]
 

@@ -79,6 +79,15 @@ def test_runs_as_a_non_root_user_with_the_hf_cache_as_a_volume():
     assert f"HF_HOME={home}/.cache/huggingface" in only("ENV")
 
 
+def test_the_aioinfer_cache_is_not_made_writable_by_every_uid():
+    """The server loads the kernels it compiled from $HOME/.cache/aioinfer/kernels: a folder
+    any uid may write (it was 1777) let another uid plant a library there. The uid that
+    serves makes the folder, its own."""
+    run = " ".join(args for kw, args in instructions() if kw == "RUN")
+    for command in re.split(r"&&|;", run):
+        assert ".cache/aioinfer" not in command, command
+
+
 def test_port_and_entrypoint():
     assert only("EXPOSE") == "8000"
     assert json.loads(only("ENTRYPOINT")) == ["aioinfer", "serve"]

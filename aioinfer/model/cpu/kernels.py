@@ -1,20 +1,28 @@
 """Build and load the native CPU kernels (kernels.c) with the system C compiler and ctypes.
 
 The shared library is compiled once per source, compiler, flags and CPU into the aioinfer cache
-(`$AIOINFER_CACHE/kernels/`), written atomically, and reused by later starts. `load()` returns
-None, with the reason in `unavailable_reason()`, on CPUs with neither AVX-512F nor AVX2 + FMA,
-without a C compiler, or when the build fails: callers then keep torch's ops.
+(`$AIOINFER_CACHE/kernels/`, a folder made 0700), written atomically, and reused by later starts.
+Loading a library runs its code, and its name is predictable: a cached one is loaded only when
+the file, opened without following links, and every folder above it belong to this user (or
+root, above the kernels folder) and no one else may write them (a sticky folder such as /tmp
+aside); the opened file is what loads (/proc/self/fd/N), not the path again. Otherwise the
+kernels are built into a private folder of this process. `load()` returns None, with the reason
+in `unavailable_reason()`, on CPUs with neither AVX-512F nor AVX2 + FMA, without a C compiler,
+when the build fails, or when the library does not load (a WARNING then): callers then keep
+torch's ops.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -52,9 +60,12 @@ _c_float_p = ctypes.c_void_p
 class NativeKernels:
     """The loaded library, with one typed Python wrapper per kernel."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fd: int | None = None) -> None:
+        """The library at `path`, or the file open as `fd` (named `path`), which then stays
+        open: dlopen knows a library by its name, and a number reused would name another."""
         self.path = path
-        lib = ctypes.CDLL(str(path))
+        self._fd = fd
+        lib = ctypes.CDLL(str(path) if fd is None else f"/proc/self/fd/{fd}")
         # Argument types, in each C signature's order: P float buffer, V index buffer, L long,
         # I int, F float, W the layer's weights (DecoderLayerWeights).
         P, L, I, F = _c_float_p, ctypes.c_long, ctypes.c_int, ctypes.c_float  # noqa: E741
@@ -535,36 +546,148 @@ def _compiler() -> str | None:
 
 @functools.cache
 def _load(march: str) -> tuple[NativeKernels | None, str]:
+    recipe = _recipe(march)
+    if isinstance(recipe, str):
+        return None, recipe
+    cc, cflags, name = recipe
+    try:
+        try:
+            return _load_cached(cc, cflags, cache_root() / "kernels", name), ""
+        except _Untrusted as exc:
+            logger.warning(
+                "Not loading the cached CPU kernels: %s; building them for this process alone", exc
+            )
+        return _load_private(cc, cflags, name), ""
+    except _LoadError as exc:
+        logger.warning("The native CPU kernels do not load (%s); using torch ops", exc)
+        return None, str(exc)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        return None, f"building {SOURCE.name} failed: {detail.strip()[:500]}"
+
+
+def _recipe(march: str) -> tuple[str, list[str], str] | str:
+    """The compiler, its flags and the library's file name (a digest of the source, the
+    compiler, the flags and the CPU); or why this machine has no native kernels."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"no native kernels for {platform.machine()}"
+        return f"no native kernels for {platform.machine()}"
     flags = _cpu_flags().split()
     if "avx512f" not in flags and not {"avx2", "fma"} <= set(flags):
-        return None, "the CPU has neither AVX-512F nor AVX2 with FMA"
+        return "the CPU has neither AVX-512F nor AVX2 with FMA"
     cc = _compiler()
     if cc is None:
-        return None, f"no C compiler ({os.environ.get('CC', 'cc')!r}) on PATH"
+        return f"no C compiler ({os.environ.get('CC', 'cc')!r}) on PATH"
     cflags = compiler_flags(march)
     try:
         source = SOURCE.read_bytes()
     except OSError as exc:
-        return None, f"cannot read {SOURCE}: {exc}"
+        return f"cannot read {SOURCE}: {exc}"
     key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(cflags).encode(),
                                       " ".join(flags).encode()]))  # fmt: skip
-    target = cache_root() / "kernels" / f"cpu-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        try:
-            _build(cc, cflags, target)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or str(exc)
-            return None, f"building {SOURCE.name} failed: {detail.strip()[:500]}"
+    return cc, cflags, f"cpu-{key.hexdigest()[:16]}.so"
+
+
+class _Untrusted(Exception):
+    """A cached library, or a folder above it, that another user could have written."""
+
+
+class _LoadError(Exception):
+    """A library that does not load, or lacks a kernel."""
+
+
+def cached_library(march: str | None = None) -> Path | None:
+    """Where `load()` looks for its library in the cache (None where it would not)."""
+    recipe = _recipe(_march(march))
+    return None if isinstance(recipe, str) else cache_root() / "kernels" / recipe[2]
+
+
+def _load_cached(cc: str, cflags: list[str], folder: Path, name: str) -> NativeKernels:
+    """The cached library, built first where missing; _Untrusted where it, or a folder on its
+    path, is not this user's alone."""
     try:
-        return NativeKernels(target), ""
-    except OSError as exc:
-        return None, f"loading {target} failed: {exc}"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        real = Path(os.path.realpath(folder))
+    except OSError as exc:  # a cache this user cannot write (another user's, read-only)
+        raise _Untrusted(f"cannot make {folder}: {exc.strerror or exc}") from None
+    _check_folders_above(real)
+    fd = _open_owned(real, name)
+    if fd is None:
+        _build(cc, cflags, real / name)
+        fd = _open_owned(real, name)
+        if fd is None:
+            raise _Untrusted(f"{real / name} was removed as it was built")
+    return _loaded(real / name, fd)
+
+
+def _load_private(cc: str, cflags: list[str], name: str) -> NativeKernels:
+    """A build of this process's own, in a folder that only it knows and that is removed once
+    the library is open."""
+    private = Path(tempfile.mkdtemp(prefix="aioinfer-kernels-"))
+    try:
+        _build(cc, cflags, private / name)
+        fd = _open_owned(private, name)
+        assert fd is not None
+        return _loaded(private / name, fd)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _loaded(path: Path, fd: int) -> NativeKernels:
+    try:
+        return NativeKernels(path, fd)
+    except (OSError, AttributeError) as exc:  # AttributeError: a kernel the library lacks
+        os.close(fd)
+        raise _LoadError(f"loading {path} failed: {exc}") from None
+
+
+def _check_folders_above(folder: Path) -> None:
+    """Each folder above `folder` (a real path) is this user's or root's, and no one else may
+    write it unless it is sticky (as /tmp, where others cannot rename this user's entries)."""
+    euid = os.geteuid()
+    for above in folder.parents:
+        st = os.lstat(above)
+        if st.st_uid not in (euid, 0):
+            raise _Untrusted(f"{above} belongs to uid {st.st_uid}")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise _Untrusted(f"{above} may be written by others (mode {st.st_mode & 0o7777:o})")
+
+
+def _check_owned(st: os.stat_result, what: Path) -> None:
+    if st.st_uid != os.geteuid():
+        raise _Untrusted(f"{what} belongs to uid {st.st_uid}")
+    if st.st_mode & 0o022:
+        raise _Untrusted(f"{what} may be written by others (mode {st.st_mode & 0o7777:o})")
+
+
+def _open_owned(folder: Path, name: str) -> int | None:
+    """`folder`/`name` opened (without following a link) when both are this user's and no one
+    else may write them; None when there is no such file."""
+    dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _check_owned(os.fstat(dir_fd), folder)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _Untrusted(f"{folder / name} is a symbolic link") from None
+            raise
+    finally:
+        os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Untrusted(f"{folder / name} is not a regular file")
+        _check_owned(st, folder / name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _build(cc: str, cflags: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -575,7 +698,7 @@ def _build(cc: str, cflags: list[str], target: Path) -> None:
             text=True,
             timeout=BUILD_TIMEOUT_S,
         )
-        os.chmod(tmp, 0o755)  # mkstemp made it private; a shared cache must stay readable
+        os.chmod(tmp, 0o700)  # the compiler's umask may let others write it
         os.replace(tmp, target)  # atomic: concurrent starts never load a half-written file
         logger.debug("built %s", target)
     finally:

@@ -16,10 +16,12 @@ same on every device.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
+from aioinfer.model.cpu import codes_cache
 from aioinfer.model.cpu.attention import NativeAttentionBackend
 from aioinfer.model.cpu.greedy_head import GreedyHead
 from aioinfer.model.cpu.kernels import (
@@ -42,6 +44,9 @@ from aioinfer.model.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 logger = logging.getLogger(__name__)
 
+# A weight [N, K] -> its byte codes, or None where it has none.
+Coder = Callable[[torch.Tensor], CodedWeight | None]
+
 
 class PackedLinear(nn.Module):
     """`y = x @ W^T + b` by the native kernel, with the inputs and outputs of nn.Linear. W is
@@ -53,13 +58,21 @@ class PackedLinear(nn.Module):
     rows (kernels.c, "AMX linears from weight parts")."""
 
     def __init__(
-        self, linear: nn.Linear, kernels: NativeKernels, *, code: str = "float32", amx: bool = False
+        self,
+        linear: nn.Linear,
+        kernels: NativeKernels,
+        *,
+        code: str = "float32",
+        amx: bool = False,
+        coder: Coder | None = None,
     ) -> None:
+        """`coder`: finds the weight's codes (default: code_weight; see WeightCoder)."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         wanted = code in ("auto", "coded")
-        coded = code_weight(linear.weight, kernels.code_runs) if wanted else None
+        find = coder or (lambda weight: code_weight(weight, kernels.code_runs))
+        coded = find(linear.weight) if wanted else None
         self.amx = coded is not None and amx and kernels.has_amx
         self.packed: nn.Parameter | None = None
         if coded is None or (code == "auto" and not self.amx):
@@ -288,14 +301,38 @@ def _decoder_layer_weights(layer: LlamaDecoderLayer) -> DecoderLayerWeights | No
     )
 
 
+class WeightCoder:
+    """code_weight with a memory: codes found at an earlier start (`known`, by linear name)
+    are taken where their shapes fit, and what is found now is kept in `found`."""
+
+    def __init__(
+        self, kernels: NativeKernels, known: Mapping[str, CodedWeight | None] | None = None
+    ) -> None:
+        self.kernels = kernels
+        self.known = dict(known or {})
+        self.found: dict[str, CodedWeight | None] = {}
+
+    def for_linear(self, name: str) -> Coder:
+        def find(weight: torch.Tensor) -> CodedWeight | None:
+            if name in self.known:
+                kept = self.known[name]
+                if kept is None or codes_cache.fits(kept, weight):
+                    return kept
+            coded = code_weight(weight, self.kernels.code_runs)
+            self.found[name] = coded
+            return coded
+
+        return find
+
+
 def _native_twin(
-    module: nn.Module, kernels: NativeKernels, *, code: str, amx: bool
+    module: nn.Module, kernels: NativeKernels, *, code: str, amx: bool, coder: Coder | None = None
 ) -> nn.Module | None:
     """The native replacement of one module, or None to keep it."""
     if type(module) is nn.Linear:  # not subclasses, which may read .weight themselves
         fits = module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
         fits = fits and module.out_features % STRIP == 0
-        return PackedLinear(module, kernels, code=code, amx=amx) if fits else None
+        return PackedLinear(module, kernels, code=code, amx=amx, coder=coder) if fits else None
     if type(module) is RMSNorm:
         fits = module.weight.dtype == torch.float32 and module.weight.shape[0] % STRIP == 0
         return NativeRMSNorm(module, kernels) if fits else None
@@ -307,7 +344,12 @@ def _native_twin(
 
 
 def use_native_kernels(
-    model: nn.Module, kernels: NativeKernels, *, weight_format: str = "auto", amx: bool = False
+    model: nn.Module,
+    kernels: NativeKernels,
+    *,
+    weight_format: str = "auto",
+    amx: bool = False,
+    coder: WeightCoder | None = None,
 ) -> int:
     """Swap the model's modules for their native twins in place; returns how many were swapped.
     The model must be float32 on the CPU. An embedding tied to a linear that gets packed reads
@@ -315,7 +357,9 @@ def use_native_kernels(
     "float32", see ModelConfig.cpu_weight_format): whether linears whose weights are exact byte
     codes (packed_weights.py) hold them too, or only them, except the LM head and weights tied
     to an embedding, which the greedy head and the lookups read as floats. `amx`: coded
-    weights read on AMX in steps of many rows where the CPU has it (see PackedLinear)."""
+    weights read on AMX in steps of many rows where the CPU has it (see PackedLinear).
+    `coder`: the codes of an earlier start, by module name (see codes_cache.py)."""
+    names = {id(module): name for name, module in model.named_modules()} if coder else {}
     packed_by_weight: dict[int, nn.Parameter] = {}
     embeddings: list[tuple[nn.Module, str, nn.Embedding]] = []
     float_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -329,7 +373,8 @@ def use_native_kernels(
                 embeddings.append((parent, name, child))
             tied = id(getattr(child, "weight", None)) in float_weights
             code = "float32" if tied else weight_format
-            twin = _native_twin(child, kernels, code=code, amx=amx)
+            find = coder.for_linear(names[id(child)]) if coder and id(child) in names else None
+            twin = _native_twin(child, kernels, code=code, amx=amx, coder=find)
             if twin is not None:
                 if isinstance(twin, PackedLinear) and twin.packed is not None:
                     packed_by_weight[id(child.weight)] = twin.packed

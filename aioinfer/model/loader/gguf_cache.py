@@ -397,13 +397,13 @@ def _publish(tmp: Path, folder: Path, fingerprint: GGUFFingerprint) -> None:
 def _apply_umask(folder: Path) -> None:
     """The modes a plain mkdir/open would give: mkdtemp makes the folder private, and a cache
     shared between users (AIOINFER_CACHE) must stay readable."""
-    umask = _current_umask()
+    umask = current_umask()
     os.chmod(folder, 0o777 & ~umask)
     for file in _entry_files(folder):
         os.chmod(file, 0o666 & ~umask)
 
 
-def _current_umask() -> int:
+def current_umask() -> int:
     # Read, not set: os.umask() changes it for every thread while it is being read.
     try:
         with open("/proc/self/status", encoding="ascii") as f:

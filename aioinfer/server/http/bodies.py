@@ -10,6 +10,7 @@ import functools
 import itertools
 import logging
 import re
+import reprlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -75,10 +76,15 @@ async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngi
 
 
 # Field names remembered as logged, over all kinds of request: a client may send a million
-# made-up names. Once full, ignored fields are no longer logged (a last line says so). Names
+# made-up names, each as long as the body. A name is clipped (to a repr of about 64
+# characters) before it is remembered or logged, and what is remembered is bounded in count and
+# in characters: once full, ignored fields are no longer logged (a last line says so). Names
 # shown per line.
 MAX_IGNORED_FIELDS_REMEMBERED = 1024
+MAX_IGNORED_FIELD_CHARS_REMEMBERED = 16 * 1024
 MAX_IGNORED_FIELDS_SHOWN = 16
+_FIELD_NAME = reprlib.Repr()
+_FIELD_NAME.maxstring = 64
 
 
 @functools.cache
@@ -98,21 +104,33 @@ def _warn_ignored_fields(
 ) -> None:
     """Log the body's fields the request model does not know (a typo such as `max_token`
     would otherwise pass unseen), as vLLM does; each field once per kind of request, so that
-    a client that always sends one does not fill the log."""
-    ignored = sorted(set(data) - _known_fields(kind))
+    a client that always sends one does not fill the log. Names are logged as clipped reprs
+    (control characters escaped)."""
+    ignored = sorted({_FIELD_NAME.repr(name) for name in set(data) - _known_fields(kind)})
     new = [(kind.__name__, name) for name in ignored if (kind.__name__, name) not in logged]
-    if not new or len(logged) >= MAX_IGNORED_FIELDS_REMEMBERED:
+    if not new:
         return
-    logged.update(new[: MAX_IGNORED_FIELDS_REMEMBERED - len(logged)])
+    chars = sum(len(name) for _, name in logged)
+    if _full(len(logged), chars):
+        return
+    full = False
+    for entry in new:
+        logged.add(entry)
+        chars += len(entry[1])
+        if full := _full(len(logged), chars):
+            break
     shown = ignored[:MAX_IGNORED_FIELDS_SHOWN]
     more = len(ignored) - len(shown)
-    full = len(logged) >= MAX_IGNORED_FIELDS_REMEMBERED
     logger.warning(
-        "The following fields were present in the request but ignored: %s%s%s",
-        shown,
+        "The following fields were present in the request but ignored: [%s]%s%s",
+        ", ".join(shown),
         f" and {more} more" if more else "",
         f" (the last such warning: {len(logged)} field names logged)" if full else "",
     )
+
+
+def _full(count: int, chars: int) -> bool:
+    return count >= MAX_IGNORED_FIELDS_REMEMBERED or chars >= MAX_IGNORED_FIELD_CHARS_REMEMBERED
 
 
 def json_response(body: Mapping[str, Any], status: int = 200) -> web.Response:

@@ -18,10 +18,13 @@ class ServerMetrics:
     """The registry of one app, over the engine collector."""
 
     def __init__(
-        self, get_engine: Callable[[], AsyncEngine | None], prefix: str = "aioinfer"
+        self,
+        get_engine: Callable[[], AsyncEngine | None],
+        prefix: str = "aioinfer",
+        lora_names: bool = True,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(get_engine, prefix))
+        self.registry.register(EngineCollector(get_engine, prefix, lora_names))
         # process_*, python_gc_* and python_info, as the default registry that vLLM's metrics
         # live in exports them.
         ProcessCollector(registry=self.registry)

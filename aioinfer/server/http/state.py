@@ -42,7 +42,9 @@ class ServerState:
     _token_texts: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(lambda: self.engine, self.config.metrics_prefix)
+        self.metrics = ServerMetrics(
+            lambda: self.engine, self.config.metrics_prefix, self.config.lora_names_in_metrics
+        )
 
     def set_engine(self, engine: AsyncEngine) -> None:
         self.engine = engine

@@ -14,6 +14,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
+# The ids a client gives a request (the body's request_id, X-Request-Id) name its response and
+# reach the log: printable ASCII without spaces, bounded, so that none can break or forge a log
+# line or a header.
+MAX_REQUEST_ID_CHARS = 256
+REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
+REQUEST_ID_RULE = (
+    f"must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces (0x21-0x7e)"
+)
+
 _MAX_REPORTED_ERRORS = 3
 # Names pydantic gives a union's alternatives in an error's path: str, int, list[TextPart].
 _UNION_ALTERNATIVE = re.compile(r"str|int|list\[\w+\]")

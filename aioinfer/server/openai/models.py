@@ -32,10 +32,11 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 
 def _model_card(state: ServerState, engine: AsyncEngine, name: str) -> ModelCard:
-    """The served model's card, or a LoRA adapter's (its parent: the served model)."""
+    """The served model's card, or a LoRA adapter's (its parent: the served model). An
+    adapter's root is its name: vLLM shows its folder, a path on the server that no client
+    needs."""
     card = model_card(name, engine.max_model_len, state.created)
     if name in engine.loras.slots:
-        card["root"] = engine.loras.paths.get(name, name)
         card["parent"] = engine.model_name
     return card
 

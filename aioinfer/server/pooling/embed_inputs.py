@@ -17,6 +17,7 @@ from aioinfer.engine.stream import (
     RequestStream,
     gather_or_cancel,
 )
+from aioinfer.server.http.auth import cache_salt_of
 from aioinfer.server.http.errors import (
     BadRequestError,
     InternalServerError,
@@ -88,6 +89,7 @@ async def embed_inputs(
             prompt.text,
             priority,
             group=engine_id if len(prompts) > 1 else None,
+            cache_salt=cache_salt_of(request, None),
         )
 
     def param_of(message: str, index: int) -> str:

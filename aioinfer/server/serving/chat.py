@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from aioinfer.server.http.auth import cache_salt_of
 from aioinfer.server.http.request_id import client_request_id
 from aioinfer.server.http.request_log import RequestRecord
 from aioinfer.server.http.request_model import RequestValidationError
@@ -127,5 +128,5 @@ def response_context(
         echo_logprobs=echo_logprobs,
         cached_tokens={} if request.app[STATE].config.enable_prompt_tokens_details else None,
         lora=lora,
-        cache_salt=req.cache_salt,
+        cache_salt=cache_salt_of(request, req.cache_salt),
     )

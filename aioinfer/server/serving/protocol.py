@@ -21,7 +21,12 @@ from aioinfer.core.request import MAX_CACHE_SALT_CHARS
 from aioinfer.core.sampling_params import SamplingParams, StructuredOutputsParams
 from aioinfer.engine.tokenizer import check_template_kwargs
 from aioinfer.server.http.request_model import ModelRequest, RequestModel, RequestValidationError
-from aioinfer.server.http.validation import short_repr
+from aioinfer.server.http.validation import (
+    MAX_REQUEST_ID_CHARS,
+    REQUEST_ID,
+    REQUEST_ID_RULE,
+    short_repr,
+)
 from aioinfer.server.serving.formats import ResponseFormat, StructuredOutputs
 from aioinfer.server.serving.tools import (
     AssistantToolCall,
@@ -119,9 +124,9 @@ class GenerationRequest(ModelRequest):
     )
     request_id: str | None = Field(
         None,
-        min_length=1,
-        max_length=1024,
-        description="Names the response (cmpl-<request_id>), as vLLM's; X-Request-Id wins.",
+        description="Names the response (cmpl-<request_id>), as vLLM's; X-Request-Id wins. "
+        f"Printable ASCII without spaces, at most {MAX_REQUEST_ID_CHARS} characters.",
+        json_schema_extra={"pattern": f"^[!-~]{{1,{MAX_REQUEST_ID_CHARS}}}$"},
     )
     cache_salt: str | None = Field(
         None,
@@ -154,6 +159,14 @@ class GenerationRequest(ModelRequest):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id_chars(cls, value: str | None) -> str | None:
+        # It names the response and reaches the log: a newline would forge a log line.
+        if value is not None and not REQUEST_ID.fullmatch(value):
+            raise ValueError(f"{REQUEST_ID_RULE}, got {short_repr(value)}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
