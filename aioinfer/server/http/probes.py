@@ -17,9 +17,10 @@ class ProbeFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, BadHttpMessage) and HTTP2_PREFACE in str(error):
+            peer = _peer(record)  # read from the message before it is replaced
             record.levelno, record.levelname = logging.INFO, "INFO"
             record.msg = "%s opened an HTTP/2 (gRPC) connection; this server speaks HTTP/1.1 (400)"
-            record.args = (_peer(record),)
+            record.args = (peer,)
             record.exc_info = record.exc_text = None
         return True
 
