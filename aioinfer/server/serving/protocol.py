@@ -216,7 +216,13 @@ class GenerationRequest(ModelRequest):
         except RequestValidationError:
             raise
         except ValueError as exc:
-            raise RequestValidationError(str(exc), "structured_outputs") from None
+            param = self._format_param() or "structured_outputs"
+            message = str(exc)
+            if param == "response_format":
+                message = message.replace(
+                    "structured_outputs.json", "response_format.json_schema.schema"
+                )
+            raise RequestValidationError(message, param) from None
 
     @property
     def include_usage(self) -> bool:

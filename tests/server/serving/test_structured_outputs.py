@@ -11,6 +11,7 @@ import orjson
 import pydantic
 import pytest
 
+from tests.core.test_sampling_params import nested_schema
 from tests.server.conftest import assert_pool_free
 from tests.support.tokenizers import make_tokenizer
 
@@ -222,6 +223,18 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
         # Bounded: compile times grow faster than the text (a 1M-character regex took > 120 s)
         ({"structured_outputs": {"regex": "a" * 70000}}, "structured_outputs", "at most 65536"),
         ({"structured_outputs": {"choice": ["a"] * 1025}}, "structured_outputs", "at most 1024"),
+        # A schema sent as JSON text nests no deeper than a body may (400 levels: 4.7 s to
+        # compile; 3000: a RecursionError, once a 500)
+        (
+            {"structured_outputs": {"json": json.dumps(nested_schema(400))}},
+            "structured_outputs",
+            "nests more than 64 levels",
+        ),
+        (
+            {"structured_outputs": {"json": "[" * 3000 + "]" * 3000}},
+            "structured_outputs",
+            "nests more than 64 levels",
+        ),
         # vLLM's switches reach the same checks as offline (they were dropped unread)
         (
             {"structured_outputs": {"json_object": True, "whitespace_pattern": " ?"}},
