@@ -20,12 +20,13 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.messages is not None:
         messages = [m.to_template() for m in req.messages]
         config = request.app[STATE].config
-        ids = await render_chat_off_loop(engine.tokenizer, messages, req.template_options(), config)
+        options = req.template_options()
+        ids = await render_chat_off_loop(request, engine.tokenizer, messages, options, config)
     else:
         special = req.add_special_tokens is not False
         text = req.prompt or ""
         tokenize_text = functools.partial(engine.tokenizer, add_special_tokens=special)
-        encoded = await off_loop_if_long(len(text), tokenize_text, text)
+        encoded = await off_loop_if_long(request, len(text), tokenize_text, text)
         ids = list(encoded["input_ids"])
     body: TokenizeResponse = {
         "tokens": ids,

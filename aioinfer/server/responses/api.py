@@ -64,7 +64,7 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     history = list(previous.conversation) if previous is not None else []
     previous_size = previous.size if previous is not None else 0
     chat, listed_input = await off_loop_if_long(
-        request[BODY_SIZE] + previous_size, _prepare, req, history
+        request, request[BODY_SIZE] + previous_size, _prepare, req, history
     )
     listed_history = (*previous.input_items, *previous.body["output"]) if previous else ()
     input_items = (*listed_history, *listed_input)

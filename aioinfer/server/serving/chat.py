@@ -61,10 +61,10 @@ async def start_chat(
         raise RequestValidationError(AUTO_NEEDS_PARSER, "tool_choice")
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, 1, params.n)
-    constraints = await prepare_constraints(engine, params, req.structured_param)
+    constraints = await prepare_constraints(request, engine, params, req.structured_param)
     messages = req.template_messages()
     options = req.template_options()
-    ids = await render_chat_off_loop(engine.tokenizer, messages, options, state.config)
+    ids = await render_chat_off_loop(request, engine.tokenizer, messages, options, state.config)
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
     prompts = truncate_prompts(engine, [Prompt(ids)], params)
     ctx = response_context("chatcmpl", request, engine, prompts, req, params.n, response_id)

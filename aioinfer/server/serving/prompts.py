@@ -1,14 +1,24 @@
 """Prompts to token ids: the completions prompt shapes and chat messages (through the model's
-chat template), refusing what cannot be rendered with a 400."""
+chat template), refusing what cannot be rendered with a 400.
+
+Off the event loop, under the disconnect watcher (a client that leaves cancels the work while
+it waits for a thread): texts past OFF_LOOP_CHARS are tokenized there, and so are long chats
+rendered.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from aiohttp import web
+
 from aioinfer.config import ServerConfig
-from aioinfer.server.http.errors import BadRequestError
+from aioinfer.server.http.errors import BadRequestError, ServiceUnavailableError
+from aioinfer.server.http.state import STATE
 from aioinfer.server.serving.context import Prompt
 
 _T = TypeVar("_T")
@@ -16,13 +26,67 @@ _T = TypeVar("_T")
 # Texts longer than this are tokenized on a worker thread (tokenizers release the GIL): a
 # prompt of megabytes takes seconds, which on the event loop would stall every other stream.
 OFF_LOOP_CHARS = 16_384
+RETRY_AFTER = "1"  # seconds, on 503s of a full queue
 
 
-async def off_loop_if_long(num_chars: int, fn: Callable[..., _T], *args: Any) -> _T:
-    """fn(*args) at once for short texts, else on a worker thread."""
+async def off_loop(request: web.Request, fn: Callable[..., _T], *args: Any) -> _T:
+    """fn(*args) on a worker thread, under the disconnect watcher: a client that leaves
+    while it waits for a thread cancels it (ClientDisconnected); one that has started runs
+    to its end."""
+    return await request.app[STATE].watcher.guard(request, asyncio.to_thread(fn, *args))
+
+
+async def off_loop_if_long(
+    request: web.Request, num_chars: int, fn: Callable[..., _T], *args: Any
+) -> _T:
+    """fn(*args) at once for short texts (or bodies), else `off_loop`."""
     if num_chars <= OFF_LOOP_CHARS:
         return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+    return await off_loop(request, fn, *args)
+
+
+class WorkQueue:
+    """Threads of their own (named aioinfer-`name`) for one kind of slow work (`what`:
+    grammar compiles, request templates), so that a few slow jobs wait for each other instead
+    of holding up every request's off-loop parsing and tokenizing. At most `max_waiting` jobs
+    wait for a thread; a request beyond that is a 503 with Retry-After. A job whose client
+    leaves while it waits is cancelled and leaves the count at once; one that started runs to
+    its end. Threads start on first use."""
+
+    def __init__(self, what: str, name: str, threads: int, max_waiting: int) -> None:
+        self.what = what
+        self.threads = threads
+        self.max_waiting = max_waiting
+        self.in_flight = 0  # jobs running or waiting
+        self._lock = threading.Lock()  # the count drops on the job's thread
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix=f"aioinfer-{name}"
+        )
+
+    def submit(self, fn: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T] | None:
+        """fn(*args) queued, or None while the queue is full."""
+        with self._lock:
+            if self.in_flight >= self.threads + self.max_waiting:
+                return None
+            self.in_flight += 1
+        future = self._executor.submit(fn, *args)
+        future.add_done_callback(self._done)
+        return future
+
+    async def run(self, request: web.Request, fn: Callable[..., _T], *args: Any) -> _T:
+        """fn(*args) on one of the threads, under the disconnect watcher; 503 while full."""
+        future = self.submit(fn, *args)
+        if future is None:
+            raise ServiceUnavailableError(
+                f"The server is overloaded: {self.in_flight} {self.what} are running or "
+                "waiting; retry later",
+                headers={"Retry-After": RETRY_AFTER},
+            )
+        return await request.app[STATE].watcher.guard(request, asyncio.wrap_future(future))
+
+    def _done(self, _: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self.in_flight -= 1
 
 
 def num_chars(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
@@ -103,6 +167,7 @@ def render_chat(
 
 
 async def render_chat_off_loop(
+    request: web.Request,
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],
     options: dict[str, Any],
@@ -110,5 +175,5 @@ async def render_chat_off_loop(
 ) -> list[int]:
     """`render_chat`, on a worker thread when the messages are long."""
     return await off_loop_if_long(
-        message_chars(messages), render_chat, tokenizer, messages, options, config
+        request, message_chars(messages), render_chat, tokenizer, messages, options, config
     )
