@@ -1,12 +1,17 @@
 """Clients that send what no SDK would: header bytes that are not UTF-8, token ids outside the
-vocabulary with echo, bodies without a length that run past the limit. Each gets its 4xx; the
-server and the pool are unharmed."""
+vocabulary with echo, bodies without a length that run past the limit, megabytes of tools
+behind a short message. Each gets its 4xx; the server and the pool are unharmed, and the event
+loop answers /health meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import copy
+import http.client
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 import pytest
@@ -16,7 +21,10 @@ from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
 from aioinfer.server.http import bodies
 from aioinfer.server.http.bodies import body_limit
+from tests.reliability.conftest import ThreadedServer
 from tests.server.conftest import assert_pool_free, build_engine
+from tests.support.health_poller import HealthPoller
+from tests.support.tokenizers import make_tokenizer
 
 KEY = "sk-hostile-1"
 
@@ -121,3 +129,69 @@ async def test_a_body_that_stops_coming_is_a_408(aiohttp_client, engine, monkeyp
     assert "stopped coming" in error["message"] and error["type"] == "RequestTimeoutError"
     response = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
     assert response.status == 200
+
+
+# ------------------------------------------------------------------ the loop under attack
+
+# As the templates of Qwen, Llama 3.x, Hermes and Mistral do, this one writes the tools.
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}{{ tools | tojson }}{% endif %}"
+)
+MAX_HEALTH_WAIT = 0.5  # seconds: what no request may make /health wait
+
+
+@pytest.fixture(scope="module")
+def exposed() -> Iterator[ThreadedServer]:
+    """The real app on a loop of its own (so that a stall shows in a /health poller on another
+    thread), its model's template writing the tools."""
+    tokenizer = copy.deepcopy(make_tokenizer())  # the shared one stays as it is
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    server = ThreadedServer(ServerConfig(), tokenizer=tokenizer).start()
+    yield server
+    server.stop()
+
+
+def post_json(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    try:
+        payload = orjson.dumps(body)
+        conn.request("POST", path, payload, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, orjson.loads(response.read())
+    finally:
+        conn.close()
+
+
+def attacked(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
+    """The answer to `body`, and the longest a /health poller waited while it ran."""
+    with HealthPoller(url) as poller:
+        time.sleep(0.1)  # a poll or two before
+        status, reply = post_json(url, path, body)
+        time.sleep(0.1)
+    assert len(poller.answers) >= 3 and set(poller.answers) == {200}
+    return status, reply, poller.worst
+
+
+def test_megabytes_of_tools_behind_a_short_message_never_stall_the_loop(exposed):
+    """20,000 tools and "hi" once rendered and tokenized on the loop (33 s for 16.5 MB), as the
+    message was short; then a 400 for the prompt's length. Now the tools are measured off the
+    loop, before anything is rendered."""
+    tool = {"type": "object", "properties": {}}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": f"f{i}", "description": "d" * 700, "parameters": tool},
+        }
+        for i in range(6000)  # 4.6 MB
+    ]
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": tools,
+        "tool_choice": "none",
+        "max_tokens": 1,
+    }
+    status, reply, worst = attacked(exposed.url, "/v1/chat/completions", body)
+    assert worst < MAX_HEALTH_WAIT
+    assert status == 400 and reply["error"]["param"] == "tools", reply

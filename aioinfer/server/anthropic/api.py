@@ -62,10 +62,9 @@ async def count_message_tokens(request: web.Request) -> web.Response:
     generated."""
     engine, req = await parse_request(request, MessageTokensCountRequest)
     chat = await off_loop_if_long(request, request[BODY_SIZE], req.to_chat)
-    config = request.app[STATE].config
     with messages_params():
-        ids = await render_chat_off_loop(
-            request, engine.tokenizer, chat.template_messages(), chat.template_options(), config
+        rendered = await render_chat_off_loop(
+            request, engine.tokenizer, chat.messages, chat, engine.max_model_len, request[BODY_SIZE]
         )
-    count: MessageTokensCount = {"input_tokens": len(ids)}
+    count: MessageTokensCount = {"input_tokens": len(rendered.token_ids)}
     return json_response(count)
