@@ -1,7 +1,7 @@
 """Clients that send what no SDK would: header bytes that are not UTF-8, token ids outside the
 vocabulary with echo, bodies without a length that run past the limit, megabytes of tools
-behind a short message. Each gets its 4xx; the server and the pool are unharmed, and the event
-loop answers /health meanwhile."""
+behind a short message, a chat template of their own that loops or allocates. Each gets its
+4xx; the server and the pool are unharmed, and the event loop answers /health meanwhile."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import copy
 import http.client
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -139,15 +140,18 @@ TOOLS_TEMPLATE = (
     "{% if tools %}{{ tools | tojson }}{% endif %}"
 )
 MAX_HEALTH_WAIT = 0.5  # seconds: what no request may make /health wait
+MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def exposed() -> Iterator[ThreadedServer]:
     """The real app on a loop of its own (so that a stall shows in a /health poller on another
-    thread), its model's template writing the tools."""
+    thread), trusting request templates, its model's template writing the tools."""
     tokenizer = copy.deepcopy(make_tokenizer())  # the shared one stays as it is
     tokenizer.chat_template = TOOLS_TEMPLATE
-    server = ThreadedServer(ServerConfig(), tokenizer=tokenizer).start()
+    server = ThreadedServer(
+        ServerConfig(trust_request_chat_template=True), tokenizer=tokenizer
+    ).start()
     yield server
     server.stop()
 
@@ -195,3 +199,21 @@ def test_megabytes_of_tools_behind_a_short_message_never_stall_the_loop(exposed)
     status, reply, worst = attacked(exposed.url, "/v1/chat/completions", body)
     assert worst < MAX_HEALTH_WAIT
     assert status == 400 and reply["error"]["param"] == "tools", reply
+
+
+def test_a_request_template_that_loops_or_allocates_never_stalls_the_loop(exposed):
+    """Nested loops (2.2 s on the loop for 8000 x 8000) and 'x' * 2**29 (11 s, and 590 MB kept)
+    render in a child process under a budget: 400s naming chat_template."""
+    messages = [{"role": "user", "content": "hi"}]
+    before = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+    for template, fragment in (
+        ("{% for a in range(8000) %}{% for b in range(8000) %}{% endfor %}{% endfor %}", "CPU"),
+        ("{% set s = 'x' * 536870912 %}{{ s|length }}{{ messages[0]['content'] }}", "memory"),
+    ):
+        body = {"messages": messages, "chat_template": template, "max_tokens": 1}
+        status, reply, worst = attacked(exposed.url, "/v1/chat/completions", body)
+        assert worst < MAX_HEALTH_WAIT, template
+        assert status == 400 and reply["error"]["param"] == "chat_template", reply
+        assert fragment in reply["error"]["message"]
+    after = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+    assert after - before < 50 * MiB

@@ -6,7 +6,8 @@ it waits for a thread): texts past OFF_LOOP_CHARS are tokenized there, and chats
 larger than that are rendered there, from the messages' conversion (tool calls' arguments
 parsed) to the tokens. A chat whose body is small renders on the loop: what the template sees
 is bounded by the body. Before rendering, what the template would see is measured and refused
-past `template_char_limit`.
+past `template_char_limit`. A request's own chat template always renders off the loop, in a
+child process under a budget (`engine.template_budget`), one at a time (REQUEST_TEMPLATES).
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ OFF_LOOP_CHARS = 16_384
 # only be refused after it was rendered and tokenized (seconds of work per megabyte).
 TEMPLATE_CHARS_PER_TOKEN = 64
 MIN_TEMPLATE_CHARS = 1 << 20
+# A request's own chat template (--trust-request-chat-template; its text is at most
+# protocol.MAX_REQUEST_TEMPLATE_CHARS): the CPU time of one rendering.
+REQUEST_TEMPLATE_CPU_SECONDS = 1.0
 RETRY_AFTER = "1"  # seconds, on 503s of a full queue
 
 
 def template_char_limit(max_model_len: int) -> int:
-    """The most characters a chat template may see."""
+    """The most characters a chat template may see, or a request's template write."""
     return max(MIN_TEMPLATE_CHARS, TEMPLATE_CHARS_PER_TOKEN * max_model_len)
 
 
@@ -107,6 +111,9 @@ class WorkQueue:
     def _done(self, _: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self.in_flight -= 1
+
+
+REQUEST_TEMPLATES = WorkQueue("request chat templates", "template", threads=1, max_waiting=8)
 
 
 def num_chars(prompt: str | list[str] | list[int] | list[list[int]]) -> int:
@@ -184,12 +191,14 @@ def render_chat(
     source: ChatTemplateOptions,
     config: ServerConfig,
     max_model_len: int,
+    cancelled: threading.Event | None = None,
 ) -> RenderedChat:
     """Prompt token ids of chat messages through the model's chat template, with the
     template's options from `source` (a request's), under which the server's
-    chat_template_kwargs lie. A request's own chat template needs the server's trust.
-    Everything (measuring, parsing tool-call arguments, rendering, tokenizing) runs on the
-    calling thread. 400 when the template would see more than `template_char_limit(max_model_len)`
+    chat_template_kwargs lie. A request's own chat template needs the server's trust and
+    renders in a child process under a budget (stopped once `cancelled` is set). Everything
+    else (measuring, parsing tool-call arguments, rendering, tokenizing) runs on the calling
+    thread. 400 when the template would see more than `template_char_limit(max_model_len)`
     characters, before anything is rendered."""
     import jinja2
 
@@ -214,10 +223,13 @@ def render_chat(
         )
     try:
         templated = [message.to_template() for message in messages]
-        ids = apply_chat_template(tokenizer, templated, **options)
+        if request_template is None:
+            ids = apply_chat_template(tokenizer, templated, **options)
+        else:
+            ids = _render_request_template(tokenizer, templated, options, limit, cancelled)
         return RenderedChat(ids, templated, options)
     # What a template can raise from Jinja's sandbox: its own errors, raise_exception, 1/0,
-    # range(10**9), a macro calling itself.
+    # range(10**9), a macro calling itself; a request template's budget exceeded.
     except (
         ValueError,
         TypeError,
@@ -239,6 +251,36 @@ def _check_trust(request_template: str | None, config: ServerConfig) -> None:
         )
 
 
+def _render_request_template(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    options: dict[str, Any],
+    max_chars: int,
+    cancelled: threading.Event | None,
+) -> list[int]:
+    """Prompt token ids of `messages` through the request's own template, rendered by the
+    budgeted child process with what `apply_chat_template` would hand the template."""
+    from aioinfer.engine.template_budget import RENDERER
+    from aioinfer.engine.tokenizer import encode_rendered_chat
+
+    tools = options["tools"]
+    text = RENDERER.render(
+        options["chat_template"],
+        messages,
+        {
+            "add_generation_prompt": options["add_generation_prompt"],
+            "continue_final_message": options["continue_final_message"],
+            "tools": list(tools) if tools else None,
+            "documents": options["documents"],
+        },
+        {**tokenizer.special_tokens_map, **(options["chat_template_kwargs"] or {})},
+        max_chars,
+        REQUEST_TEMPLATE_CPU_SECONDS,
+        cancelled,
+    )
+    return encode_rendered_chat(tokenizer, text)
+
+
 async def render_chat_off_loop(
     request: web.Request,
     tokenizer: Any,
@@ -248,8 +290,20 @@ async def render_chat_off_loop(
     body_size: int,
 ) -> RenderedChat:
     """`render_chat` on a worker thread when the body (`body_size` bytes, with whatever it
-    continues) is large, else at once."""
+    continues) is large, on REQUEST_TEMPLATES' thread when the request brought its own
+    template, else at once."""
     config = request.app[STATE].config
-    if body_size <= OFF_LOOP_CHARS:
-        return render_chat(tokenizer, messages, source, config, max_model_len)
-    return await off_loop(request, render_chat, tokenizer, messages, source, config, max_model_len)
+    if source.chat_template is None:
+        if body_size <= OFF_LOOP_CHARS:
+            return render_chat(tokenizer, messages, source, config, max_model_len)
+        return await off_loop(
+            request, render_chat, tokenizer, messages, source, config, max_model_len
+        )
+    _check_trust(source.chat_template, config)
+    cancelled = threading.Event()
+    try:
+        return await REQUEST_TEMPLATES.run(
+            request, render_chat, tokenizer, messages, source, config, max_model_len, cancelled
+        )
+    finally:
+        cancelled.set()  # a rendering still running is stopped (its child process killed)

@@ -32,6 +32,9 @@ from aioinfer.server.serving.tools import (
     tool_constraint,
 )
 
+# A request's own chat template (--trust-request-chat-template) is refused past this size.
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
+
 
 def check_prompt_shape(value: Any) -> Any:
     """A completions prompt (or embeddings input) as given; ValueError for any other shape."""
@@ -343,6 +346,12 @@ class ChatTemplateOptions(RequestModel):
         if self.chat_template is not None and "{" not in self.chat_template:
             # Never a path: a client must not have the server read its files.
             raise RequestValidationError("chat_template must be Jinja text", "chat_template")
+        if self.chat_template is not None and len(self.chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise RequestValidationError(
+                f"chat_template must be at most {MAX_REQUEST_TEMPLATE_CHARS} characters long, "
+                f"got {len(self.chat_template)}",
+                "chat_template",
+            )
         try:
             check_template_kwargs(self.chat_template_kwargs)
         except ValueError as exc:
