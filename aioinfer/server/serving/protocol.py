@@ -310,6 +310,22 @@ class ChatMessage(RequestModel):
         return message
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What OpenAI refuses in a conversation: a message without content (an assistant's that
+    calls tools aside), a tool message that does not name its call."""
+    for i, message in enumerate(messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            needs = "content or tool_calls" if message.role == "assistant" else "content"
+            raise RequestValidationError(
+                f"a {message.role} message needs {needs}", f"messages[{i}].content"
+            )
+        if message.role == "tool" and message.tool_call_id is None:
+            raise RequestValidationError(
+                "tool_call_id is required in a tool message: it names the call answered",
+                f"messages[{i}].tool_call_id",
+            )
+
+
 class ChatTemplateOptions(RequestModel):
     """How chat messages are rendered through the model's template (as vLLM's fields)."""
 
@@ -400,12 +416,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for i, message in enumerate(self.messages):
-            if message.role == "tool" and message.tool_call_id is None:
-                raise RequestValidationError(
-                    "tool_call_id is required in a tool message: it names the call answered",
-                    f"messages[{i}].tool_call_id",
-                )
+        check_messages(self.messages)
         format_param = self._format_param()
         if self.tool_call_constraint is not None and format_param is not None:
             raise RequestValidationError(  # the format first: other APIs rename it

@@ -189,6 +189,14 @@ async def test_a_request_s_chat_template_is_bounded(aiohttp_client, engine):
             assert error["param"] == "chat_template" and fragment in error["message"], error
 
 
+async def test_a_user_message_without_content_is_a_400_not_a_generation(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user"}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        _, raw = await post(client, path, {"messages": messages, "max_tokens": 1})
+        error = error_of(raw, 400)
+        assert error["param"] == "messages[1].content" and error["type"] == "BadRequestError"
+
+
 async def test_vllm_fields_for_what_is_not_implemented_are_refused_by_name(client):
     chat = {"messages": CONTINUED[:1], "max_tokens": 1}
     refused = [
