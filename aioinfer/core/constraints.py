@@ -136,6 +136,8 @@ class GrammarCompiler:
             _check_enforceable(schema)
         try:
             return self._compile(spec)
+        except RecursionError:
+            raise InvalidGrammarError(spec.kind, "it nests too deeply") from None
         except (RuntimeError, ValueError, TypeError) as exc:
             text = str(exc).strip()
             # xgrammar prefixes its messages with a time and a source location.
@@ -182,7 +184,7 @@ def _parsed(schema: Any) -> Any:
         return schema
     try:
         return json.loads(schema)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

@@ -19,6 +19,29 @@ FLOAT32_MAX = 3.4028234663852886e38
 # the most choices: see StructuredOutputsParams._check_size.
 MAX_SPEC_CHARS = 65536
 MAX_CHOICES = 1024
+# The deepest a JSON schema may nest (arrays and objects), however it is sent: a request body
+# stops there too, while a schema sent as JSON text would not, and the grammar compiler's work
+# grows about as depth^3 (400 levels: 4 s; 900: 46 s).
+MAX_SCHEMA_DEPTH = 64
+
+
+def nesting_depth(value: object, limit: int) -> int:
+    """How deeply lists and dicts nest in `value` (a scalar: 0), without recursion; the scan
+    stops once past `limit` (then some number above it)."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack and deepest <= limit:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children)
+    return deepest
 
 
 def _is_int(value: object) -> bool:
@@ -88,7 +111,10 @@ class StructuredOutputsParams:
 
     def _check_size(self) -> None:
         """A grammar's compile time grows faster than its text (200k characters of regex: 9 s
-        on two cores), so specs are bounded, as OpenAI bounds its schemas."""
+        on two cores), so specs are bounded, as OpenAI bounds its schemas; a schema's nesting
+        too (first, as the size of a deep dict is measured by writing it)."""
+        if self.json is not None:
+            _check_schema_depth(self.json)
         if self.choice is not None and len(self.choice) > MAX_CHOICES:
             raise ValueError(
                 f"structured_outputs.choice must hold at most {MAX_CHOICES} strings, got "
@@ -108,6 +134,21 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
+
+
+def _check_schema_depth(schema: str | dict[str, Any]) -> None:
+    too_deep = f"structured_outputs.json nests more than {MAX_SCHEMA_DEPTH} levels deep"
+    if isinstance(schema, str):
+        if len(schema) > MAX_SPEC_CHARS:
+            return  # refused for its size, without parsing it
+        try:
+            schema = stdlib_json.loads(schema)
+        except RecursionError:  # thousands of levels
+            raise ValueError(too_deep) from None
+        except ValueError:
+            return  # not JSON: the compiler says so
+    if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ValueError(too_deep)
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")

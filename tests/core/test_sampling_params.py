@@ -144,6 +144,45 @@ def test_structured_output_specs_are_bounded():
             StructuredOutputsParams(**spec)
 
 
+def nested_schema(depth: int) -> dict:
+    """`depth` arrays of arrays around a string: xgrammar's work grows about as depth**3."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_nests_at_most_64_levels_however_it_is_sent():
+    """The body's own 64-level limit does not see inside a schema sent as JSON text, which
+    once took 46 s to compile at depth 900, and raised RecursionError (a 500) at 3000."""
+    import json
+    import time
+
+    from aioinfer.core.sampling_params import (
+        MAX_SCHEMA_DEPTH,
+        StructuredOutputsParams,
+        nesting_depth,
+    )
+
+    assert nesting_depth(nested_schema(10), 100) == 11  # the string schema is a level too
+    assert nesting_depth([[{"a": [1]}]], 100) == 4 and nesting_depth("text", 5) == 0
+    assert nesting_depth(nested_schema(1000), 64) == 65  # stops once past the limit
+    StructuredOutputsParams(json=nested_schema(MAX_SCHEMA_DEPTH - 1))
+    StructuredOutputsParams(json=json.dumps(nested_schema(MAX_SCHEMA_DEPTH - 1)))
+    for spec in (
+        json.dumps(nested_schema(400)),
+        nested_schema(MAX_SCHEMA_DEPTH),
+        "[" * 3000 + "]" * 3000,  # past the JSON parser's recursion limit
+        "[" * 60_000,  # and not even JSON
+    ):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=r"structured_outputs\.json nests more than 64"):
+            StructuredOutputsParams(json=spec)
+        assert time.monotonic() - start < 0.5
+    # Text that is not JSON is left to the compiler, which names what is wrong.
+    StructuredOutputsParams(json="{not json")
+
+
 def test_an_unknown_field_set_afterwards_fails_as_in_vllm():
     params = SamplingParams()
     params.max_tokens = 5  # a field: taken, and checked when the request queues

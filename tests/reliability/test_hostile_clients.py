@@ -1,12 +1,18 @@
 """Clients that send what no SDK would: header bytes that are not UTF-8, token ids outside the
-vocabulary with echo, bodies without a length that run past the limit. Each gets its 4xx; the
-server and the pool are unharmed."""
+vocabulary with echo, bodies without a length that run past the limit, megabytes of tools
+behind a short message, a chat template of their own that loops or allocates. Each gets its
+4xx; the server and the pool are unharmed, and the event loop answers /health meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import copy
+import http.client
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 import pytest
@@ -16,7 +22,10 @@ from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
 from aioinfer.server.http import bodies
 from aioinfer.server.http.bodies import body_limit
+from tests.reliability.conftest import ThreadedServer
 from tests.server.conftest import assert_pool_free, build_engine
+from tests.support.health_poller import HealthPoller
+from tests.support.tokenizers import make_tokenizer
 
 KEY = "sk-hostile-1"
 
@@ -122,3 +131,90 @@ async def test_a_body_that_stops_coming_is_a_408(aiohttp_client, engine, monkeyp
     assert "stopped coming" in error["message"] and error["type"] == "RequestTimeoutError"
     response = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
     assert response.status == 200
+
+
+# ------------------------------------------------------------------ the loop under attack
+
+# As the templates of Qwen, Llama 3.x, Hermes and Mistral do, this one writes the tools.
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}{{ tools | tojson }}{% endif %}"
+)
+MAX_HEALTH_WAIT = 0.5  # seconds: what no request may make /health wait
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def exposed() -> Iterator[ThreadedServer]:
+    """The real app on a loop of its own (so that a stall shows in a /health poller on another
+    thread), trusting request templates, its model's template writing the tools."""
+    tokenizer = copy.deepcopy(make_tokenizer())  # the shared one stays as it is
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    server = ThreadedServer(
+        ServerConfig(trust_request_chat_template=True), tokenizer=tokenizer
+    ).start()
+    yield server
+    server.stop()
+
+
+def post_json(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    try:
+        payload = orjson.dumps(body)
+        conn.request("POST", path, payload, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, orjson.loads(response.read())
+    finally:
+        conn.close()
+
+
+def attacked(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
+    """The answer to `body`, and the longest a /health poller waited while it ran."""
+    with HealthPoller(url) as poller:
+        time.sleep(0.1)  # a poll or two before
+        status, reply = post_json(url, path, body)
+        time.sleep(0.1)
+    assert len(poller.answers) >= 3 and set(poller.answers) == {200}
+    return status, reply, poller.worst
+
+
+def test_megabytes_of_tools_behind_a_short_message_never_stall_the_loop(exposed):
+    """20,000 tools and "hi" once rendered and tokenized on the loop (33 s for 16.5 MB), as the
+    message was short; then a 400 for the prompt's length. Now the tools are measured off the
+    loop, before anything is rendered."""
+    tool = {"type": "object", "properties": {}}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": f"f{i}", "description": "d" * 700, "parameters": tool},
+        }
+        for i in range(6000)  # 4.6 MB
+    ]
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": tools,
+        "tool_choice": "none",
+        "max_tokens": 1,
+    }
+    status, reply, worst = attacked(exposed.url, "/v1/chat/completions", body)
+    assert worst < MAX_HEALTH_WAIT
+    assert status == 400 and reply["error"]["param"] == "tools", reply
+
+
+def test_a_request_template_that_loops_or_allocates_never_stalls_the_loop(exposed):
+    """Nested loops (2.2 s on the loop for 8000 x 8000) and 'x' * 2**29 (11 s, and 590 MB kept)
+    render in a child process under a budget: 400s naming chat_template."""
+    messages = [{"role": "user", "content": "hi"}]
+    before = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+    for template, fragment in (
+        ("{% for a in range(8000) %}{% for b in range(8000) %}{% endfor %}{% endfor %}", "CPU"),
+        ("{% set s = 'x' * 536870912 %}{{ s|length }}{{ messages[0]['content'] }}", "memory"),
+    ):
+        body = {"messages": messages, "chat_template": template, "max_tokens": 1}
+        status, reply, worst = attacked(exposed.url, "/v1/chat/completions", body)
+        assert worst < MAX_HEALTH_WAIT, template
+        assert status == 400 and reply["error"]["param"] == "chat_template", reply
+        assert fragment in reply["error"]["message"]
+    after = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+    assert after - before < 50 * MiB

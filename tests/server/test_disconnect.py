@@ -160,3 +160,40 @@ async def test_server_keeps_serving_after_disconnects(live_factory):
         assert engine.stats.aborted == 5
     finally:
         await engine.shutdown()
+
+
+async def test_a_client_that_leaves_while_its_prompt_is_tokenized_is_let_go(
+    live_factory, monkeypatch
+):
+    """Off-loop work runs under the disconnect watcher too: the handler stops waiting for a
+    long prompt's tokenization once its client is gone, and no engine request follows."""
+    import threading
+
+    from aioinfer.server.http.state import STATE
+    from aioinfer.server.openai import completions
+
+    started, gate = threading.Event(), threading.Event()
+    encode = completions.encode_prompts
+
+    def held(tokenizer, prompt, *args):
+        started.set()
+        gate.wait(10)
+        return encode(tokenizer, "hi", *args)  # a prompt that fits the test model
+
+    monkeypatch.setattr(completions, "encode_prompts", held)
+    engine = await build_engine()
+    try:
+        server = await live_factory(engine)
+        state = server.app[STATE]
+        body = {"prompt": "word " * 5000, "max_tokens": 1}  # tokenized off the loop
+        _, writer = await raw_request(server, "/v1/completions", body)
+        await wait_until(started.is_set)
+        writer.close()
+        await wait_until(lambda: state.in_flight == 0, ABORT_DEADLINE)  # the gate still shut
+        gate.set()
+        await asyncio.sleep(0.2)
+        assert engine.num_unfinished == 0 and engine.stats.aborted == 0
+        assert_pool_free(engine)
+    finally:
+        gate.set()
+        await engine.shutdown()

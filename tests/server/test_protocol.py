@@ -89,10 +89,33 @@ def test_chat_message_errors_point_into_the_list():
     assert "only text content parts" in error.message
 
 
+def test_a_message_without_content_is_refused_unless_it_calls_tools():
+    """As OpenAI: a user or system message needs content (it once generated from an empty
+    turn); an assistant message that only calls tools may leave it out."""
+    for role in ("user", "system", "developer", "tool"):
+        message = {"role": role, **({"tool_call_id": "c"} if role == "tool" else {})}
+        for req in (chat, lambda **f: TokenizeRequest.parse(f)):
+            error = refused(req, messages=[{"role": "user", "content": "hi"}, message])
+            assert error.param == "messages[1].content", error
+            assert f"a {role} message needs content" in error.message
+    error = refused(chat, messages=[{"role": "user", "content": None}])
+    assert error.param == "messages[0].content"
+    error = refused(chat, messages=[{"role": "user", "content": "a"}, {"role": "assistant"}])
+    assert error.param == "messages[1].content" and "content or tool_calls" in error.message
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    assert chat(messages=messages).messages[1].content is None
+    assert chat(messages=[{"role": "user", "content": ""}]).messages[0].content == ""
+
+
 def test_text_parts_are_joined():
     req = chat(
         messages=[
-            {"role": "system", "content": None},
+            {"role": "system", "content": ""},
             {
                 "role": "user",
                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],

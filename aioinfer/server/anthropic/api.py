@@ -42,7 +42,7 @@ AUTO_NEEDS_PARSER = AUTO_NEEDS_PARSER_START + (
 async def create_message(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     state = request.app[STATE]
     engine, req = await parse_request(request, MessagesRequest)
-    chat = await off_loop_if_long(request[BODY_SIZE], req.to_chat)
+    chat = await off_loop_if_long(request, request[BODY_SIZE], req.to_chat)
     if chat.auto_tools and make_tool_parser(state.config.tool_call_parser) is None:
         raise RequestValidationError(AUTO_NEEDS_PARSER, "tool_choice")
     with messages_params():
@@ -61,11 +61,10 @@ async def count_message_tokens(request: web.Request) -> web.Response:
     """The prompt's length in tokens, as the chat template renders the request; nothing is
     generated."""
     engine, req = await parse_request(request, MessageTokensCountRequest)
-    chat = await off_loop_if_long(request[BODY_SIZE], req.to_chat)
-    config = request.app[STATE].config
+    chat = await off_loop_if_long(request, request[BODY_SIZE], req.to_chat)
     with messages_params():
-        ids = await render_chat_off_loop(
-            engine.tokenizer, chat.template_messages(), chat.template_options(), config
+        rendered = await render_chat_off_loop(
+            request, engine.tokenizer, chat.messages, chat, engine.max_model_len, request[BODY_SIZE]
         )
-    count: MessageTokensCount = {"input_tokens": len(ids)}
+    count: MessageTokensCount = {"input_tokens": len(rendered.token_ids)}
     return json_response(count)

@@ -18,6 +18,7 @@ from aiohttp import web
 from typing_extensions import TypedDict
 
 from aioinfer.server.http.request_model import RequestValidationError
+from aioinfer.server.http.sse import ClientDisconnected, client_closed
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         return _from_http_exception(request, exc, body)
+    except ClientDisconnected:  # the client left while its request was being prepared
+        return client_closed()
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "Internal server error", body=body)

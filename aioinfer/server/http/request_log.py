@@ -18,6 +18,7 @@ from aiohttp import web
 from aioinfer.core.outputs import CompletionOutput
 from aioinfer.server.http.errors import APIError
 from aioinfer.server.http.request_model import RequestValidationError
+from aioinfer.server.http.sse import CLIENT_CLOSED_REQUEST, ClientDisconnected
 from aioinfer.server.http.state import STATE
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,9 @@ def generation_handler(
             raise
         except RequestValidationError:
             record.status = 400
+            raise
+        except ClientDisconnected:
+            record.status = CLIENT_CLOSED_REQUEST
             raise
         finally:
             state.in_flight -= 1

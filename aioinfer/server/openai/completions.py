@@ -51,9 +51,14 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
     engine, req = await parse_request(request, CompletionRequest)
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, count_prompts(req.prompt), params.n)
-    constraints = await prepare_constraints(engine, params, req.structured_param)
+    constraints = await prepare_constraints(request, engine, params, req.structured_param)
     prompts = await off_loop_if_long(
-        num_chars(req.prompt), encode_prompts, engine.tokenizer, req.prompt, req.add_special_tokens
+        request,
+        num_chars(req.prompt),
+        encode_prompts,
+        engine.tokenizer,
+        req.prompt,
+        req.add_special_tokens,
     )
     prompts = truncate_prompts(engine, prompts, params)
     # Again: the queue may have filled while a long prompt was tokenized. From here to the

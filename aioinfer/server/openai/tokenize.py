@@ -7,9 +7,8 @@ import functools
 
 from aiohttp import web
 
-from aioinfer.server.http.bodies import json_response, parse_request
+from aioinfer.server.http.bodies import BODY_SIZE, json_response, parse_request
 from aioinfer.server.http.errors import BadRequestError
-from aioinfer.server.http.state import STATE
 from aioinfer.server.openai.shapes import TokenizeResponse
 from aioinfer.server.openai.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from aioinfer.server.serving.prompts import off_loop_if_long, render_chat_off_loop
@@ -18,14 +17,20 @@ from aioinfer.server.serving.prompts import off_loop_if_long, render_chat_off_lo
 async def tokenize(request: web.Request) -> web.Response:
     engine, req = await parse_request(request, TokenizeRequest)
     if req.messages is not None:
-        messages = [m.to_template() for m in req.messages]
-        config = request.app[STATE].config
-        ids = await render_chat_off_loop(engine.tokenizer, messages, req.template_options(), config)
+        rendered = await render_chat_off_loop(
+            request,
+            engine.tokenizer,
+            req.messages,
+            req,
+            engine.max_model_len,
+            request[BODY_SIZE],
+        )
+        ids = rendered.token_ids
     else:
         special = req.add_special_tokens is not False
         text = req.prompt or ""
         tokenize_text = functools.partial(engine.tokenizer, add_special_tokens=special)
-        encoded = await off_loop_if_long(len(text), tokenize_text, text)
+        encoded = await off_loop_if_long(request, len(text), tokenize_text, text)
         ids = list(encoded["input_ids"])
     body: TokenizeResponse = {
         "tokens": ids,

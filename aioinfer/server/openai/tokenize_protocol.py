@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from aioinfer.server.http.request_model import ModelRequest, RequestValidationError
-from aioinfer.server.serving.protocol import ChatMessage, ChatTemplateOptions
+from aioinfer.server.serving.protocol import ChatMessage, ChatTemplateOptions, check_messages
 
 
 class TokenizeRequest(ChatTemplateOptions, ModelRequest):
@@ -27,6 +27,8 @@ class TokenizeRequest(ChatTemplateOptions, ModelRequest):
             raise RequestValidationError(
                 "give exactly one of prompt and messages", "prompt" if self.prompt else "messages"
             )
+        if self.messages is not None:
+            check_messages(self.messages)
         self.check_template_options()
 
 

@@ -71,7 +71,7 @@ async def embed_inputs(
     num_inputs = count_prompts(inputs)
     admit(engine, num_inputs, 1, field=field)
     prompts = await off_loop_if_long(
-        num_chars(inputs), encode_prompts, engine.tokenizer, inputs, add_special_tokens
+        request, num_chars(inputs), encode_prompts, engine.tokenizer, inputs, add_special_tokens
     )
     admit(engine, num_inputs, 1, field=field)  # again: the queue may have filled meanwhile
     client_id = client_request_id(request)

@@ -121,7 +121,7 @@ async def _cross_encode(
     firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
     chars = sum(len(a) + len(b) for a, b in pairs)
     prompts = await off_loop_if_long(
-        chars, encode_pairs, engine.tokenizer, firsts, seconds, keep, engine.max_model_len
+        request, chars, encode_pairs, engine.tokenizer, firsts, seconds, keep, engine.max_model_len
     )
     fields = [names[0] if len(a) > len(b) else names[1] for a, b in pairs]
     outputs = await embed_inputs(

@@ -63,14 +63,15 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     previous = _previous(responses.store, req.previous_response_id, owner)
     history = list(previous.conversation) if previous is not None else []
     previous_size = previous.size if previous is not None else 0
-    chat, listed_input = await off_loop_if_long(
-        request[BODY_SIZE] + previous_size, _prepare, req, history
-    )
+    body_size = request[BODY_SIZE] + previous_size
+    chat, listed_input = await off_loop_if_long(request, body_size, _prepare, req, history)
     listed_history = (*previous.input_items, *previous.body["output"]) if previous else ()
     input_items = (*listed_history, *listed_input)
     _check_unique_ids(input_items)
     with responses_params():
-        started = await start_chat(request, engine, chat, record, response_id=new_id("resp"))
+        started = await start_chat(
+            request, engine, chat, record, response_id=new_id("resp"), body_size=body_size
+        )
     conversation = (*history, *req.input)
     # What storing it keeps alive: this request (as models and as listed items), the
     # conversation before it, and the output.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from aioinfer.server.http.auth import cache_salt_of
+from aioinfer.server.http.bodies import BODY_SIZE
 from aioinfer.server.http.request_id import client_request_id
 from aioinfer.server.http.request_log import RequestRecord
 from aioinfer.server.http.request_model import RequestValidationError
@@ -49,10 +50,12 @@ async def start_chat(
     req: ChatCompletionRequest,
     record: RequestRecord,
     response_id: str | None = None,
+    body_size: int | None = None,
 ) -> ChatStart:
     """Admit a chat request and start its generation: its messages rendered through the chat
     template, its tools and format as constraints. `response_id`: the id of the response (by
-    default chatcmpl-<hex>)."""
+    default chatcmpl-<hex>); `body_size`: the bytes of what the chat was made from (by default
+    the body's), which decide whether it renders off the event loop."""
     state = request.app[STATE]
     tool_parser = None
     if req.auto_tools:
@@ -62,12 +65,14 @@ async def start_chat(
         raise RequestValidationError(AUTO_NEEDS_PARSER, "tool_choice")
     params = req.to_sampling_params(engine.default_sampling)
     admit(engine, 1, params.n)
-    constraints = await prepare_constraints(engine, params, req.structured_param)
-    messages = req.template_messages()
-    options = req.template_options()
-    ids = await render_chat_off_loop(engine.tokenizer, messages, options, state.config)
+    constraints = await prepare_constraints(request, engine, params, req.structured_param)
+    size = request[BODY_SIZE] if body_size is None else body_size
+    rendered = await render_chat_off_loop(
+        request, engine.tokenizer, req.messages, req, engine.max_model_len, size
+    )
+    messages, options = rendered.messages, rendered.options
     admit(engine, 1, params.n)  # again, as for completions; no await from here on
-    prompts = truncate_prompts(engine, [Prompt(ids)], params)
+    prompts = truncate_prompts(engine, [Prompt(rendered.token_ids)], params)
     ctx = response_context("chatcmpl", request, engine, prompts, req, params.n, response_id)
     reasoning_parser = make_reasoning_parser(state.config.reasoning_parser)
     if reasoning_parser is not None:

@@ -5,11 +5,12 @@ errors for what the engine fails a request with."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
+
+from aiohttp import web
 
 from aioinfer.core.constraints import ConstraintFactory, InvalidGrammarError
 from aioinfer.core.outputs import CompletionOutput, OutputAccumulator, RequestOutput
@@ -30,6 +31,7 @@ from aioinfer.server.http.errors import (
     ServiceUnavailableError,
 )
 from aioinfer.server.serving.context import Prompt, ResponseContext
+from aioinfer.server.serving.prompts import RETRY_AFTER, WorkQueue
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
@@ -37,7 +39,6 @@ if TYPE_CHECKING:
 # Bounds the engine requests one HTTP request can create (prompts x n), checked before any
 # tokenization; n alone is also bounded by --max-num-seqs.
 MAX_SEQUENCES_PER_REQUEST = 4096
-RETRY_AFTER = "1"  # seconds, on 503s of a full or slow queue
 
 
 def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") -> None:
@@ -63,23 +64,25 @@ def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") 
         raise BadRequestError(str(exc), param=param) from None
 
 
-# Grammar compiles run here, not on the loop's default pool: a few large specs (up to a second
-# or two each) then wait for each other instead of holding up every request's off-loop
-# parsing and tokenizing. Threads start on first use.
-_COMPILES = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="aioinfer-grammar")
+# Grammar compiles run on threads of their own (see WorkQueue): a few large specs (up to a
+# second each) then wait for each other instead of holding up every request's off-loop parsing
+# and tokenizing.
+COMPILES = WorkQueue("structured-output specs to compile", "grammar", threads=2, max_waiting=16)
 
 
 async def prepare_constraints(
-    engine: AsyncEngine, params: SamplingParams, param: str | None
+    request: web.Request, engine: AsyncEngine, params: SamplingParams, param: str | None
 ) -> ConstraintFactory | None:
-    """The request's token constraints, built on a worker thread: a grammar compile (of
+    """The request's token constraints, built on a grammar thread: a grammar compile (of
     `param`, the field that asked for it) or many bad words to tokenize do not hold up the
-    event loop. 400 for a spec that does not compile."""
+    event loop. Under the disconnect watcher: a client that leaves while its compile waits
+    cancels it. 400 for a spec that does not compile, 503 while too many compiles wait."""
     if engine.constraints is None or not params.has_constraints:
         return None
     try:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_COMPILES, engine.constraints.prepare, params)
+        return await COMPILES.run(request, engine.constraints.prepare, params)
+    except RecursionError:
+        raise BadRequestError(f"{param} nests too deeply", param=param) from None
     except InvalidGrammarError as exc:
         where = {
             "response_format": "response_format.json_schema.schema",

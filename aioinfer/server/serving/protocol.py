@@ -37,6 +37,9 @@ from aioinfer.server.serving.tools import (
     tool_constraint,
 )
 
+# A request's own chat template (--trust-request-chat-template) is refused past this size.
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
+
 
 def check_prompt_shape(value: Any) -> Any:
     """A completions prompt (or embeddings input) as given; ValueError for any other shape."""
@@ -229,7 +232,13 @@ class GenerationRequest(ModelRequest):
         except RequestValidationError:
             raise
         except ValueError as exc:
-            raise RequestValidationError(str(exc), "structured_outputs") from None
+            param = self._format_param() or "structured_outputs"
+            message = str(exc)
+            if param == "response_format":
+                message = message.replace(
+                    "structured_outputs.json", "response_format.json_schema.schema"
+                )
+            raise RequestValidationError(message, param) from None
 
     @property
     def include_usage(self) -> bool:
@@ -314,6 +323,22 @@ class ChatMessage(RequestModel):
         return message
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What OpenAI refuses in a conversation: a message without content (an assistant's that
+    calls tools aside), a tool message that does not name its call."""
+    for i, message in enumerate(messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            needs = "content or tool_calls" if message.role == "assistant" else "content"
+            raise RequestValidationError(
+                f"a {message.role} message needs {needs}", f"messages[{i}].content"
+            )
+        if message.role == "tool" and message.tool_call_id is None:
+            raise RequestValidationError(
+                "tool_call_id is required in a tool message: it names the call answered",
+                f"messages[{i}].tool_call_id",
+            )
+
+
 class ChatTemplateOptions(RequestModel):
     """How chat messages are rendered through the model's template (as vLLM's fields)."""
 
@@ -350,6 +375,12 @@ class ChatTemplateOptions(RequestModel):
         if self.chat_template is not None and "{" not in self.chat_template:
             # Never a path: a client must not have the server read its files.
             raise RequestValidationError("chat_template must be Jinja text", "chat_template")
+        if self.chat_template is not None and len(self.chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise RequestValidationError(
+                f"chat_template must be at most {MAX_REQUEST_TEMPLATE_CHARS} characters long, "
+                f"got {len(self.chat_template)}",
+                "chat_template",
+            )
         try:
             check_template_kwargs(self.chat_template_kwargs)
         except ValueError as exc:
@@ -398,12 +429,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for i, message in enumerate(self.messages):
-            if message.role == "tool" and message.tool_call_id is None:
-                raise RequestValidationError(
-                    "tool_call_id is required in a tool message: it names the call answered",
-                    f"messages[{i}].tool_call_id",
-                )
+        check_messages(self.messages)
         format_param = self._format_param()
         if self.tool_call_constraint is not None and format_param is not None:
             raise RequestValidationError(  # the format first: other APIs rename it

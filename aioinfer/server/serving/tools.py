@@ -175,9 +175,7 @@ def tool_constraint(
                 "tools",
             )
     if tool_choice == "required":
-        return ToolMode(named=None), StructuredOutputsParams(
-            json=_calls_schema(schemas, parallel_tool_calls)
-        )
+        return ToolMode(named=None), _json_constraint(_calls_schema(schemas, parallel_tool_calls))
     assert isinstance(tool_choice, NamedToolChoice)
     name = tool_choice.function.name
     if name not in schemas:
@@ -185,7 +183,16 @@ def tool_constraint(
             f"tool_choice names the function {name!r}, which is not among the tools "
             f"({', '.join(sorted(schemas))})"
         )
-    return ToolMode(named=name), StructuredOutputsParams(json=schemas[name])
+    return ToolMode(named=name), _json_constraint(schemas[name])
+
+
+def _json_constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    """The output constrained to `schema`, built from the tools' parameters schemas."""
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as exc:  # too deep or too large
+        message = str(exc).replace("structured_outputs.json", "the schema of the tools' calls")
+        raise ToolsError(message, "tools") from None
 
 
 def _calls_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:

@@ -167,6 +167,36 @@ async def test_a_request_s_chat_template_needs_the_server_s_trust(client, aiohtt
     assert orjson.loads(raw)["tokens"] == chat_prompt_ids(messages)
 
 
+async def test_a_request_s_chat_template_is_bounded(aiohttp_client, engine):
+    """At most 64 KiB of template text; what it writes at most what a template may see; its
+    CPU time and memory (engine/template_budget.py's tests) too."""
+    from aioinfer.server.serving.prompts import template_char_limit
+
+    trusting = await aiohttp_client(
+        create_app(engine, ServerConfig(trust_request_chat_template=True))
+    )
+    messages = [{"role": "user", "content": "Hi"}]
+    large = "{{ messages[0]['content'] }}" + " " * 65536
+    limit = template_char_limit(engine.max_model_len)
+    for template, fragment in (
+        (large, "at most 65536 characters"),
+        ("{{ 'y' * " + str(limit + 1) + " }}", f"past its budget of {limit}"),
+        ("{% set s = 'x' * 2**31 %}{{ s|length }}", "MiB of memory"),
+    ):
+        for path in ("/tokenize", "/v1/chat/completions"):
+            _, raw = await post(trusting, path, {"messages": messages, "chat_template": template})
+            error = error_of(raw, 400)
+            assert error["param"] == "chat_template" and fragment in error["message"], error
+
+
+async def test_a_user_message_without_content_is_a_400_not_a_generation(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user"}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        _, raw = await post(client, path, {"messages": messages, "max_tokens": 1})
+        error = error_of(raw, 400)
+        assert error["param"] == "messages[1].content" and error["type"] == "BadRequestError"
+
+
 async def test_vllm_fields_for_what_is_not_implemented_are_refused_by_name(client):
     chat = {"messages": CONTINUED[:1], "max_tokens": 1}
     refused = [

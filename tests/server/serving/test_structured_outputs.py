@@ -11,6 +11,7 @@ import orjson
 import pydantic
 import pytest
 
+from tests.core.test_sampling_params import nested_schema
 from tests.server.conftest import assert_pool_free
 from tests.support.tokenizers import make_tokenizer
 
@@ -222,6 +223,18 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
         # Bounded: compile times grow faster than the text (a 1M-character regex took > 120 s)
         ({"structured_outputs": {"regex": "a" * 70000}}, "structured_outputs", "at most 65536"),
         ({"structured_outputs": {"choice": ["a"] * 1025}}, "structured_outputs", "at most 1024"),
+        # A schema sent as JSON text nests no deeper than a body may (400 levels: 4.7 s to
+        # compile; 3000: a RecursionError, once a 500)
+        (
+            {"structured_outputs": {"json": json.dumps(nested_schema(400))}},
+            "structured_outputs",
+            "nests more than 64 levels",
+        ),
+        (
+            {"structured_outputs": {"json": "[" * 3000 + "]" * 3000}},
+            "structured_outputs",
+            "nests more than 64 levels",
+        ),
         # vLLM's switches reach the same checks as offline (they were dropped unread)
         (
             {"structured_outputs": {"json_object": True, "whitespace_pattern": " ?"}},
@@ -340,3 +353,72 @@ async def test_keyword_names_as_data_are_not_keywords(real_oai, real_engine):
     assert out.choices[0].finish_reason == "stop"
     value = orjson.loads(out.choices[0].text)
     assert value["not"] in (0, 3, 6, 9) and value["if"] in ("multipleOf", "allOf")
+
+
+async def test_compiles_are_bounded_and_dropped_when_their_clients_leave(
+    real_oai, real_engine, monkeypatch
+):
+    """Compiles wait for threads of their own: past max_waiting a fast 503 with Retry-After,
+    and a compile whose client left while it waited is dropped at once (not compiled for
+    nobody while the next client waits: deep schemas once held both threads for minutes)."""
+    import asyncio
+    import threading
+    import time
+
+    import aiohttp
+
+    from aioinfer.server.serving import generation
+    from aioinfer.server.serving.prompts import WorkQueue
+    from tests.server.test_disconnect import raw_request, wait_until
+
+    queue = WorkQueue("structured-output specs to compile", "grammar", threads=1, max_waiting=2)
+    monkeypatch.setattr(generation, "COMPILES", queue)
+    gate = threading.Event()
+    prepare = real_engine.constraints.prepare
+    compiled: list[str] = []
+
+    def held(params):
+        spec = params.structured_outputs
+        if spec is not None and spec.regex is not None:
+            compiled.append(spec.regex)
+            gate.wait(30)
+        return prepare(params)
+
+    monkeypatch.setattr(real_engine.constraints, "prepare", held)
+    _, server = real_oai
+
+    def body(regex: str) -> dict:
+        return {"prompt": "Hi", "max_tokens": 1, "structured_outputs": {"regex": regex}}
+
+    try:
+        first = await raw_request(server, "/v1/completions", body("a"))
+        await wait_until(lambda: compiled == ["a"])
+        waiting = [await raw_request(server, "/v1/completions", body(r)) for r in "bc"]
+        await wait_until(lambda: queue.in_flight == 3)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{server.url}/v1/completions", json=body("d")) as response:
+                error = orjson.loads(await response.read())["error"]
+                assert response.status == 503 and response.headers["Retry-After"] == "1"
+                assert "3 structured-output specs to compile" in error["message"]
+            for _, writer in waiting:
+                writer.close()
+            await wait_until(lambda: queue.in_flight == 1, timeout=1.0)
+            gate.set()
+            reader, writer = first
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n"), 30)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            assert compiled == ["a"]  # the others never compiled
+            start = time.monotonic()
+            json_object = {
+                "prompt": "Hi",
+                "max_tokens": 1,
+                "response_format": {"type": "json_object"},
+            }
+            async with session.post(f"{server.url}/v1/completions", json=json_object) as response:
+                assert response.status == 200
+            assert time.monotonic() - start < 1.0
+    finally:
+        gate.set()
+    await wait_until(lambda: queue.in_flight == 0 and real_engine.num_unfinished == 0)
+    assert_pool_free(real_engine)

@@ -67,6 +67,19 @@ def tool(name, parameters):
     )
 
 
+def test_calls_that_would_nest_too_deeply_are_refused_naming_the_tools():
+    """A parameters schema as deep as a body allows, wrapped in the array of calls: past the
+    64 levels a schema may nest, a 400 naming tools (not structured_outputs)."""
+    from aioinfer.server.serving.tools import ToolsError
+    from tests.core.test_sampling_params import nested_schema
+
+    deep = tool("deep", {"type": "object", "properties": {"a": nested_schema(58)}})
+    tool_constraint([deep], named("deep"), True)  # on its own it fits
+    with pytest.raises(ToolsError, match="the schema of the tools' calls nests more than 64") as e:
+        tool_constraint([deep], "required", True)
+    assert e.value.param == "tools"
+
+
 def test_required_moves_each_tool_s_definitions_to_the_top():
     loc = {"type": "object", "properties": {"city": {"type": "string"}}}
     a = tool(
