@@ -336,11 +336,13 @@ class AsyncEngine:
         for rid in {request_id, *child_ids}:
             if rid in self._parents or rid in self._children or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-        # Every sequence is built before any is queued, for the same reason.
+        # Every sequence is built before any is queued, for the same reason. They share one
+        # tuple of the prompt: n sequences hold one copy, not n.
+        shared = tuple(prompt_token_ids)
         requests = [
             Request(
                 child_id,
-                prompt_token_ids,
+                shared,
                 params.for_sequence(index),
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
