@@ -63,7 +63,8 @@ def nested(depth: int) -> bytes:
         (COMPLETIONS, {"prompt": [5], "stop_token_ids": [99999]}, "stop_token_ids", "vocab"),
         # Server limits.
         (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "<= 20"),
-        (COMPLETIONS, {"prompt": "a", "n": 10**9}, "n", "at most 4096"),
+        (COMPLETIONS, {"prompt": "a", "n": 10**9}, "n", "n must be at most 256"),
+        (COMPLETIONS, {"prompt": ["a"] * 64, "n": 65}, "prompt", "at most 4096"),
         # Chat roles and content parts.
         (CHAT, {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "'user'"),
         (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id",

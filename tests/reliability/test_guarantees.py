@@ -30,6 +30,7 @@ from aioinfer.server.app import create_app, drain
 from aioinfer.server.http.sse import KEEP_ALIVE
 from aioinfer.server.openai import completions
 from aioinfer.server.serving import chat as serving_chat
+from aioinfer.server.serving.generation import MAX_N
 from tests.server.conftest import (
     MODEL,
     LiveServer,
@@ -187,6 +188,12 @@ async def test_too_many_sequences_in_one_request_are_refused_before_tokenizing(s
         assert status == 400 and error_of(raw, 400)["param"] == "n"
         status, _, raw = await post(session, url, {"prompt": ["a"] * 2000, "n": 3})
         assert status == 400 and error_of(raw, 400)["param"] == "prompt"
+        # n has a bound of its own, for chat too (it was only prompts x n <= 4096).
+        chat = {"messages": [{"role": "user", "content": "a"}]}
+        for path, body in (("/v1/completions", {"prompt": [5]}), ("/v1/chat/completions", chat)):
+            status, _, raw = await post(session, server.url + path, {**body, "n": MAX_N + 1})
+            error = error_of(raw, 400)
+            assert error["param"] == "n" and f"at most {MAX_N}" in error["message"]
     assert_pool_free(engine)
 
 

@@ -35,8 +35,10 @@ if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
 
 # Bounds the engine requests one HTTP request can create (prompts x n), checked before any
-# tokenization; n alone is also bounded by --max-num-seqs.
+# tokenization, and n on its own: 256 sequences of one prompt (OpenAI allows 128; vLLM's
+# default max_num_seqs is 256), each a request of the scheduler's.
 MAX_SEQUENCES_PER_REQUEST = 4096
+MAX_N = 256
 RETRY_AFTER = "1"  # seconds, on 503s of a full or slow queue
 
 
@@ -44,6 +46,11 @@ def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") 
     """Admission control, run after parsing and before any tokenization work: 400 for a
     request that can never be admitted, a fast 503 with Retry-After while the queue is full.
     `field` holds the prompts: "input" for embeddings, which have no n."""
+    if n > MAX_N:
+        raise BadRequestError(
+            f"n must be at most {MAX_N} (sequences of one prompt in one request), got {n}",
+            param="n",
+        )
     total = num_prompts * n
     param = "n" if num_prompts == 1 and field == "prompt" else field
     if total > MAX_SEQUENCES_PER_REQUEST:
