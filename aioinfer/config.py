@@ -441,6 +441,12 @@ class SchedulerConfig:
         "Most waiting sequences (a request with n > 1 counts n); beyond it a 503 with "
         "Retry-After, before any tokenization work (default: no limit).",
     )
+    max_queued_tokens: int | None = _opt(
+        None,
+        "Most prompt tokens of the waiting sequences (a request with n > 1 counts its prompt "
+        "n times); beyond it a 503 with Retry-After, decided once the prompt is tokenized "
+        "(default: no limit).",
+    )
     queue_timeout: float | None = _opt(
         None,
         "Seconds a request may wait for its first step; beyond it the request is dropped "
@@ -472,7 +478,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _check_positive(
-            self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "queue_timeout"
+            self,
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queued_requests",
+            "max_queued_tokens",
+            "queue_timeout",
         )
         self.speculation  # noqa: B018 (checks the JSON)
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -132,7 +132,7 @@ async def test_n_sequences_and_prompt_too_long():
 async def test_the_n_sequences_of_a_request_hold_one_copy_of_its_prompt():
     """Each sequence kept a tuple and a list of the whole prompt, 16 bytes a token a sequence:
     one 48 KB body (8000 token ids, n = 4096) grew the server by 491 MB. The sequences share
-    one tuple now."""
+    one tuple now; the scheduler counts the waiting prompt tokens (--max-queued-tokens)."""
     engine = await make_engine(max_num_seqs=1)
     params = SamplingParams(n=64, max_tokens=2, ignore_eos=True)
 
@@ -151,7 +151,9 @@ async def test_the_n_sequences_of_a_request_hold_one_copy_of_its_prompt():
         requests = engine.scheduler.requests
         assert all(requests[f"long-{i}"].prompt_token_ids is requests["long-0"].prompt_token_ids
                    for i in range(64))  # fmt: skip
+        assert engine.scheduler.num_waiting_tokens == 64 * (len(short) + len(long))
         assert engine.abort("long") and engine.abort("short")
+        assert engine.scheduler.num_waiting_tokens == 0
     finally:
         await engine.shutdown()
 

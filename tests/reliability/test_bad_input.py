@@ -149,6 +149,7 @@ def test_json_depth():
         (SchedulerConfig, {"queue_timeout": float("nan")}, "queue_timeout must be a finite"),
         (SchedulerConfig, {"queue_timeout": 0}, "queue_timeout must be > 0"),
         (SchedulerConfig, {"max_queued_requests": 0}, "max_queued_requests must be > 0"),
+        (SchedulerConfig, {"max_queued_tokens": 0}, "max_queued_tokens must be > 0"),
     ],
 )
 def test_reliability_flags_are_validated(cls, values, fragment):

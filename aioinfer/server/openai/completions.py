@@ -56,9 +56,10 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
         num_chars(req.prompt), encode_prompts, engine.tokenizer, req.prompt, req.add_special_tokens
     )
     prompts = truncate_prompts(engine, prompts, params)
-    # Again: the queue may have filled while a long prompt was tokenized. From here to the
-    # engine's admission there is no await, so the check holds.
-    admit(engine, count_prompts(req.prompt), params.n)
+    # Again: the queue may have filled while a long prompt was tokenized, and now the prompts'
+    # tokens count. From here to the engine's admission there is no await, so the check holds.
+    num_tokens = sum(len(p.token_ids) for p in prompts)
+    admit(engine, count_prompts(req.prompt), params.n, num_tokens=num_tokens)
     ctx = response_context(
         "cmpl", request, engine, prompts, req, params.n, echo_logprobs=req.logprobs or 0
     )

@@ -66,8 +66,9 @@ async def start_chat(
     messages = req.template_messages()
     options = req.template_options()
     ids = await render_chat_off_loop(engine.tokenizer, messages, options, state.config)
-    admit(engine, 1, params.n)  # again, as for completions; no await from here on
     prompts = truncate_prompts(engine, [Prompt(ids)], params)
+    # Again, as for completions, with the prompt's tokens; no await from here on.
+    admit(engine, 1, params.n, num_tokens=len(prompts[0].token_ids), tokens_field="messages")
     ctx = response_context("chatcmpl", request, engine, prompts, req, params.n, response_id)
     reasoning_parser = make_reasoning_parser(state.config.reasoning_parser)
     if reasoning_parser is not None:

@@ -42,10 +42,20 @@ MAX_N = 256
 RETRY_AFTER = "1"  # seconds, on 503s of a full or slow queue
 
 
-def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") -> None:
-    """Admission control, run after parsing and before any tokenization work: 400 for a
+def admit(
+    engine: AsyncEngine,
+    num_prompts: int,
+    n: int,
+    field: str = "prompt",
+    *,
+    num_tokens: int = 0,
+    tokens_field: str | None = None,
+) -> None:
+    """Admission control, run after parsing and before any tokenization work (and again
+    after it, with `num_tokens`: the prompts' tokens, each sequence counting them): 400 for a
     request that can never be admitted, a fast 503 with Retry-After while the queue is full.
-    `field` holds the prompts: "input" for embeddings, which have no n."""
+    `field` holds the prompts: "input" for embeddings, which have no n; `tokens_field` names
+    them where a refusal is about their tokens (default: `field`)."""
     if n > MAX_N:
         raise BadRequestError(
             f"n must be at most {MAX_N} (sequences of one prompt in one request), got {n}",
@@ -61,13 +71,16 @@ def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") 
             param=param,
         )
     try:
-        engine.check_admission(total)
+        engine.check_admission(total, num_tokens * n)
     except EngineOverloadedError as exc:
         raise _retry_later(exc) from None
     except EngineDeadError as exc:
         raise _engine_failed(exc) from None
     except ValueError as exc:
-        raise BadRequestError(str(exc), param=param) from None
+        about_tokens = "prompt tokens" in str(exc)
+        raise BadRequestError(
+            str(exc), param=(tokens_field or field) if about_tokens else param
+        ) from None
 
 
 # Grammar compiles run here, not on the loop's default pool: a few large specs (up to a second
