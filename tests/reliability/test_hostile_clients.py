@@ -16,6 +16,7 @@ from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
 from aioinfer.server.http import bodies
 from aioinfer.server.http.bodies import body_limit
+from aioinfer.server.serving.generation import MAX_PROMPT_LOGPROB_ENTRIES
 from tests.server.conftest import assert_pool_free, build_engine
 
 KEY = "sk-hostile-1"
@@ -122,3 +123,42 @@ async def test_a_body_that_stops_coming_is_a_408(aiohttp_client, engine, monkeyp
     assert "stopped coming" in error["message"] and error["type"] == "RequestTimeoutError"
     response = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
     assert response.status == 200
+
+
+async def test_prompt_logprobs_past_their_bound_are_a_400_naming_the_field(
+    aiohttp_client, engine, monkeypatch
+):
+    """echo with logprobs 20 made a 1.1 MB answer of a 12.8 KB body (2000 token ids), and a
+    16 MiB body of many prompts would have held about 1.4 GB: the prompt logprob entries of
+    one request (tokens x (alternatives + 1) x n, echoed ones counted) are bounded, before the
+    engine computes any."""
+    client = await aiohttp_client(create_app(engine, ServerConfig()))
+    added: list[str] = []
+    add_request = engine.add_request
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        added.append(args[2] if len(args) > 2 else kwargs.get("request_id"))
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", counted)
+    prompt = [5 + i % 50 for i in range(120)]
+    per_prompt = len(prompt) * 21  # logprobs 20: each token and its 20 alternatives
+    many = MAX_PROMPT_LOGPROB_ENTRIES // per_prompt + 1
+    echoed = {"prompt": [prompt] * many, "echo": True, "logprobs": 20, "max_tokens": 0}
+    by_n = {"prompt": prompt, "n": many, "prompt_logprobs": 20}
+    chat = {"messages": [{"role": "user", "content": "hi " * 100}], "prompt_logprobs": 20}
+    for path, body, param in (
+        ("/v1/completions", echoed, "logprobs"),
+        ("/v1/completions", by_n, "prompt_logprobs"),
+        ("/v1/chat/completions", {**chat, "n": many}, "prompt_logprobs"),
+    ):
+        response = await client.post(path, json=body)
+        error = orjson.loads(await response.read())["error"]
+        assert response.status == 400 and error["param"] == param, error
+        assert f"at most {MAX_PROMPT_LOGPROB_ENTRIES} prompt logprob entries" in error["message"]
+    assert added == []  # refused before the engine saw them
+    # Within the bound, the same request is answered.
+    response = await client.post("/v1/completions", json={**echoed, "prompt": [prompt] * 2})
+    choices = orjson.loads(await response.read())["choices"]
+    assert response.status == 200 and len(choices[1]["logprobs"]["top_logprobs"]) == len(prompt)
+    assert_pool_free(engine)

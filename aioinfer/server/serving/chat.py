@@ -20,6 +20,7 @@ from aioinfer.server.serving.context import Prompt, ResponseContext
 from aioinfer.server.serving.generation import (
     Generation,
     admit,
+    check_prompt_logprobs,
     prepare_constraints,
     start_generation,
     truncate_prompts,
@@ -67,6 +68,7 @@ async def start_chat(
     options = req.template_options()
     ids = await render_chat_off_loop(engine.tokenizer, messages, options, state.config)
     prompts = truncate_prompts(engine, [Prompt(ids)], params)
+    check_prompt_logprobs(prompts, params.n, req.prompt_logprobs)
     # Again, as for completions, with the prompt's tokens; no await from here on.
     admit(engine, 1, params.n, num_tokens=len(prompts[0].token_ids), tokens_field="messages")
     ctx = response_context("chatcmpl", request, engine, prompts, req, params.n, response_id)

@@ -83,6 +83,38 @@ def admit(
         ) from None
 
 
+# The most prompt logprob entries one request may ask for: its prompt tokens x (alternatives
+# + 1) x n, echoed ones (completions' echo with logprobs) and vLLM's prompt_logprobs each
+# counted. An entry costs about 120 bytes in the engine and 100 to 330 in the answer being
+# built, so a request stays within about 70 MB; 2000 tokens x 21 made a 1.1 MB answer of a
+# 12.8 KB body, and a 16 MiB body of 4096 prompts about 1.4 GB.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 17
+
+
+def check_prompt_logprobs(
+    prompts: list[Prompt], n: int, prompt_logprobs: int | None, echo_logprobs: int | None = None
+) -> None:
+    """400 naming the field when the prompt logprobs a request asks for (`prompt_logprobs`
+    alternatives, and `echo_logprobs` for the echoed prompt: None where not asked) would hold
+    more than MAX_PROMPT_LOGPROB_ENTRIES entries; run once the prompts are tokenized."""
+    if prompt_logprobs is None and echo_logprobs is None:
+        return
+    num_tokens = n * sum(len(p.token_ids) for p in prompts)
+    asked = {
+        "prompt_logprobs": 0 if prompt_logprobs is None else num_tokens * (prompt_logprobs + 1),
+        "logprobs": 0 if echo_logprobs is None else num_tokens * (echo_logprobs + 1),
+    }
+    total = sum(asked.values())
+    if total > MAX_PROMPT_LOGPROB_ENTRIES:
+        param = max(asked, key=asked.__getitem__)
+        raise BadRequestError(
+            f"{param}: a request may ask for at most {MAX_PROMPT_LOGPROB_ENTRIES} prompt "
+            f"logprob entries (prompt tokens x (alternatives + 1) x n, echoed ones included), "
+            f"got {total}; send fewer or shorter prompts, or ask for fewer alternatives",
+            param=param,
+        )
+
+
 # Grammar compiles run here, not on the loop's default pool: a few large specs (up to a second
 # or two each) then wait for each other instead of holding up every request's off-loop
 # parsing and tokenizing. Threads start on first use.
