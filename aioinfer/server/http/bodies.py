@@ -62,6 +62,10 @@ async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngi
     state = request.app[STATE]
     engine = state.serving_engine()
     data = await read_json(request, body_limit(engine))
+    # The parsed body is needed no longer: aiohttp keeps a connection's last request alive
+    # until its next one (or the keep-alive timeout), and with it what the request holds; a
+    # body of many small items is several times its bytes as Python objects.
+    request.pop(_BODY, None)
     # Validating a body of megabytes (100k content blocks) takes seconds: on a worker thread,
     # so that the event loop goes on streaming everyone else's tokens meanwhile.
     if request[BODY_SIZE] > OFF_LOOP_BODY_BYTES:
