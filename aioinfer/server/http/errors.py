@@ -107,6 +107,10 @@ class PayloadTooLargeError(APIError):
     status = 413
 
 
+class RateLimitError(APIError):
+    status = 429
+
+
 class InternalServerError(APIError):
     status = 500
 

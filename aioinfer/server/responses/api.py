@@ -25,7 +25,7 @@ from aiohttp import web
 
 from aioinfer.core.outputs import RequestOutput
 from aioinfer.server.http.bodies import BODY_SIZE, json_response, parse_request
-from aioinfer.server.http.errors import BadRequestError, NotFoundError
+from aioinfer.server.http.errors import BadRequestError, NotFoundError, RateLimitError
 from aioinfer.server.http.request_log import RequestRecord, generation_handler
 from aioinfer.server.http.sse import encode_named_event
 from aioinfer.server.http.state import STATE, ServerState
@@ -37,7 +37,12 @@ from aioinfer.server.responses.protocol import (
     responses_params,
 )
 from aioinfer.server.responses.render import ResponseDeleted, ResponseEvents, ResponseObject
-from aioinfer.server.responses.state import RESPONSES, BackgroundResponse, ResponsesState
+from aioinfer.server.responses.state import (
+    MAX_BACKGROUND_PER_KEY,
+    RESPONSES,
+    BackgroundResponse,
+    ResponsesState,
+)
 from aioinfer.server.responses.store import (
     EMPTY,
     ResponseStore,
@@ -64,6 +69,8 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     state, responses = request.app[STATE], request.app[RESPONSES]
     engine, req = await parse_request(request, ResponsesRequest)
     owner = _owner(request)
+    if req.background:
+        _check_background_room(responses, owner)  # before any work
     previous = _previous(responses.store, req.previous_response_id, owner)
     previous_size = previous.size if previous is not None else 0
     prepared = await off_loop_if_long(request[BODY_SIZE] + previous_size, _prepare, req, previous)
@@ -95,6 +102,11 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
         return events.complete(finals[0])
 
     if req.background:
+        try:  # again: others may have started meanwhile; no await from here on
+            _check_background_room(responses, owner)
+        except RateLimitError:
+            started.generation.abort_unfinished("rejected")
+            raise
         queued = _in_background(state, responses, started.generation, events, store, owner, log)
         if log is None:
             return json_response(queued)
@@ -102,6 +114,20 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     framing = Framing(encode_named_event, done=False, error=events.error)
     chunks = events if req.stream else None
     return await answer(request, state, started.generation, record, chunks, body, framing)
+
+
+def _check_background_room(responses: ResponsesState, owner: bytes | None) -> None:
+    """429 when the API key already has MAX_BACKGROUND_PER_KEY background responses being
+    generated."""
+    running = sum(1 for r in responses.background.values() if r.owner == owner)
+    if running >= MAX_BACKGROUND_PER_KEY:
+        raise RateLimitError(
+            f"Too many background responses: this API key has {running} being generated, the "
+            "most one key may have; wait for one to finish, or cancel one (POST "
+            "/v1/responses/{response_id}/cancel)",
+            param="background",
+            headers={"Retry-After": "1"},
+        )
 
 
 def _check_unique_ids(items: list[dict[str, Any]]) -> None:
