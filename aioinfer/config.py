@@ -548,6 +548,11 @@ class ServerConfig:
     sse_keep_alive_interval: float = _opt(
         15.0, "Seconds between SSE ': keep-alive' comments while a stream waits (0: off)."
     )
+    body_read_timeout: float = _opt(
+        120.0,
+        "Seconds a request body may take to arrive in all; beyond it a 408 and the connection "
+        "closes (a body whose bytes stop for 60 s is a 408 sooner).",
+    )
     stream_write_timeout: float = _opt(
         30.0,
         "Seconds a write to a client that stopped reading may block before its request is "
@@ -656,7 +661,7 @@ class ServerConfig:
         ):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        _check_positive(self, "stream_write_timeout")
+        _check_positive(self, "stream_write_timeout", "body_read_timeout")
         _check_keys(self.api_key)
         object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
         self.lora_adapters  # noqa: B018 (checks each NAME=PATH)

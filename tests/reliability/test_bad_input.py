@@ -142,6 +142,7 @@ def test_json_depth():
     ("cls", "values", "fragment"),
     [
         (ServerConfig, {"stream_write_timeout": 0}, "stream_write_timeout must be > 0"),
+        (ServerConfig, {"body_read_timeout": 0}, "body_read_timeout must be > 0"),
         (ServerConfig, {"sse_keep_alive_interval": -1}, "sse_keep_alive_interval must be >= 0"),
         (ServerConfig, {"shutdown_timeout": -1}, "shutdown_timeout must be >= 0"),
         (ServerConfig, {"watchdog_timeout": -1}, "watchdog_timeout must be >= 0"),

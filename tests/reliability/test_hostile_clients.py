@@ -5,7 +5,9 @@ server and the pool are unharmed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import time
 import tracemalloc
 from collections.abc import AsyncIterator
 from typing import Any
@@ -123,6 +125,42 @@ async def test_a_body_that_stops_coming_is_a_408(aiohttp_client, engine, monkeyp
     assert status.startswith(b"HTTP/1.1 408")
     error = orjson.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
     assert "stopped coming" in error["message"] and error["type"] == "RequestTimeoutError"
+    response = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
+    assert response.status == 200
+
+
+async def test_a_body_trickled_past_the_read_timeout_is_a_408(aiohttp_client, engine):
+    """A byte every few seconds held a body, its buffer and its connection for as long as the
+    client liked: only a gap of 60 s between bytes ended it. --body-read-timeout bounds the
+    whole body."""
+    client = await aiohttp_client(create_app(engine, ServerConfig(body_read_timeout=0.5)))
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 200\r\n\r\n"
+    )
+    writer.write(head.encode())
+
+    async def trickle() -> None:
+        with contextlib.suppress(ConnectionError):
+            for _ in range(200):  # 10 s in all, a byte each 50 ms
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.05)
+
+    sending = asyncio.create_task(trickle())
+    start = time.monotonic()
+    try:
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        answer += await asyncio.wait_for(reader.readuntil(b"}}"), 5)
+    finally:
+        sending.cancel()
+        writer.close()
+    assert time.monotonic() - start < 2
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), answer
+    error = orjson.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "--body-read-timeout" in error["message"] and error["type"] == "RequestTimeoutError"
     response = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
     assert response.status == 200
 
