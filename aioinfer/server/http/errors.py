@@ -18,6 +18,7 @@ from aiohttp import web
 from typing_extensions import TypedDict
 
 from aioinfer.server.http.request_model import RequestValidationError
+from aioinfer.server.http.validation import logged
 
 logger = logging.getLogger(__name__)
 
@@ -199,5 +200,5 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         return _from_http_exception(request, exc, body)
     except Exception:
-        logger.exception("unhandled error in %s %s", request.method, request.path)
+        logger.exception("unhandled error in %s %s", request.method, logged(request.path))
         return error_response(500, "Internal server error", body=body)
