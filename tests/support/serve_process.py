@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -83,3 +84,46 @@ class ServeProcess:
             return self.wait_exit(timeout)[0]
         finally:
             self.kill()
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+class HealthPoller:
+    """GETs /health every `interval` seconds from a thread of its own, each on a new
+    connection, and keeps the longest wait: a stall of the server's event loop shows there."""
+
+    def __init__(self, port: int, interval: float = 0.1) -> None:
+        self.port = port
+        self.interval = interval
+        self.worst = 0.0
+        self.polls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HealthPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.monotonic()
+            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+            try:
+                connection.request("GET", "/health")
+                connection.getresponse().read()
+            finally:
+                connection.close()
+            self.worst = max(self.worst, time.monotonic() - start)
+            self.polls += 1
+            self._stop.wait(self.interval)
