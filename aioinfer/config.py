@@ -483,6 +483,12 @@ class SchedulerConfig:
         "Most waiting sequences (a request with n > 1 counts n); beyond it a 503 with "
         "Retry-After, before any tokenization work (default: no limit).",
     )
+    max_queued_tokens: int | None = _opt(
+        None,
+        "Most prompt tokens of the waiting sequences (a request with n > 1 counts its prompt "
+        "n times); beyond it a 503 with Retry-After, decided once the prompt is tokenized "
+        "(default: no limit).",
+    )
     queue_timeout: float | None = _opt(
         None,
         "Seconds a request may wait for its first step; beyond it the request is dropped "
@@ -514,7 +520,12 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check_types(self)
         _check_positive(
-            self, "max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "queue_timeout"
+            self,
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queued_requests",
+            "max_queued_tokens",
+            "queue_timeout",
         )
         self.speculation  # noqa: B018 (checks the JSON)
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -578,6 +589,11 @@ class ServerConfig:
     log_stats_interval: float = _opt(10.0, "Seconds between throughput log lines (0: off).")
     sse_keep_alive_interval: float = _opt(
         15.0, "Seconds between SSE ': keep-alive' comments while a stream waits (0: off)."
+    )
+    body_read_timeout: float = _opt(
+        120.0,
+        "Seconds a request body may take to arrive in all; beyond it a 408 and the connection "
+        "closes (a body whose bytes stop for 60 s is a 408 sooner).",
     )
     stream_write_timeout: float = _opt(
         30.0,
@@ -687,7 +703,7 @@ class ServerConfig:
         ):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        _check_positive(self, "stream_write_timeout")
+        _check_positive(self, "stream_write_timeout", "body_read_timeout")
         _check_keys(self.api_key)
         object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
         self.lora_adapters  # noqa: B018 (checks each NAME=PATH)

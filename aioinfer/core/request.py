@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, overload
 
 from aioinfer.core.sampling_params import SamplingParams
 from aioinfer.core.step import TokenLogprobs
@@ -38,12 +39,55 @@ class RequestStatus(enum.Enum):
         )
 
 
+class TokenIds(Sequence[int]):
+    """A sequence's tokens, its prompt's then its output's, without a copy of either: the
+    prompt is a tuple that the n sequences of one request share, the output the sequence's own
+    list. A slice is a tuple."""
+
+    __slots__ = ("output", "prompt")
+
+    def __init__(self, prompt: tuple[int, ...], output: list[int]) -> None:
+        self.prompt = prompt
+        self.output = output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.prompt, self.output)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        prompt, num_prompt = self.prompt, len(self.prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return tuple(self)[index]
+            if stop <= num_prompt:
+                return prompt[start:stop]
+            output = tuple(self.output[max(start - num_prompt, 0) : stop - num_prompt])
+            return prompt[start:] + output if start < num_prompt else output
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("token index out of range")
+        return prompt[index] if index < num_prompt else self.output[index - num_prompt]
+
+
 class Request:
     """Prompt, outputs and progress of one sequence.
 
     `num_computed_tokens` is the one progress counter: the tokens whose K/V are in the cache
     (or are being written by the step in flight). Tokens `num_computed_tokens ..
     num_tokens - 1` still have to be fed.
+
+    A prompt given as a tuple is kept as it is, not copied: the n sequences of one request
+    share it (a long prompt with a large n once cost 16 bytes a token a sequence).
     """
 
     def __init__(
@@ -89,7 +133,7 @@ class Request:
         # on all its tokens turn with the long factors (core/scheduler.py).
         self.long_rope = False
         self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids = TokenIds(self.prompt_token_ids, self.output_token_ids)
         self.num_computed_tokens = 0
         # Tokens sampled by a step in flight and not appended yet: with steps overlapped, the
         # next step is planned while the last one runs (core/scheduler.py).
@@ -155,8 +199,7 @@ class Request:
         )
 
     def append_output(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)  # and so to all_token_ids
         if self.constraints is not None:
             self.constraints.accept(token_id)
 

@@ -145,6 +145,8 @@ class Scheduler:
         )
         # Admission order (by priority under that policy): the last one is preempted first.
         self.running: list[Request] = []
+        # The prompt tokens of the waiting requests, which admission control bounds.
+        self.num_waiting_tokens = 0
         self.num_preemptions = 0
         self._step_id = 0
         self._finished_since_last_plan: list[str] = []
@@ -169,6 +171,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.waiting.append(request)  # first: a queue that refuses it leaves nothing behind
         self.requests[request.request_id] = request
+        self.num_waiting_tokens += request.num_prompt_tokens
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request in any state and free its blocks at once. Idempotent: returns the
@@ -178,6 +181,7 @@ class Scheduler:
             return None
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
+            self.num_waiting_tokens -= request.num_prompt_tokens
         else:
             self.running.remove(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -261,6 +265,7 @@ class Scheduler:
             if self.kv.allocate(request, num_new, cached_blocks) is None:
                 break
             self.waiting.popleft()
+            self.num_waiting_tokens -= request.num_prompt_tokens
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_preemptions == 0:
@@ -362,6 +367,7 @@ class Scheduler:
         request.pooled = None
         self.num_preemptions += 1
         self.waiting.appendleft(request)  # by priority: back to its place
+        self.num_waiting_tokens += request.num_prompt_tokens
 
     def can_plan_ahead(self, plan: StepPlan) -> bool:
         """Whether the next step may be planned before `plan`'s result is applied: no request

@@ -285,27 +285,36 @@ class AsyncEngine:
             if not stream.taken_final:
                 self.abort(stream.request_id)
 
-    def check_admission(self, num_sequences: int) -> None:
+    def check_admission(self, num_sequences: int, num_tokens: int = 0) -> None:
         """Admission control, the one place it is enforced: raises EngineOverloadedError when
-        `num_sequences` more waiting sequences would exceed --max-queued-requests, ValueError
+        `num_sequences` more waiting sequences would exceed --max-queued-requests, or their
+        `num_tokens` prompt tokens (each sequence's counted) --max-queued-tokens; ValueError
         when they never could. It only reads counters, so callers run it before any
-        tokenization; with no await between it and add_request the two are one atomic step."""
+        tokenization (with the tokens unknown, 0) and again after; with no await between it
+        and add_request the two are one atomic step."""
         self._check_running()
-        limit = self.scheduler_config.max_queued_requests
-        if limit is None or self.scheduler is None:
+        if self.scheduler is None:
             return
-        if num_sequences > limit:
-            raise ValueError(
-                f"A request may queue at most {limit} sequences (--max-queued-requests; prompts "
-                f"x n, or inputs), got {num_sequences}"
-            )
-        waiting = self.scheduler.num_waiting
-        if waiting + num_sequences > limit:
-            EngineStats.count(self.stats.rejected, "queue_full")
-            raise EngineOverloadedError(
-                f"The server is overloaded: {waiting} sequences are waiting and the limit is "
-                f"{limit} (--max-queued-requests); retry later"
-            )
+        limits = (
+            (num_sequences, self.scheduler.num_waiting, self.scheduler_config.max_queued_requests,
+             "sequences", "--max-queued-requests; prompts x n, or inputs"),
+            (num_tokens, self.scheduler.num_waiting_tokens,
+             self.scheduler_config.max_queued_tokens, "prompt tokens",
+             "--max-queued-tokens; each sequence's prompt counted"),
+        )  # fmt: skip
+        for wanted, waiting, limit, what, flag in limits:
+            if limit is None:
+                continue
+            if wanted > limit:
+                raise ValueError(
+                    f"A request may queue at most {limit} {what} ({flag}), got {wanted}"
+                )
+            if waiting + wanted > limit:
+                EngineStats.count(self.stats.rejected, "queue_full")
+                raise EngineOverloadedError(
+                    f"The server is overloaded: {waiting} {what} are waiting and the limit is "
+                    f"{limit} ({flag.split(';')[0]}); retry later"
+                )
 
     def add_request(
         self,
@@ -349,11 +358,13 @@ class AsyncEngine:
         for rid in {request_id, *child_ids}:
             if rid in self._parents or rid in self._children or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-        # Every sequence is built before any is queued, for the same reason.
+        # Every sequence is built before any is queued, for the same reason. They share one
+        # tuple of the prompt: n sequences hold one copy, not n.
+        shared = tuple(prompt_token_ids)
         requests = [
             Request(
                 child_id,
-                prompt_token_ids,
+                shared,
                 params.for_sequence(index),
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,

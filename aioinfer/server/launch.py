@@ -134,6 +134,7 @@ def run_server(
         args["api_key"] = f"<{len(server_config.api_key)} key(s)>"
     log_non_default_args(args)
     warn_if_exposed(server_config)
+    warn_if_unbounded(scheduler_config)
     code = run_on_event_loop(
         _serve(model_config, cache_config, scheduler_config, server_config, started_at)
     )
@@ -171,6 +172,16 @@ def warn_if_exposed(config: ServerConfig) -> None:
         )
     if config.lora_root is not None and not os.path.isdir(config.lora_root):
         logger.warning("--lora-root %s is not a folder: no adapter loads from it", config.lora_root)
+
+
+def warn_if_unbounded(config: SchedulerConfig) -> None:
+    """A WARNING line for a start whose waiting queue has no bound (the default, as vLLM's):
+    every request is queued, whatever its prompts and however many wait."""
+    if config.max_queued_requests is None and config.max_queued_tokens is None:
+        logger.warning(
+            "The waiting queue has no bound: every request is queued, however many wait; set "
+            "--max-queued-requests and/or --max-queued-tokens to answer 503 beyond them"
+        )
 
 
 def _exit_now_if_gpu_thread_alive(code: int) -> None:

@@ -140,6 +140,12 @@ def openapi_document(version: str) -> dict[str, Any]:
         return operation
 
     text_plain = {"200": {"description": "OK", "content": {"text/plain": {"schema": {}}}}}
+    too_many_background = {
+        "429": {
+            "description": "Too many background responses of this API key (with Retry-After)",
+            "content": {_JSON: {"schema": ref(ErrorResponse, "serialization")}},
+        }
+    }
     model_param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
     response_param = {**model_param, "name": "response_id"}
     paths = {
@@ -164,7 +170,7 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/v1/responses": {
             "post": op(
                 "Create a response (the Responses API; streamed as named events, no [DONE])",
-                ok(ResponseObject, stream=ResponseStreamEvent),
+                ok(ResponseObject, stream=ResponseStreamEvent) | too_many_background,
                 ResponsesRequest,
             )
         },

@@ -63,7 +63,8 @@ def nested(depth: int) -> bytes:
         (COMPLETIONS, {"prompt": [5], "stop_token_ids": [99999]}, "stop_token_ids", "vocab"),
         # Server limits.
         (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "<= 20"),
-        (COMPLETIONS, {"prompt": "a", "n": 10**9}, "n", "at most 4096"),
+        (COMPLETIONS, {"prompt": "a", "n": 10**9}, "n", "n must be at most 256"),
+        (COMPLETIONS, {"prompt": ["a"] * 64, "n": 65}, "prompt", "at most 4096"),
         # Chat roles and content parts.
         (CHAT, {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "'user'"),
         (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id",
@@ -141,6 +142,7 @@ def test_json_depth():
     ("cls", "values", "fragment"),
     [
         (ServerConfig, {"stream_write_timeout": 0}, "stream_write_timeout must be > 0"),
+        (ServerConfig, {"body_read_timeout": 0}, "body_read_timeout must be > 0"),
         (ServerConfig, {"sse_keep_alive_interval": -1}, "sse_keep_alive_interval must be >= 0"),
         (ServerConfig, {"shutdown_timeout": -1}, "shutdown_timeout must be >= 0"),
         (ServerConfig, {"watchdog_timeout": -1}, "watchdog_timeout must be >= 0"),
@@ -148,6 +150,7 @@ def test_json_depth():
         (SchedulerConfig, {"queue_timeout": float("nan")}, "queue_timeout must be a finite"),
         (SchedulerConfig, {"queue_timeout": 0}, "queue_timeout must be > 0"),
         (SchedulerConfig, {"max_queued_requests": 0}, "max_queued_requests must be > 0"),
+        (SchedulerConfig, {"max_queued_tokens": 0}, "max_queued_tokens must be > 0"),
     ],
 )
 def test_reliability_flags_are_validated(cls, values, fragment):

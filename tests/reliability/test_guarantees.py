@@ -30,6 +30,7 @@ from aioinfer.server.app import create_app, drain
 from aioinfer.server.http.sse import KEEP_ALIVE
 from aioinfer.server.openai import completions
 from aioinfer.server.serving import chat as serving_chat
+from aioinfer.server.serving.generation import MAX_N
 from tests.server.conftest import (
     MODEL,
     LiveServer,
@@ -187,6 +188,52 @@ async def test_too_many_sequences_in_one_request_are_refused_before_tokenizing(s
         assert status == 400 and error_of(raw, 400)["param"] == "n"
         status, _, raw = await post(session, url, {"prompt": ["a"] * 2000, "n": 3})
         assert status == 400 and error_of(raw, 400)["param"] == "prompt"
+        # n has a bound of its own, for chat too (it was only prompts x n <= 4096).
+        chat = {"messages": [{"role": "user", "content": "a"}]}
+        for path, body in (("/v1/completions", {"prompt": [5]}), ("/v1/chat/completions", chat)):
+            status, _, raw = await post(session, server.url + path, {**body, "n": MAX_N + 1})
+            error = error_of(raw, 400)
+            assert error["param"] == "n" and f"at most {MAX_N}" in error["message"]
+    assert_pool_free(engine)
+
+
+async def test_queued_prompt_tokens_are_bounded_by_max_queued_tokens(serve):
+    """--max-queued-tokens bounds the prompt tokens of the waiting sequences (n counts its
+    prompt n times), as --max-queued-requests bounds their number: a 503 with Retry-After
+    when the queue is full, a 400 naming the prompt for a request that could never fit."""
+    engine = await build_engine(step_delay=0.02, max_num_seqs=1, max_queued_tokens=40)
+    server = await serve(engine)
+    url = server.url
+    async with aiohttp.ClientSession() as session:
+        blocker = asyncio.create_task(
+            post(session, f"{url}/v1/completions", {"prompt": [5], "max_tokens": 30, **LONG})
+        )
+        await wait_until(lambda: engine.scheduler.num_running == 1)
+        waiting = asyncio.create_task(
+            post(session, f"{url}/v1/completions", {"prompt": [6] * 20, "max_tokens": 2})
+        )
+        await wait_until(lambda: engine.scheduler.num_waiting_tokens == 20)
+        # 29 tokens, with the chat template.
+        chat = {"messages": [{"role": "user", "content": "word " * 5}], "max_tokens": 2}
+        for path, body in (
+            ("/v1/completions", {"prompt": [7] * 11, "n": 2, "max_tokens": 2}),
+            ("/v1/chat/completions", chat),
+        ):
+            status, headers, raw = await post(session, url + path, body)
+            error = error_of(raw, 503)
+            assert status == 503 and headers["Retry-After"] == "1", error
+            assert "--max-queued-tokens" in error["message"]
+        for path, body, param in (
+            ("/v1/completions", {"prompt": [7] * 21, "n": 2}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 80}]},
+             "messages"),
+        ):  # fmt: skip
+            status, _, raw = await post(session, url + path, body)
+            assert status == 400 and error_of(raw, 400)["param"] == param
+        results = await asyncio.gather(blocker, waiting)
+        assert [status for status, _, _ in results] == [200, 200]
+    assert engine.stats.rejected == {"queue_full": 2}
+    assert engine.scheduler.num_waiting_tokens == 0
     assert_pool_free(engine)
 
 

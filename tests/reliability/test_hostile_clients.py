@@ -6,9 +6,12 @@ behind a short message, a chat template of their own that loops or allocates. Ea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import gc
 import http.client
 import time
+import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
 from aioinfer.server.http import bodies
 from aioinfer.server.http.bodies import body_limit
+from aioinfer.server.serving.generation import MAX_PROMPT_LOGPROB_ENTRIES
 from tests.reliability.conftest import ThreadedServer
 from tests.server.conftest import assert_pool_free, build_engine
 from tests.support.health_poller import HealthPoller
@@ -218,3 +222,100 @@ def test_a_request_template_that_loops_or_allocates_never_stalls_the_loop(expose
         assert fragment in reply["error"]["message"]
     after = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
     assert after - before < 50 * MiB
+
+
+async def test_a_body_trickled_past_the_read_timeout_is_a_408(aiohttp_client, engine):
+    """A byte every few seconds held a body, its buffer and its connection for as long as the
+    client liked: only a gap of 60 s between bytes ended it. --body-read-timeout bounds the
+    whole body."""
+    client = await aiohttp_client(create_app(engine, ServerConfig(body_read_timeout=0.5)))
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 200\r\n\r\n"
+    )
+    writer.write(head.encode())
+
+    async def trickle() -> None:
+        with contextlib.suppress(ConnectionError):
+            for _ in range(200):  # 10 s in all, a byte each 50 ms
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.05)
+
+    sending = asyncio.create_task(trickle())
+    start = time.monotonic()
+    try:
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        answer += await asyncio.wait_for(reader.readuntil(b"}}"), 5)
+    finally:
+        sending.cancel()
+        writer.close()
+    assert time.monotonic() - start < 2
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 408"), answer
+    error = orjson.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "--body-read-timeout" in error["message"] and error["type"] == "RequestTimeoutError"
+    response = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
+    assert response.status == 200
+
+
+async def test_prompt_logprobs_past_their_bound_are_a_400_naming_the_field(
+    aiohttp_client, engine, monkeypatch
+):
+    """echo with logprobs 20 made a 1.1 MB answer of a 12.8 KB body (2000 token ids), and a
+    16 MiB body of many prompts would have held about 1.4 GB: the prompt logprob entries of
+    one request (tokens x (alternatives + 1) x n, echoed ones counted) are bounded, before the
+    engine computes any."""
+    client = await aiohttp_client(create_app(engine, ServerConfig()))
+    added: list[str] = []
+    add_request = engine.add_request
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        added.append(args[2] if len(args) > 2 else kwargs.get("request_id"))
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", counted)
+    prompt = [5 + i % 50 for i in range(120)]
+    per_prompt = len(prompt) * 21  # logprobs 20: each token and its 20 alternatives
+    many = MAX_PROMPT_LOGPROB_ENTRIES // per_prompt + 1
+    echoed = {"prompt": [prompt] * many, "echo": True, "logprobs": 20, "max_tokens": 0}
+    by_n = {"prompt": prompt, "n": many, "prompt_logprobs": 20}
+    chat = {"messages": [{"role": "user", "content": "hi " * 100}], "prompt_logprobs": 20}
+    for path, body, param in (
+        ("/v1/completions", echoed, "logprobs"),
+        ("/v1/completions", by_n, "prompt_logprobs"),
+        ("/v1/chat/completions", {**chat, "n": many}, "prompt_logprobs"),
+    ):
+        response = await client.post(path, json=body)
+        error = orjson.loads(await response.read())["error"]
+        assert response.status == 400 and error["param"] == param, error
+        assert f"at most {MAX_PROMPT_LOGPROB_ENTRIES} prompt logprob entries" in error["message"]
+    assert added == []  # refused before the engine saw them
+    # Within the bound, the same request is answered.
+    response = await client.post("/v1/completions", json={**echoed, "prompt": [prompt] * 2})
+    choices = orjson.loads(await response.read())["choices"]
+    assert response.status == 200 and len(choices[1]["logprobs"]["top_logprobs"]) == len(prompt)
+    assert_pool_free(engine)
+
+
+async def test_a_kept_alive_connection_holds_nothing_of_its_last_body(aiohttp_client, engine):
+    """aiohttp keeps a connection's last request until its next one comes (or the keep-alive
+    timeout, 75 s), and the request kept its parsed body: a body of many small items is
+    several times its bytes as Python objects, held for every idle connection."""
+    client = await aiohttp_client(create_app(engine, ServerConfig()))
+    body = orjson.dumps({"prompt": "hi", "ignored": [[1]] * 200_000})  # 1 MB of JSON
+    headers = {"Content-Type": "application/json"}
+    for path in ("/tokenize", "/v1/completions"):  # the second one is measured
+        gc.collect()
+        tracemalloc.start()
+        try:
+            response = await client.post(path, data=body, headers=headers)
+            assert response.status == 200
+            await response.read()
+            del response
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+    assert held < 1 << 20, held  # the parsed body alone is about 14 MB

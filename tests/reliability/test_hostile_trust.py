@@ -20,6 +20,7 @@ from aioinfer.engine.async_engine import AsyncEngine
 from aioinfer.server.app import create_app
 from aioinfer.server.http.bodies import MiB
 from aioinfer.server.http.state import STATE
+from aioinfer.server.responses.state import RESPONSES
 from tests.server.conftest import BLOCK_SIZE, assert_pool_free, build_engine
 
 JSON = {"Content-Type": "application/json"}
@@ -195,6 +196,8 @@ async def test_runtime_lora_paths_stay_under_the_lora_root(
             str(root / "missing"),
             "not-an-adapter",
             "sql\x00",
+            "a" * 100_000 + "\nFORGED",  # the log shows it escaped and clipped
+            "/" + "b" * 100_000,
         ]
     ):
         status, error = await load(client, f"bad-{i}", path)
@@ -205,6 +208,7 @@ async def test_runtime_lora_paths_stay_under_the_lora_root(
         assert word not in message
     assert loaded == []
     assert all("\n" not in r.getMessage() for r in caplog.records)
+    assert all(len(r.getMessage()) < 1024 for r in caplog.records)
 
     assert (await load(client, "sql", "sql"))[0] == 200
     assert (await load(client, "sql-abs", str(root / "sql")))[0] == 200
@@ -279,3 +283,21 @@ async def test_embeddings_of_several_keys_are_cached_apart_too(aiohttp_client, m
     a, b, a_again, *shared = salts
     assert a is not None and a != b and a == a_again
     assert shared == [None, None, None]
+
+
+async def test_a_path_in_the_log_of_an_unhandled_error_is_escaped_and_clipped(
+    aiohttp_client, engine, monkeypatch, caplog
+):
+    """The log line of an unhandled error (a 500) named the request's path as the client sent
+    it, percent-decoded: a newline in it forged a line, and its length was the client's."""
+    client = await aiohttp_client(create_app(engine, ServerConfig()))
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("store lost")
+
+    monkeypatch.setattr(client.server.app[RESPONSES].store, "get", broken)
+    caplog.set_level(logging.ERROR)
+    response = await client.get("/v1/responses/" + "r" * 5000 + "%0A" + FORGED.replace(" ", "%20"))
+    assert response.status == 500
+    [line] = [r.getMessage() for r in caplog.records if "unhandled error" in r.getMessage()]
+    assert "\n" not in line and len(line) < 512

@@ -1,7 +1,8 @@
 """`aioinfer serve` as a real process on a tiny random model: an engine fault fails the in-flight
 requests and ends the process non-zero within seconds; SIGTERM under load drains (requests
 finish or end with finish_reason "abort", new ones and /health get 503) and exits 0; the API key
-never reaches the log."""
+never reaches the log; the review's requests that grew memory neither grow it past a bound nor
+stall /health."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import orjson
 import pytest
 
 from aioinfer.gpu.thread import FAULT_ENV
-from tests.support.serve_process import ServeProcess, free_port
+from tests.support.health_poller import HealthPoller
+from tests.support.serve_process import ServeProcess, free_port, rss_bytes
 from tests.support.tokenizers import smollm2_gguf_path
 
 KEY = "sk-process-key-7730"
@@ -205,3 +207,51 @@ def test_a_signal_during_the_model_load_exits_zero_at_once():
     assert "Ready in" not in proc.output, "the load ended before the signal: nothing was tested"
     assert "Exiting without waiting for the GPU thread's work to end" in proc.output
     assert exit_seconds < EXIT_AFTER_FAULT
+
+
+MiB = 1 << 20
+
+
+async def test_requests_that_grew_memory_neither_grow_it_nor_stall_health(tiny_model_dir: Path):
+    """The review's live probes, against the real process: n = 4096 over an 8000-token prompt
+    (+491 MB and a 0.6 s /health before), echoed prompt logprobs of many long prompts (about
+    1.4 GB of answer implied), and /v1/responses with 100,000 small items (84-89 MiB kept per
+    stored response). Each is refused or bounded; /health never waits 0.5 s meanwhile."""
+    port = free_port()
+    proc = ServeProcess(serve_args(tiny_model_dir, port))
+    try:
+        await asyncio.to_thread(proc.wait_ready)
+        base = f"http://127.0.0.1:{port}"
+        ids = [5 + i % 500 for i in range(8000)]  # the tiny model has 512 tokens
+        reasoning = [{"type": "reasoning", "summary": []}]
+        hi = [{"role": "user", "content": "hi"}]
+        refused = [
+            ("/v1/completions", {"prompt": ids, "n": 4096, "max_tokens": 1}, "n"),
+            ("/v1/completions",
+             {"prompt": [ids[:2000]] * 64, "echo": True, "logprobs": 20, "max_tokens": 0},
+             "logprobs"),
+            ("/v1/responses", {"input": reasoning * 100_000 + hi, "max_output_tokens": 1},
+             "input"),
+        ]  # fmt: skip
+        stored = {"input": reasoning * 9_999 + hi, "max_output_tokens": 1}
+        async with aiohttp.ClientSession() as session:
+            await request(session, f"{base}/v1/responses", stored)  # what is built once
+            before = rss_bytes(proc.proc.pid)
+            with HealthPoller(base) as poller:
+                for path, body, param in refused:
+                    status, raw = await request(session, base + path, body)
+                    assert status == 400 and orjson.loads(raw)["error"]["param"] == param, raw
+                for _ in range(3):
+                    status, raw = await request(session, f"{base}/v1/responses", stored)
+                    assert status == 200, raw
+                # The largest n over the longest prompt: admitted, then the client leaves.
+                wide = {"prompt": ids, "n": 256, "max_tokens": 1, "stream": True}
+                async with session.post(f"{base}/v1/completions", json=wide) as response:
+                    assert response.status == 200, await response.text()
+                    await asyncio.sleep(1.0)
+                await asyncio.sleep(0.5)
+            grown = rss_bytes(proc.proc.pid) - before
+    finally:
+        proc.kill()
+    assert len(poller.answers) > 5 and poller.worst < 0.5, (poller.worst, poller.answers)
+    assert grown < 100 * MiB, grown / MiB

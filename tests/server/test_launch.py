@@ -1,5 +1,6 @@
 """What `aioinfer serve` warns about at start: a server every route of which is open to the
-network, and runtime LoRA loading without a root for its paths."""
+network, runtime LoRA loading without a root for its paths, and a waiting queue without a
+bound."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import logging
 
 import pytest
 
-from aioinfer.config import ServerConfig
-from aioinfer.server.launch import is_loopback, warn_if_exposed
+from aioinfer.config import SchedulerConfig, ServerConfig
+from aioinfer.server.launch import is_loopback, warn_if_exposed, warn_if_unbounded
 from aioinfer.server.openai.lora import RUNTIME_LORA_ENV, VLLM_RUNTIME_LORA_ENV
 
 
@@ -47,3 +48,16 @@ def test_runtime_lora_loading_without_a_root_is_a_warning(caplog, monkeypatch, t
     missing = str(tmp_path / "missing")
     [line] = warnings_of(caplog, ServerConfig(host="127.0.0.1", lora_root=missing))
     assert "is not a folder" in line
+
+
+def test_a_waiting_queue_without_a_bound_is_a_warning(caplog):
+    def warnings(config: SchedulerConfig) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="aioinfer"):
+            warn_if_unbounded(config)
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    [line] = warnings(SchedulerConfig())
+    assert "--max-queued-requests" in line and "--max-queued-tokens" in line
+    assert warnings(SchedulerConfig(max_queued_requests=64)) == []
+    assert warnings(SchedulerConfig(max_queued_tokens=1 << 20)) == []

@@ -83,3 +83,12 @@ class ServeProcess:
             return self.wait_exit(timeout)[0]
         finally:
             self.kill()
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of a process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")

@@ -62,6 +62,10 @@ async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngi
     state = request.app[STATE]
     engine = state.serving_engine()
     data = await read_json(request, body_limit(engine))
+    # The parsed body is needed no longer: aiohttp keeps a connection's last request alive
+    # until its next one (or the keep-alive timeout), and with it what the request holds; a
+    # body of many small items is several times its bytes as Python objects.
+    request.pop(_BODY, None)
     # Validating a body of megabytes (100k content blocks) takes seconds: on a worker thread,
     # so that the event loop goes on streaming everyone else's tokens meanwhile.
     if request[BODY_SIZE] > OFF_LOOP_BODY_BYTES:
@@ -144,7 +148,9 @@ def body_limit(engine: AsyncEngine) -> int:
 
 OFF_LOOP_BODY_BYTES = 64 * 1024
 # A body whose bytes stop coming for this long is a 408 (aiohttp times out idle and half-sent
-# headers by itself, after the keep-alive timeout, but not a body that stalls).
+# headers by itself, after the keep-alive timeout, but not a body that stalls); so is one that
+# takes longer than --body-read-timeout in all (a byte every few seconds would hold the
+# connection and its buffer for hours).
 BODY_IDLE_TIMEOUT = 60.0
 BODY_SIZE = web.RequestKey("body_size", int)  # the bytes of the body read_json read
 _BODY = web.RequestKey("body", dict)  # what read_json returned, for a second reader
@@ -168,8 +174,17 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     # Read in pieces: a chunked body has no length to check up front, and must not be buffered
     # whole (up to aiohttp's own cap) before it is refused.
     body = bytearray()
+    loop = asyncio.get_running_loop()
+    overall = request.app[STATE].config.body_read_timeout
+    deadline = loop.time() + overall
     try:
-        while piece := await within(BODY_IDLE_TIMEOUT, request.content.readany()):
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            piece = await within(min(BODY_IDLE_TIMEOUT, left), request.content.readany())
+            if not piece:
+                break
             body += piece
             if len(body) > limit:
                 raise PayloadTooLargeError(
@@ -178,6 +193,11 @@ async def read_json(request: web.Request, limit: int) -> dict[str, Any]:
     except RequestPayloadError as exc:  # e.g. a Content-Encoding the bytes do not decode as
         raise BadRequestError(f"The body could not be read: {exc}") from None
     except asyncio.TimeoutError:
+        if loop.time() >= deadline:
+            raise RequestTimeoutError(
+                f"The body took too long: it did not all arrive within {overall:g} s "
+                "(--body-read-timeout)"
+            ) from None
         raise RequestTimeoutError(
             f"The body stopped coming: no byte for {BODY_IDLE_TIMEOUT:g} s"
         ) from None

@@ -19,6 +19,7 @@ from typing_extensions import TypedDict
 
 from aioinfer.server.http.request_model import RequestValidationError
 from aioinfer.server.http.sse import ClientDisconnected, client_closed
+from aioinfer.server.http.validation import logged
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,10 @@ class RequestTimeoutError(APIError):
 
 class PayloadTooLargeError(APIError):
     status = 413
+
+
+class RateLimitError(APIError):
+    status = 429
 
 
 class InternalServerError(APIError):
@@ -198,5 +203,5 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ClientDisconnected:  # the client left while its request was being prepared
         return client_closed()
     except Exception:
-        logger.exception("unhandled error in %s %s", request.method, request.path)
+        logger.exception("unhandled error in %s %s", request.method, logged(request.path))
         return error_response(500, "Internal server error", body=body)

@@ -23,6 +23,11 @@ from aioinfer.server.http.state import STATE
 
 logger = logging.getLogger(__name__)
 
+# Under --log-prompts, the prompts and the outputs each logged (every one clipped to
+# --max-log-len characters): a request of 4096 prompts would otherwise make one line of
+# megabytes.
+MAX_TEXTS_LOGGED = 16
+
 
 class Started(Protocol):
     """What the log reads of a request once it started (a serving ResponseContext)."""
@@ -37,7 +42,8 @@ class Started(Protocol):
 @dataclass
 class RequestRecord:
     """The request log line of one generation request. Texts are kept only with
-    --log-prompts; API keys and headers are never part of it."""
+    --log-prompts, and only as much of each as is logged (`max_text` characters, and one more
+    to tell that it went on); API keys and headers are never part of it."""
 
     path: str
     keep_text: bool = False
@@ -48,23 +54,32 @@ class RequestRecord:
     completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     prompt_texts: list[str | None] = field(default_factory=list)
-    outputs: dict[tuple[int, int], str] = field(default_factory=dict)
+    # Each sequence's output text so far, in pieces, up to max_text + 1 characters.
+    outputs: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    _output_chars: dict[tuple[int, int], int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
+    _more_prompts: int = 0  # prompts not kept, past MAX_TEXTS_LOGGED
 
     def start(self, ctx: Started, prompt_texts: list[str | None]) -> None:
         self.request_id = ctx.response_id
         self.prompt_tokens = ctx.prompt_tokens
         if self.keep_text:
-            self.prompt_texts = prompt_texts
+            self.prompt_texts = _clip(prompt_texts[:MAX_TEXTS_LOGGED], self.max_text)
+            self._more_prompts = max(len(prompt_texts) - MAX_TEXTS_LOGGED, 0)
 
     def add(self, prompt_index: int, seq: CompletionOutput) -> None:
         """Count one output delta (or a final output) of sequence `seq.index`."""
         self.completion_tokens += len(seq.token_ids)
         if seq.finish_reason is not None:
             self.finish_reasons.append(seq.finish_reason)
-        if self.keep_text:
+        if self.keep_text and seq.text:
+            # Appending to the whole text so far was quadratic in the output's length.
             key = (prompt_index, seq.index)
-            self.outputs[key] = self.outputs.get(key, "") + seq.text
+            kept = self._output_chars.get(key, 0)
+            if kept <= self.max_text:
+                piece = seq.text[: self.max_text + 1 - kept]
+                self.outputs.setdefault(key, []).append(piece)
+                self._output_chars[key] = kept + len(piece)
 
     def log(self) -> None:
         elapsed = time.perf_counter() - self.started
@@ -75,11 +90,16 @@ class RequestRecord:
             self.completion_tokens, finish, elapsed,
         )  # fmt: skip
         if self.keep_text:
-            outputs = [self.outputs[k] for k in sorted(self.outputs)]
+            keys = sorted(self.outputs)
+            outputs = ["".join(self.outputs[k]) for k in keys[:MAX_TEXTS_LOGGED]]
+            more_prompts = max(len(self.prompt_texts) - MAX_TEXTS_LOGGED, 0) + self._more_prompts
+            more_outputs = max(len(keys) - MAX_TEXTS_LOGGED, 0)
             logger.info(
-                "request %s text: prompts=%r outputs=%r",
-                self.request_id, _clip(self.prompt_texts, self.max_text),
+                "request %s text: prompts=%r%s outputs=%r%s",
+                self.request_id, _clip(self.prompt_texts[:MAX_TEXTS_LOGGED], self.max_text),
+                f" (and {more_prompts} more)" if more_prompts else "",
                 _clip(outputs, self.max_text),
+                f" (and {more_outputs} more)" if more_outputs else "",
             )  # fmt: skip
 
 

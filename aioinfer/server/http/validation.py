@@ -23,6 +23,18 @@ REQUEST_ID_RULE = (
     f"must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces (0x21-0x7e)"
 )
 
+# A client's string in a log line: a repr (control characters escaped) of at most about this
+# many characters.
+MAX_LOGGED_CHARS = 200
+_LOGGED = reprlib.Repr()
+_LOGGED.maxstring = MAX_LOGGED_CHARS
+
+
+def logged(value: str) -> str:
+    """A client's string as a log line may show it: escaped and clipped."""
+    return _LOGGED.repr(value)
+
+
 _MAX_REPORTED_ERRORS = 3
 # Names pydantic gives a union's alternatives in an error's path: str, int, list[TextPart].
 _UNION_ALTERNATIVE = re.compile(r"str|int|list\[\w+\]")

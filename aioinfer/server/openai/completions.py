@@ -29,6 +29,7 @@ from aioinfer.server.serving.answer import answer
 from aioinfer.server.serving.chat import response_context, start_chat
 from aioinfer.server.serving.generation import (
     admit,
+    check_prompt_logprobs,
     prepare_constraints,
     start_generation,
     truncate_prompts,
@@ -61,9 +62,12 @@ async def create_completion(request: web.Request, record: RequestRecord) -> web.
         req.add_special_tokens,
     )
     prompts = truncate_prompts(engine, prompts, params)
-    # Again: the queue may have filled while a long prompt was tokenized. From here to the
-    # engine's admission there is no await, so the check holds.
-    admit(engine, count_prompts(req.prompt), params.n)
+    echo_logprobs = req.logprobs if req.echo else None
+    check_prompt_logprobs(prompts, params.n, req.prompt_logprobs, echo_logprobs)
+    # Again: the queue may have filled while a long prompt was tokenized, and now the prompts'
+    # tokens count. From here to the engine's admission there is no await, so the check holds.
+    num_tokens = sum(len(p.token_ids) for p in prompts)
+    admit(engine, count_prompts(req.prompt), params.n, num_tokens=num_tokens)
     ctx = response_context(
         "cmpl", request, engine, prompts, req, params.n, echo_logprobs=req.logprobs or 0
     )

@@ -15,6 +15,7 @@ from aioinfer.core.lora import LoRARequest
 from aioinfer.server.http.bodies import MiB, read_json
 from aioinfer.server.http.errors import BadRequestError, NotFoundError
 from aioinfer.server.http.state import STATE
+from aioinfer.server.http.validation import logged
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,10 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     try:
         await engine.add_lora(LoRARequest(name, len(engine.loras.slots) + 1, folder))
     except ValueError as exc:
-        logger.warning("Runtime LoRA adapter %r not loaded from %r: %s", name, folder, exc)
+        logger.warning(
+            "Runtime LoRA adapter %s not loaded from %s: %s",
+            logged(name), logged(folder), logged(str(exc))[1:-1],
+        )  # fmt: skip
         raise _refused(name) from None
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -77,7 +81,10 @@ def _under_root(path: str, root: str | None, name: str) -> str:
     except ValueError:  # a NUL byte; a path on another drive
         inside = False
     if not inside:
-        logger.warning("Runtime LoRA adapter %r refused: %r is not under --lora-root", name, path)
+        logger.warning(
+            "Runtime LoRA adapter %s refused: %s is not under --lora-root",
+            logged(name), logged(path),
+        )  # fmt: skip
         raise _refused(name)
     return folder
 

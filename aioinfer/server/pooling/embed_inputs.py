@@ -73,7 +73,8 @@ async def embed_inputs(
     prompts = await off_loop_if_long(
         request, num_chars(inputs), encode_prompts, engine.tokenizer, inputs, add_special_tokens
     )
-    admit(engine, num_inputs, 1, field=field)  # again: the queue may have filled meanwhile
+    # Again: the queue may have filled meanwhile, and now the inputs' tokens count.
+    admit(engine, num_inputs, 1, field=field, num_tokens=sum(len(p.token_ids) for p in prompts))
     client_id = client_request_id(request)
     unique = uuid.uuid4().hex
     response_id = f"{prefix}-{client_id or unique}"

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from aioinfer.core.outputs import RequestOutput
 from aioinfer.server.http.bodies import BODY_SIZE, json_response, parse_request
-from aioinfer.server.http.errors import BadRequestError, NotFoundError
+from aioinfer.server.http.errors import BadRequestError, NotFoundError, RateLimitError
 from aioinfer.server.http.request_log import RequestRecord, generation_handler
 from aioinfer.server.http.sse import encode_named_event
 from aioinfer.server.http.state import STATE, ServerState
@@ -32,16 +33,24 @@ from aioinfer.server.responses.event_log import EventLog, replay
 from aioinfer.server.responses.protocol import (
     INPUT_ITEMS,
     OUTPUT_LOGPROBS,
-    InputItem,
     ResponsesRequest,
     responses_params,
 )
 from aioinfer.server.responses.render import ResponseDeleted, ResponseEvents, ResponseObject
-from aioinfer.server.responses.state import RESPONSES, BackgroundResponse, ResponsesState
+from aioinfer.server.responses.state import (
+    MAX_BACKGROUND_PER_KEY,
+    RESPONSES,
+    BackgroundResponse,
+    ResponsesState,
+)
 from aioinfer.server.responses.store import (
+    EMPTY,
     ResponseStore,
     StoredResponse,
+    dump_items,
+    exact,
     input_item_page,
+    joined,
     listed_item,
     owner_of,
 )
@@ -60,35 +69,27 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     state, responses = request.app[STATE], request.app[RESPONSES]
     engine, req = await parse_request(request, ResponsesRequest)
     owner = _owner(request)
+    if req.background:
+        _check_background_room(responses, owner)  # before any work
     previous = _previous(responses.store, req.previous_response_id, owner)
-    history = list(previous.conversation) if previous is not None else []
     previous_size = previous.size if previous is not None else 0
     body_size = request[BODY_SIZE] + previous_size
-    chat, listed_input = await off_loop_if_long(request, body_size, _prepare, req, history)
-    listed_history = (*previous.input_items, *previous.body["output"]) if previous else ()
-    input_items = (*listed_history, *listed_input)
-    _check_unique_ids(input_items)
+    prepared = await off_loop_if_long(request, body_size, _prepare, req, previous)
+    chat = prepared.chat
     with responses_params():
         started = await start_chat(
             request, engine, chat, record, response_id=new_id("resp"), body_size=body_size
         )
-    conversation = (*history, *req.input)
-    # What storing it keeps alive: this request (as models and as listed items), the
-    # conversation before it, and the output.
-    kept_bytes = 2 * request[BODY_SIZE] + previous_size
     log = EventLog() if req.background and req.stream else None
 
     def store(response: ResponseObject) -> None:
         if req.store is False:
             return
-        output: list[InputItem] = INPUT_ITEMS.validate_python(response["output"])
-        body_bytes = len(orjson.dumps(response))
-        size = kept_bytes + body_bytes
-        if log is not None:  # its events so far, and the final one (the response again)
-            size += log.nbytes + body_bytes
-        stored = StoredResponse(response, (*conversation, *output), owner, size, input_items, log)
+        output = dump_items(INPUT_ITEMS.validate_python(response["output"]))
+        conversation = joined(prepared.conversation, output)
+        stored = StoredResponse.of(response, conversation, owner, prepared.input_items, log)
         if not responses.store.put(stored):
-            logger.warning("response %s not stored: %d bytes", response["id"], size)
+            logger.warning("response %s not stored: %d bytes", response["id"], stored.size)
             responses.store.delete(response["id"], owner)  # not an earlier, stale state
 
     events = ResponseEvents(
@@ -104,6 +105,11 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
         return events.complete(finals[0])
 
     if req.background:
+        try:  # again: others may have started meanwhile; no await from here on
+            _check_background_room(responses, owner)
+        except RateLimitError:
+            started.generation.abort_unfinished("rejected")
+            raise
         queued = _in_background(state, responses, started.generation, events, store, owner, log)
         if log is None:
             return json_response(queued)
@@ -113,7 +119,21 @@ async def create_response(request: web.Request, record: RequestRecord) -> web.St
     return await answer(request, state, started.generation, record, chunks, body, framing)
 
 
-def _check_unique_ids(items: tuple[Mapping[str, Any], ...]) -> None:
+def _check_background_room(responses: ResponsesState, owner: bytes | None) -> None:
+    """429 when the API key already has MAX_BACKGROUND_PER_KEY background responses being
+    generated."""
+    running = sum(1 for r in responses.background.values() if r.owner == owner)
+    if running >= MAX_BACKGROUND_PER_KEY:
+        raise RateLimitError(
+            f"Too many background responses: this API key has {running} being generated, the "
+            "most one key may have; wait for one to finish, or cancel one (POST "
+            "/v1/responses/{response_id}/cancel)",
+            param="background",
+            headers={"Retry-After": "1"},
+        )
+
+
+def _check_unique_ids(items: list[dict[str, Any]]) -> None:
     """An item id given twice in one conversation (an output item sent back with the
     previous_response_id that already holds it) is a 400, as OpenAI's: ids name items."""
     seen: set[str] = set()
@@ -127,12 +147,29 @@ def _check_unique_ids(items: tuple[Mapping[str, Any], ...]) -> None:
         seen.add(item["id"])
 
 
-def _prepare(
-    req: ResponsesRequest, history: list[InputItem]
-) -> tuple[ChatCompletionRequest, tuple[Mapping[str, Any], ...]]:
-    """The chat request, and the request's input as listed items (for a stored response)."""
-    listed = () if req.store is False else tuple(listed_item(item) for item in req.input)
-    return req.to_chat(history), listed
+@dataclass(frozen=True)
+class _Prepared:
+    chat: ChatCompletionRequest
+    # For a stored response: its conversation before its output, and its listed input items
+    # (the previous response's, its output, this request's input), as JSON arrays.
+    conversation: bytes = EMPTY
+    input_items: bytes = EMPTY
+
+
+def _prepare(req: ResponsesRequest, previous: StoredResponse | None) -> _Prepared:
+    """The chat request, and what storing the response keeps of the conversation: the
+    previous response's conversation and items read back, then this request's input."""
+    history = previous.conversation() if previous is not None else []
+    chat = req.to_chat(history)
+    if req.store is False:
+        return _Prepared(chat)
+    listed = [listed_item(item) for item in req.input]
+    if previous is not None:
+        output: list[dict[str, Any]] = orjson.loads(previous.body_json)["output"]
+        listed = [*previous.input_items(), *output, *listed]
+    _check_unique_ids(listed)
+    conversation = joined(previous.conversation_json if previous else EMPTY, dump_items(req.input))
+    return _Prepared(chat, conversation, exact(orjson.dumps(listed)))
 
 
 def _in_background(
@@ -214,17 +251,17 @@ async def cancel_response(request: web.Request) -> web.Response:
         stored = responses.store.get(response_id, owner)
         if stored is None:
             raise _not_found(response_id)
-        if stored.body["status"] != "cancelled":
+        if stored.status != "cancelled":
             raise BadRequestError(
                 f"Response with id '{response_id}' is not being generated in the background "
-                f"(its status is {stored.body['status']!r}): only a background response that "
+                f"(its status is {stored.status!r}): only a background response that "
                 "has not finished can be cancelled.",
                 param="response_id",
             )
     stored = responses.store.get(response_id, owner)
     if stored is None:  # deleted meanwhile
         raise _not_found(response_id)
-    return json_response(stored.body)
+    return _stored_body(stored)
 
 
 async def _stop(responses: ResponsesState, response_id: str, owner: bytes | None) -> bool:
@@ -258,9 +295,9 @@ def _previous(
         raise NotFoundError(
             f"Previous response with id '{previous_id}' not found.", param="previous_response_id"
         )
-    if previous.body["status"] in ("queued", "in_progress"):  # its output is not there yet
+    if previous.status in ("queued", "in_progress"):  # its output is not there yet
         raise BadRequestError(
-            f"Previous response with id '{previous_id}' is {previous.body['status']}: continue "
+            f"Previous response with id '{previous_id}' is {previous.status}: continue "
             "it once it has finished.",
             param="previous_response_id",
         )
@@ -279,7 +316,7 @@ async def retrieve_response(request: web.Request) -> web.StreamResponse:
     if stream not in ("true", "false"):
         raise BadRequestError(f'stream must be "true" or "false", got {stream!r}', param="stream")
     if stream == "false":
-        return json_response(stored.body)
+        return _stored_body(stored)
     if stored.events is None:
         raise BadRequestError(
             f"Response with id '{response_id}' was not created with background and stream "
@@ -318,7 +355,11 @@ async def list_input_items(request: web.Request) -> web.Response:
         raise BadRequestError(f'order must be "asc" or "desc", got {order!r}', param="order")
     try:
         page = input_item_page(
-            stored.input_items, int(limit), order == "asc", query.get("after"), query.get("before")
+            stored.input_items(),
+            int(limit),
+            order == "asc",
+            query.get("after"),
+            query.get("before"),
         )
     except KeyError as exc:
         cursor = exc.args[0]
@@ -337,6 +378,10 @@ async def delete_response(request: web.Request) -> web.Response:
         raise _not_found(response_id)
     deleted: ResponseDeleted = {"id": response_id, "object": "response", "deleted": True}
     return json_response(deleted)
+
+
+def _stored_body(stored: StoredResponse) -> web.Response:
+    return web.Response(body=stored.body_json, content_type="application/json")
 
 
 def _not_found(response_id: str) -> NotFoundError:

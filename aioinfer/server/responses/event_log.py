@@ -18,20 +18,23 @@ from aioinfer.config import ServerConfig
 from aioinfer.engine.stream import wait_event
 from aioinfer.server.http.sse import ClientDisconnected, DisconnectWatcher, EventStream
 
+# What an event holds besides its bytes: the bytes object's header and its place in the list.
+EVENT_OVERHEAD = 48
+
 
 class EventLog:
     """SSE events in order (event i has sequence_number i), closed when the task ends."""
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
-        self.nbytes = 0
+        self.nbytes = 0  # what the events hold, their objects' overhead included
         self.closed = False
         self._changed = asyncio.Event()
 
     def extend(self, events: Iterable[bytes]) -> None:
         for event in events:
             self.events.append(event)
-            self.nbytes += len(event)
+            self.nbytes += len(event) + EVENT_OVERHEAD
         self._wake()
 
     def close(self) -> None:

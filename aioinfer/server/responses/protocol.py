@@ -36,6 +36,9 @@ from aioinfer.server.serving.tools import (
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text")
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+# The most items one request's input may hold: each is a model of its own while the request is
+# served (100,000 reasoning items of 38 bytes held about 85 MiB).
+MAX_INPUT_ITEMS = 10_000
 _ITEM_KIND_IN_PATH = re.compile(rf"(input\[\d+\])\.(?:{'|'.join(_ITEM_TYPES)})\b")
 # Fields of the chat request that a Responses request names otherwise: a 400 about one names
 # the Responses field.
@@ -283,6 +286,8 @@ class ResponsesRequest(ModelRequest):
         if isinstance(value, str):
             return [{"type": "message", "role": "user", "content": value}]
         if isinstance(value, list):
+            if len(value) > MAX_INPUT_ITEMS:
+                raise ValueError(f"may hold at most {MAX_INPUT_ITEMS} items, got {len(value)}")
             for i, item in enumerate(value):
                 kind = _item_kind(item)
                 if kind not in _ITEM_TYPES:

@@ -10,6 +10,11 @@ from aiohttp import web
 
 from aioinfer.server.responses.store import ResponseStore
 
+# Background responses one API key may have being generated at once (without keys, the whole
+# server): each goes on whatever its client does, so one client could otherwise queue any
+# number of them.
+MAX_BACKGROUND_PER_KEY = 64
+
 
 @dataclass(frozen=True)
 class BackgroundResponse:

@@ -3,9 +3,13 @@ GET /v1/responses/{id}, GET /v1/responses/{id}/input_items and `previous_respons
 restart forgets them all.
 
 Bounded twice: by count (the last `MAX_STORED_RESPONSES`) and by bytes (`MAX_STORED_BYTES`),
-the oldest going first. A response's size counts its request body, its output and the size of
-the conversation it continues (which it keeps alive), so a long chain is not stored for free.
-Responses belong to the API key that made them: another key neither sees nor deletes them.
+the oldest going first. A response is kept as compact JSON bytes (the response, its whole
+conversation, its listed input items) and rebuilt when it is read or continued, so its size is
+what it holds: those bytes, a streamed background response's events, and a fixed allowance for
+the objects around them. (Kept as pydantic models and dicts, 100,000 small items held about 11
+times what their request's bytes counted.) A long chain is not stored for free: each response
+holds its whole conversation. Responses belong to the API key that made them: another key
+neither sees nor deletes them.
 
 PURE (no torch, no asyncio).
 """
@@ -16,11 +20,17 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
+import orjson
 from typing_extensions import TypedDict
 
-from aioinfer.server.responses.protocol import InputItem, InputMessage, ReasoningItem
+from aioinfer.server.responses.protocol import (
+    INPUT_ITEMS,
+    InputItem,
+    InputMessage,
+    ReasoningItem,
+)
 from aioinfer.server.responses.render import ResponseObject
 from aioinfer.server.serving.context import new_id
 
@@ -29,6 +39,10 @@ if TYPE_CHECKING:
 
 MAX_STORED_RESPONSES = 1024
 MAX_STORED_BYTES = 256 * 1024 * 1024
+# What a stored response holds besides its bytes: the StoredResponse, its bytes objects and
+# its places in the store's dict, from above.
+STORED_OVERHEAD = 1024
+EMPTY = b"[]"
 
 
 def owner_of(api_key: str | None) -> bytes | None:
@@ -41,17 +55,70 @@ def owner_of(api_key: str | None) -> bytes | None:
 
 @dataclass(frozen=True)
 class StoredResponse:
-    body: ResponseObject
+    """A response as kept: JSON bytes, rebuilt by the properties and `conversation()`."""
+
+    response_id: str
+    status: str
+    body_json: bytes
     # The conversation up to and with this response: what a continuation starts from (the
-    # earlier responses' items, this one's input, its output as items; not its instructions).
-    conversation: tuple[InputItem, ...]
+    # earlier responses' items, this one's input, its output as items; not its instructions),
+    # a JSON array of input items.
+    conversation_json: bytes = EMPTY
     owner: bytes | None = None
-    size: int = 0  # bytes, an estimate from above
-    # What GET .../input_items lists: the conversation before this response's output, as
-    # JSON items with ids (each keeps the id it was first listed with).
-    input_items: tuple[Mapping[str, Any], ...] = ()
+    # What GET .../input_items lists: the conversation before this response's output, as a
+    # JSON array of items with ids (each keeps the id it was first listed with).
+    input_items_json: bytes = EMPTY
     # A streamed background response's events, for GET ?stream=true (None otherwise).
     events: EventLog | None = None
+
+    @classmethod
+    def of(
+        cls,
+        body: ResponseObject,
+        conversation_json: bytes = EMPTY,
+        owner: bytes | None = None,
+        input_items_json: bytes = EMPTY,
+        events: EventLog | None = None,
+    ) -> StoredResponse:
+        return cls(
+            body["id"], body["status"], exact(orjson.dumps(body)), conversation_json, owner,
+            input_items_json, events,
+        )  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        """The bytes it holds, from above: its JSON, its events (those of a stream still
+        being generated grow until it is stored again), and the objects around them."""
+        events = self.events.nbytes if self.events is not None else 0
+        held = len(self.body_json) + len(self.conversation_json) + len(self.input_items_json)
+        return held + events + STORED_OVERHEAD
+
+    @property
+    def body(self) -> ResponseObject:
+        return cast(ResponseObject, orjson.loads(self.body_json))
+
+    def conversation(self) -> list[InputItem]:
+        return INPUT_ITEMS.validate_json(self.conversation_json)
+
+    def input_items(self) -> list[dict[str, Any]]:
+        return cast("list[dict[str, Any]]", orjson.loads(self.input_items_json))
+
+
+def exact(data: bytes) -> bytes:
+    """A copy of `data` that holds its length and no more: orjson leaves the room it grew
+    into behind its output (385 KB of JSON held 1 MB)."""
+    return bytes(memoryview(data))
+
+
+def dump_items(items: Sequence[InputItem]) -> bytes:
+    """Input items as a compact JSON array that `StoredResponse.conversation` reads back."""
+    return INPUT_ITEMS.dump_json(list(items), exclude_none=True)
+
+
+def joined(*arrays: bytes) -> bytes:
+    """One JSON array of the items of several (compact, as orjson and pydantic write them)."""
+    parts = [a[1:-1] for a in arrays if a != EMPTY]
+    return b"[" + b",".join(parts) + b"]"
 
 
 class ResponseStore:
@@ -62,17 +129,20 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.total_bytes = 0
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # as counted when stored
 
     def __len__(self) -> int:
         return len(self._responses)
 
     def put(self, stored: StoredResponse) -> bool:
         """Keep `stored`, dropping the oldest as needed; False when it alone is too large."""
-        if stored.size > self.max_bytes:
+        size = stored.size
+        if size > self.max_bytes:
             return False
-        self._pop(stored.body["id"])
-        self._responses[stored.body["id"]] = stored
-        self.total_bytes += stored.size
+        self._pop(stored.response_id)
+        self._responses[stored.response_id] = stored
+        self._sizes[stored.response_id] = size
+        self.total_bytes += size
         while len(self._responses) > self.capacity or self.total_bytes > self.max_bytes:
             self._pop(next(iter(self._responses)))
         return True
@@ -90,7 +160,7 @@ class ResponseStore:
         stored = self._responses.pop(response_id, None)
         if stored is None:
             return False
-        self.total_bytes -= stored.size
+        self.total_bytes -= self._sizes.pop(response_id)
         return True
 
 

@@ -21,6 +21,7 @@ from aioinfer.server.serving.context import Prompt, ResponseContext
 from aioinfer.server.serving.generation import (
     Generation,
     admit,
+    check_prompt_logprobs,
     prepare_constraints,
     start_generation,
     truncate_prompts,
@@ -71,8 +72,10 @@ async def start_chat(
         request, engine.tokenizer, req.messages, req, engine.max_model_len, size
     )
     messages, options = rendered.messages, rendered.options
-    admit(engine, 1, params.n)  # again, as for completions; no await from here on
     prompts = truncate_prompts(engine, [Prompt(rendered.token_ids)], params)
+    check_prompt_logprobs(prompts, params.n, req.prompt_logprobs)
+    # Again, as for completions, with the prompt's tokens; no await from here on.
+    admit(engine, 1, params.n, num_tokens=len(prompts[0].token_ids), tokens_field="messages")
     ctx = response_context("chatcmpl", request, engine, prompts, req, params.n, response_id)
     reasoning_parser = make_reasoning_parser(state.config.reasoning_parser)
     if reasoning_parser is not None:

@@ -37,14 +37,31 @@ if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
 
 # Bounds the engine requests one HTTP request can create (prompts x n), checked before any
-# tokenization; n alone is also bounded by --max-num-seqs.
+# tokenization, and n on its own: 256 sequences of one prompt (OpenAI allows 128; vLLM's
+# default max_num_seqs is 256), each a request of the scheduler's.
 MAX_SEQUENCES_PER_REQUEST = 4096
+MAX_N = 256
 
 
-def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") -> None:
-    """Admission control, run after parsing and before any tokenization work: 400 for a
+def admit(
+    engine: AsyncEngine,
+    num_prompts: int,
+    n: int,
+    field: str = "prompt",
+    *,
+    num_tokens: int = 0,
+    tokens_field: str | None = None,
+) -> None:
+    """Admission control, run after parsing and before any tokenization work (and again
+    after it, with `num_tokens`: the prompts' tokens, each sequence counting them): 400 for a
     request that can never be admitted, a fast 503 with Retry-After while the queue is full.
-    `field` holds the prompts: "input" for embeddings, which have no n."""
+    `field` holds the prompts: "input" for embeddings, which have no n; `tokens_field` names
+    them where a refusal is about their tokens (default: `field`)."""
+    if n > MAX_N:
+        raise BadRequestError(
+            f"n must be at most {MAX_N} (sequences of one prompt in one request), got {n}",
+            param="n",
+        )
     total = num_prompts * n
     param = "n" if num_prompts == 1 and field == "prompt" else field
     if total > MAX_SEQUENCES_PER_REQUEST:
@@ -55,13 +72,48 @@ def admit(engine: AsyncEngine, num_prompts: int, n: int, field: str = "prompt") 
             param=param,
         )
     try:
-        engine.check_admission(total)
+        engine.check_admission(total, num_tokens * n)
     except EngineOverloadedError as exc:
         raise _retry_later(exc) from None
     except EngineDeadError as exc:
         raise _engine_failed(exc) from None
     except ValueError as exc:
-        raise BadRequestError(str(exc), param=param) from None
+        about_tokens = "prompt tokens" in str(exc)
+        raise BadRequestError(
+            str(exc), param=(tokens_field or field) if about_tokens else param
+        ) from None
+
+
+# The most prompt logprob entries one request may ask for: its prompt tokens x (alternatives
+# + 1) x n, echoed ones (completions' echo with logprobs) and vLLM's prompt_logprobs each
+# counted. An entry costs about 120 bytes in the engine and 100 to 330 in the answer being
+# built, so a request stays within about 70 MB; 2000 tokens x 21 made a 1.1 MB answer of a
+# 12.8 KB body, and a 16 MiB body of 4096 prompts about 1.4 GB.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 17
+
+
+def check_prompt_logprobs(
+    prompts: list[Prompt], n: int, prompt_logprobs: int | None, echo_logprobs: int | None = None
+) -> None:
+    """400 naming the field when the prompt logprobs a request asks for (`prompt_logprobs`
+    alternatives, and `echo_logprobs` for the echoed prompt: None where not asked) would hold
+    more than MAX_PROMPT_LOGPROB_ENTRIES entries; run once the prompts are tokenized."""
+    if prompt_logprobs is None and echo_logprobs is None:
+        return
+    num_tokens = n * sum(len(p.token_ids) for p in prompts)
+    asked = {
+        "prompt_logprobs": 0 if prompt_logprobs is None else num_tokens * (prompt_logprobs + 1),
+        "logprobs": 0 if echo_logprobs is None else num_tokens * (echo_logprobs + 1),
+    }
+    total = sum(asked.values())
+    if total > MAX_PROMPT_LOGPROB_ENTRIES:
+        param = max(asked, key=asked.__getitem__)
+        raise BadRequestError(
+            f"{param}: a request may ask for at most {MAX_PROMPT_LOGPROB_ENTRIES} prompt "
+            f"logprob entries (prompt tokens x (alternatives + 1) x n, echoed ones included), "
+            f"got {total}; send fewer or shorter prompts, or ask for fewer alternatives",
+            param=param,
+        )
 
 
 # Grammar compiles run on threads of their own (see WorkQueue): a few large specs (up to a

@@ -195,21 +195,26 @@ def test_the_whole_response_is_the_streamed_one_and_is_handed_over_once():
     assert without_ids(whole) == without_ids(streamed)  # type: ignore[arg-type]
 
 
+def stored(name: str, owner: bytes | None = None, text: str = "") -> StoredResponse:
+    body = {"id": name, "status": "completed", "output": [], "text": text}
+    return StoredResponse.of(body, owner=owner)  # type: ignore[arg-type]
+
+
 def test_the_store_keeps_the_newest_responses():
     store = ResponseStore(capacity=2)
     for name in ("a", "b", "c"):
-        store.put(StoredResponse({"id": name}, ()))  # type: ignore[typeddict-item]
+        store.put(stored(name))
     assert len(store) == 2 and store.get("a") is None and store.get("c") is not None
     assert store.delete("b") and not store.delete("b") and store.get("b") is None
 
 
 def test_the_store_keeps_within_its_bytes_and_to_each_key_its_own():
-    store = ResponseStore(max_bytes=100)
-    first = StoredResponse({"id": "a"}, (), owner=b"k1", size=60)  # type: ignore[typeddict-item]
-    second = StoredResponse({"id": "b"}, (), owner=b"k1", size=60)  # type: ignore[typeddict-item]
+    first, second = stored("a", b"k1", "x" * 5000), stored("b", b"k1", "y" * 5000)
+    assert first.size > 5000
+    store = ResponseStore(max_bytes=first.size + second.size - 1)
     assert store.put(first) and store.put(second)
-    assert store.get("a", b"k1") is None and store.total_bytes == 60  # the oldest went
-    huge = StoredResponse({"id": "c"}, (), size=101)  # type: ignore[typeddict-item]
+    assert store.get("a", b"k1") is None and store.total_bytes == second.size  # the oldest went
+    huge = stored("c", None, "z" * store.max_bytes)
     assert not store.put(huge) and store.get("c") is None
     assert store.get("b", b"k2") is None and not store.delete("b", b"k2")
     assert store.get("b", b"k1") is not None and store.delete("b", b"k1")

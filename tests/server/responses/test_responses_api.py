@@ -4,7 +4,9 @@ chat completions)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 from typing import Any, Literal
 
 import aiohttp
@@ -15,6 +17,8 @@ from pydantic import BaseModel
 
 from aioinfer.config import ServerConfig
 from aioinfer.server.app import create_app
+from aioinfer.server.responses.protocol import MAX_INPUT_ITEMS
+from aioinfer.server.responses.state import RESPONSES
 from tests.server.conftest import (
     API_KEYS,
     assert_pool_free,
@@ -287,6 +291,8 @@ async def test_a_streamed_response_is_stored_too(oai, engine):
         ({"input": [{"type": "web_search_call", "id": "w"}]}, "input", "'web_search_call'"),
         ({"input": []}, "input", "at least one"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "a message"),
+        ({"input": [{"type": "reasoning", "summary": []}] * MAX_INPUT_ITEMS + ["Hi"]}, "input",
+         f"at most {MAX_INPUT_ITEMS} items"),
         ({"metadata": {"k": "v" * 513}}, "metadata.k", "at most 512"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
         ({"reasoning": {"effort": "bogus"}}, "reasoning.effort", "'minimal'"),
@@ -319,6 +325,37 @@ async def test_requests_that_cannot_be_served_are_400s_naming_the_field(
     assert response.status == (404 if param == "model" else 400), error
     assert error["param"] == param and fragment in error["message"], error
     assert_pool_free(engine)
+
+
+async def test_a_stored_response_holds_no_more_than_the_store_counts(client):
+    """Kept as pydantic models and listed dicts, 100,000 reasoning items of 38 bytes held
+    84-89 MiB a response, counted as 7.6 MB (twice the body): the store's 256 MiB bound was
+    about 3 GB. A stored response is kept as JSON bytes now, and counted as what it holds."""
+    items = [{"type": "reasoning", "summary": []}] * 5_000
+    body = {"input": [*items, {"role": "user", "content": "Hi"}], "max_output_tokens": 2}
+    store = client.server.app[RESPONSES].store
+    await post(client, "/v1/responses", body)  # first: whatever is built once is built
+    gc.collect()
+    tracemalloc.start()
+    try:
+        response, raw = await post(client, "/v1/responses", body)
+        del response
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - len(raw)
+    finally:
+        tracemalloc.stop()
+    stored = store.get(orjson.loads(raw)["id"])
+    assert stored is not None and held <= 1.5 * stored.size, (held, stored.size)
+    # Read back, listed and continued from its bytes.
+    listed = await client.get(f"/v1/responses/{stored.response_id}/input_items?limit=100")
+    data = (await listed.json())["data"]
+    assert len(data) == 100 and data[0]["type"] == "message" and data[1]["type"] == "reasoning"
+    again = {"input": "More", "previous_response_id": stored.response_id, "max_output_tokens": 2}
+    response, raw = await post(client, "/v1/responses", again)
+    assert response.status == 200, raw
+    continued = store.get(orjson.loads(raw)["id"])
+    # The items, "Hi", its answer, "More" and its answer.
+    assert continued is not None and len(continued.conversation()) == len(items) + 4
 
 
 @pytest.mark.parametrize("tools", [None, []])

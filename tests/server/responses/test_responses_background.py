@@ -12,10 +12,13 @@ import aiohttp
 import openai
 import pytest
 
+from aioinfer.config import ServerConfig
+from aioinfer.server.app import create_app
 from aioinfer.server.http.state import STATE
+from aioinfer.server.responses import api as responses_api
 from aioinfer.server.responses.render import ResponseEvents
 from aioinfer.server.responses.state import RESPONSES
-from tests.server.conftest import assert_pool_free
+from tests.server.conftest import API_KEYS, assert_pool_free
 from tests.server.test_disconnect import wait_until
 
 
@@ -201,4 +204,40 @@ async def test_a_reader_of_a_cancelled_background_stream_is_not_left_waiting(slo
     assert not [e for events in done for e in events if e.type in finals]
     await wait_until(lambda: slow_engine.num_unfinished == 0)
     assert server.app[STATE].in_flight == 0 and not server.app[RESPONSES].background
+    assert_pool_free(slow_engine)
+
+
+async def test_background_responses_are_bounded_per_api_key(
+    aiohttp_client, slow_engine, monkeypatch
+):
+    """A background response goes on whatever its client does: one client could queue any
+    number of them. Each API key may have MAX_BACKGROUND_PER_KEY being generated; beyond, a
+    429 naming `background` (others' keys are not held up), before any work."""
+    monkeypatch.setattr(responses_api, "MAX_BACKGROUND_PER_KEY", 2)
+    client = await aiohttp_client(create_app(slow_engine, ServerConfig(api_key=API_KEYS)))
+    body = {"input": "Hi", "max_output_tokens": 100, "background": True}
+    first, second = ({"Authorization": f"Bearer {key}"} for key in API_KEYS)
+    started = []
+    for _ in range(2):
+        response = await client.post("/v1/responses", json=body, headers=first)
+        assert response.status == 200
+        started.append((await response.json())["id"])
+    response = await client.post("/v1/responses", json=body, headers=first)
+    error = (await response.json())["error"]
+    assert response.status == 429 and error["param"] == "background", error
+    assert response.headers["Retry-After"] == "1" and "cancel" in error["message"]
+    assert slow_engine.num_unfinished == 2  # refused before it reached the engine
+    response = await client.post("/v1/responses", json=body, headers=second)
+    assert response.status == 200
+    other = (await response.json())["id"]
+    # Once one ends, the key may start another.
+    cancel = await client.post(f"/v1/responses/{started[0]}/cancel", headers=first)
+    assert (await cancel.json())["status"] == "cancelled"
+    response = await client.post("/v1/responses", json=body, headers=first)
+    assert response.status == 200
+    started.append((await response.json())["id"])
+    for response_id, headers in ((started[1], first), (started[2], first), (other, second)):
+        await client.post(f"/v1/responses/{response_id}/cancel", headers=headers)
+    await wait_until(lambda: slow_engine.num_unfinished == 0)
+    assert not client.server.app[RESPONSES].background
     assert_pool_free(slow_engine)
