@@ -635,8 +635,12 @@ def _load_private(cc: str, cflags: list[str], name: str) -> NativeKernels:
 def _loaded(path: Path, fd: int) -> NativeKernels:
     try:
         return NativeKernels(path, fd)
-    except (OSError, AttributeError) as exc:  # AttributeError: a kernel the library lacks
+    except OSError as exc:  # dlopen refused it: nothing is known by the fd's name
         os.close(fd)
+        raise _LoadError(f"loading {path} failed: {exc}") from None
+    except AttributeError as exc:  # a kernel the library lacks
+        # It stays loaded under the name /proc/self/fd/<fd>: the fd stays open, so that a
+        # later library opened under the same number is not taken for this one.
         raise _LoadError(f"loading {path} failed: {exc}") from None
 
 

@@ -53,14 +53,14 @@ def run(path: Path) -> tuple[list[object], int, Path]:
     return outputs, coded, entry
 
 
-@pytest.fixture(autouse=True)
-def _native(kernels: cpu_native.NativeKernels) -> None:
-    if kernels is not cpu_native.load():
-        pytest.skip("the engine runs this machine's build")
+@pytest.fixture
+def native() -> None:
+    if cpu_native.load() is None:
+        pytest.skip(cpu_native.unavailable_reason())
 
 
 def test_a_second_start_reads_the_codes_instead_of_finding_them(
-    q8_gguf: Path, monkeypatch: pytest.MonkeyPatch
+    q8_gguf: Path, monkeypatch: pytest.MonkeyPatch, native: None
 ) -> None:
     first, coded, entry = run(q8_gguf)
     assert coded > 0
@@ -78,7 +78,7 @@ def test_a_second_start_reads_the_codes_instead_of_finding_them(
 
 
 def test_a_damaged_or_misfit_file_is_found_again(
-    q8_gguf: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    q8_gguf: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, native: None
 ) -> None:
     first, coded, entry = run(q8_gguf)
     kept = codes_cache.codes_file(entry)

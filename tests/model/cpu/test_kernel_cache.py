@@ -148,3 +148,11 @@ def test_a_library_that_lacks_a_kernel_falls_back_to_torch_with_a_warning(cache,
         assert cpu_native.load() is None
     assert "packed_linear" in cpu_native.unavailable_reason()
     assert "using torch ops" in caplog.text and cache["builds"] == []
+
+    # The real build loads next in this process, though the refused library stays loaded
+    # under the name of the file number it was opened as (dlopen knows libraries by name).
+    target.unlink()
+    cpu_native._load.cache_clear()
+    kernels = cpu_native.load()
+    assert kernels is not None, cpu_native.unavailable_reason()
+    assert cache["builds"] == [target.parent.resolve() / target.name]
