@@ -23,6 +23,17 @@ MAX_CHOICES = 1024
 # stops there too, while a schema sent as JSON text would not, and the grammar compiler's work
 # grows about as depth^3 (400 levels: 4 s; 900: 46 s).
 MAX_SCHEMA_DEPTH = 64
+# A schema's numeric bounds (minimum, maximum and the exclusive ones, on numbers and integers):
+# the grammar compiler writes each as a grammar of its own that spells out the range digit by
+# digit, so one costs about 0.5 ms plus 0.06-0.15 ms a digit of its integer part (a minimum of
+# 1e308: 33-47 ms), and more as they add up: 64 KiB of 16-digit ranges took 7 s to compile on
+# one grammar thread, 64 KiB of minimums of 1e308 87 s. They are bounded in count and in
+# digits (a bound counts those of its integer part, at least 1); at these limits a schema of
+# nothing but bounds compiles in at most about 0.4 s.
+MAX_SCHEMA_BOUNDS = 512
+MAX_SCHEMA_BOUND_DIGITS = 2048
+_BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_NUMERIC_TYPES = ("number", "integer")
 
 
 def nesting_depth(value: object, limit: int) -> int:
@@ -114,7 +125,7 @@ class StructuredOutputsParams:
         on two cores), so specs are bounded, as OpenAI bounds its schemas; a schema's nesting
         too (first, as the size of a deep dict is measured by writing it)."""
         if self.json is not None:
-            _check_schema_depth(self.json)
+            _check_schema(self.json)
         if self.choice is not None and len(self.choice) > MAX_CHOICES:
             raise ValueError(
                 f"structured_outputs.choice must hold at most {MAX_CHOICES} strings, got "
@@ -136,7 +147,8 @@ class StructuredOutputsParams:
         return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
 
 
-def _check_schema_depth(schema: str | dict[str, Any]) -> None:
+def _check_schema(schema: str | dict[str, Any]) -> None:
+    """A schema's nesting, then its numeric bounds (see MAX_SCHEMA_BOUNDS)."""
     too_deep = f"structured_outputs.json nests more than {MAX_SCHEMA_DEPTH} levels deep"
     if isinstance(schema, str):
         if len(schema) > MAX_SPEC_CHARS:
@@ -149,6 +161,56 @@ def _check_schema_depth(schema: str | dict[str, Any]) -> None:
             return  # not JSON: the compiler says so
     if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise ValueError(too_deep)
+    bounds, digits = numeric_bounds(schema)
+    if bounds > MAX_SCHEMA_BOUNDS:
+        raise ValueError(
+            f"structured_outputs.json has {bounds} numeric bounds (minimum, maximum, "
+            f"exclusiveMinimum, exclusiveMaximum); at most {MAX_SCHEMA_BOUNDS} are allowed, as "
+            "each compiles to a grammar of its own"
+        )
+    if digits > MAX_SCHEMA_BOUND_DIGITS:
+        raise ValueError(
+            f"structured_outputs.json's numeric bounds have {digits} digits in all (a bound "
+            f"counts those of its integer part: 1e300 counts 301); at most "
+            f"{MAX_SCHEMA_BOUND_DIGITS} are allowed"
+        )
+
+
+def numeric_bounds(schema: object) -> tuple[int, int]:
+    """The numeric bounds in a (parsed) schema, wherever they sit, and their digits: a bound
+    counts once for each numeric type its schema lists (each is compiled), and its digits are
+    those of its integer part (at least 1). Without recursion; the nesting is checked first."""
+    bounds = digits = 0
+    stack: list[object] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+            kinds = node.get("type")
+            times = 1
+            if isinstance(kinds, list):
+                times = max(1, sum(1 for kind in kinds if kind in _NUMERIC_TYPES))
+            for key in _BOUND_KEYWORDS:
+                value = node.get(key)
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                if isinstance(value, int) or math.isfinite(value):
+                    bounds += times
+                    digits += times * _integer_digits(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return bounds, digits
+
+
+def _integer_digits(value: float) -> int:
+    """The digits of a finite number's integer part, at least 1 (1e300: 301)."""
+    size = abs(value)
+    if isinstance(size, int) and size < _WRITABLE_INT:
+        return len(str(size))
+    return 1 if size < 1 else math.floor(math.log10(size)) + 1
+
+
+_WRITABLE_INT = 10**4000  # str() refuses ints of more than 4300 digits
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")

@@ -183,6 +183,54 @@ def test_a_schema_nests_at_most_64_levels_however_it_is_sent():
     StructuredOutputsParams(json="{not json")
 
 
+def ranged_schema(ranges: int, low: float = -1234, high: float = 5678) -> dict:
+    """An object of `ranges` number properties, each with a minimum and a maximum."""
+    properties = {
+        f"p{i}": {"type": "number", "minimum": low - i, "maximum": high + i} for i in range(ranges)
+    }
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def test_a_schema_s_numeric_bounds_are_bounded_in_count_and_digits():
+    """The compiler spells each numeric bound out digit by digit: 64 KiB of 16-digit ranges
+    took 7 s to compile, 64 KiB of minimums of 1e308 87 s. A schema holds at most
+    MAX_SCHEMA_BOUNDS bounds with MAX_SCHEMA_BOUND_DIGITS digits in their integer parts, however
+    it is sent, refused before anything compiles."""
+    import json
+    import time
+
+    from aioinfer.core.sampling_params import (
+        MAX_SCHEMA_BOUND_DIGITS,
+        MAX_SCHEMA_BOUNDS,
+        StructuredOutputsParams,
+        numeric_bounds,
+    )
+
+    assert numeric_bounds(ranged_schema(3)) == (6, 24)  # 4 digits a bound
+    listed = {"type": ["number", "integer", "null"], "minimum": 0.5, "maximum": 1e300}
+    assert numeric_bounds(listed) == (4, 2 + 2 * 301)  # once for each numeric type
+    named = {"properties": {"minimum": {"type": "string"}}, "maximum": True}
+    assert numeric_bounds(named) == (0, 0)  # a property's name, a boolean: no bounds
+    assert numeric_bounds(json.loads('{"minimum": 1' + "0" * 500 + "}")) == (1, 501)
+    assert numeric_bounds(json.loads('{"minimum": 1e400, "maximum": NaN}')) == (0, 0)
+    at_limit = ranged_schema(MAX_SCHEMA_BOUNDS // 2)
+    StructuredOutputsParams(json=at_limit)
+    StructuredOutputsParams(json=json.dumps(at_limit))
+    huge = {"type": "number", "minimum": 1e308}  # 309 digits
+    few_but_long = {"type": "array", "prefixItems": [huge] * (MAX_SCHEMA_BOUND_DIGITS // 309)}
+    StructuredOutputsParams(json=few_but_long)
+    for spec, fragment in (
+        (ranged_schema(MAX_SCHEMA_BOUNDS // 2 + 1), f"{MAX_SCHEMA_BOUNDS + 2} numeric bounds"),
+        (json.dumps(ranged_schema(700)), "1400 numeric bounds"),
+        ({**few_but_long, "prefixItems": [huge] * 7}, f"{7 * 309} digits in all"),
+        (json.dumps(ranged_schema(200, low=-1e15, high=1e15)), "6400 digits in all"),
+    ):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=rf"structured_outputs\.json.*{fragment}"):
+            StructuredOutputsParams(json=spec)
+        assert time.monotonic() - start < 0.5
+
+
 def test_an_unknown_field_set_afterwards_fails_as_in_vllm():
     params = SamplingParams()
     params.max_tokens = 5  # a field: taken, and checked when the request queues

@@ -26,6 +26,7 @@ from aioinfer.server.app import create_app
 from aioinfer.server.http import bodies
 from aioinfer.server.http.bodies import body_limit
 from aioinfer.server.serving.generation import MAX_PROMPT_LOGPROB_ENTRIES
+from aioinfer.server.serving.protocol import MAX_CHAT_MESSAGES
 from tests.reliability.conftest import ThreadedServer
 from tests.server.conftest import assert_pool_free, build_engine
 from tests.support.health_poller import HealthPoller
@@ -319,3 +320,44 @@ async def test_a_kept_alive_connection_holds_nothing_of_its_last_body(aiohttp_cl
         finally:
             tracemalloc.stop()
     assert held < 1 << 20, held  # the parsed body alone is about 14 MB
+
+
+async def test_conversations_of_very_many_messages_are_a_400_naming_the_field(
+    aiohttp_client, engine
+):
+    """A chat of 300,000 empty messages (an 8.7 MB body) was validated into 300,000 models
+    (173 MB, 1.7 s) and rendered into a prompt far past any context. A conversation
+    holds at most MAX_CHAT_MESSAGES messages: as sent (chat and /tokenize messages, Anthropic
+    messages), and as another API's request becomes a chat (Anthropic tool results are a
+    message each; Responses instructions and items, with what they continue)."""
+    client = await aiohttp_client(create_app(engine, ServerConfig()))
+    most = MAX_CHAT_MESSAGES
+    empty = [{"role": "user", "content": ""}]
+    results = [
+        {"type": "tool_result", "tool_use_id": f"c{i}", "content": "ok"} for i in range(most)
+    ]
+    items = [{"type": "message", "role": "user", "content": "hi"}] * most
+    for path, body, param in (
+        ("/v1/chat/completions", {"messages": empty * (most + 1)}, "messages"),
+        ("/v1/chat/completions", {"messages": empty * 300_000}, "messages"),
+        ("/tokenize", {"messages": empty * (most + 1)}, "messages"),
+        ("/v1/messages", {"messages": empty * (most + 1), "max_tokens": 1}, "messages"),
+        ("/v1/messages/count_tokens", {"messages": empty * (most + 1)}, "messages"),
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": [*results, *results]}], "max_tokens": 1},
+            "messages",
+        ),
+        ("/v1/responses", {"input": items, "instructions": "Be brief."}, "input"),
+    ):
+        response = await client.post(path, json=body)
+        answer = orjson.loads(await response.read())
+        assert response.status == 400, (path, answer)
+        if "error" in answer and "param" in answer["error"]:  # OpenAI's shape
+            assert answer["error"]["param"] == param, (path, answer)
+        message = answer["error"]["message"]
+        assert message.startswith(param) and f"at most {most} " in message, (path, message)
+    # Within the bound, a conversation is rendered.
+    response = await client.post("/tokenize", json={"messages": empty * most})
+    assert response.status == 200 and (await response.json())["count"] > most
+    assert_pool_free(engine)

@@ -197,3 +197,71 @@ async def test_a_client_that_leaves_while_its_prompt_is_tokenized_is_let_go(
     finally:
         gate.set()
         await engine.shutdown()
+
+
+async def test_off_loop_preparation_is_bounded_and_let_go_when_clients_leave(
+    live_factory, monkeypatch
+):
+    """Long prompts are tokenized (and large bodies validated, large chats rendered) on
+    threads of their own with a bounded queue: they waited on the loop's default executor,
+    whose queue has no bound, so a client could queue minutes of work ahead of everyone's
+    large requests. Past the bound a fast 503 with Retry-After, small requests still served
+    on the loop; work whose client left while it waited is dropped, never run."""
+    import threading
+
+    from aioinfer.server.http.work_queue import OFF_LOOP
+    from aioinfer.server.openai import completions
+
+    monkeypatch.setattr(OFF_LOOP, "max_waiting", 2)
+    gate = threading.Event()
+    tokenized: list[str] = []
+    encode = completions.encode_prompts
+
+    def held(tokenizer, prompt, *args):
+        if len(prompt) < 100:  # tokenized on the loop
+            return encode(tokenizer, prompt, *args)
+        tokenized.append(prompt.split(" ", 1)[0])
+        gate.wait(30)
+        return encode(tokenizer, "hi", *args)  # a prompt that fits the test model
+
+    monkeypatch.setattr(completions, "encode_prompts", held)
+    engine = await build_engine()
+
+    def body(name: str, words: int = 5000) -> dict:
+        return {"prompt": f"{name} " + "word " * words, "max_tokens": 1}  # off the loop
+
+    try:
+        server = await live_factory(engine)
+        threads = OFF_LOOP.threads
+        running = [
+            await raw_request(server, "/v1/completions", body(f"r{i}")) for i in range(threads)
+        ]
+        await wait_until(lambda: len(tokenized) == threads)
+        waiting = [await raw_request(server, "/v1/completions", body(f"w{i}")) for i in range(2)]
+        await wait_until(lambda: OFF_LOOP.in_flight == threads + 2)
+        async with aiohttp.ClientSession() as session:
+            # a long prompt, and a body large enough to be validated off the loop
+            for refused in (body("x"), body("y", words=14_000)):
+                start = time.monotonic()
+                async with session.post(f"{server.url}/v1/completions", json=refused) as response:
+                    error = orjson.loads(await response.read())["error"]
+                    assert response.status == 503 and response.headers["Retry-After"] == "1"
+                assert "large requests to validate, render or tokenize" in error["message"]
+                assert time.monotonic() - start < 1.0
+            small = {"prompt": "hi", "max_tokens": 1}
+            async with session.post(f"{server.url}/v1/completions", json=small) as response:
+                assert response.status == 200
+        for _, writer in waiting:
+            writer.close()
+        await wait_until(lambda: OFF_LOOP.in_flight == threads, timeout=ABORT_DEADLINE)
+        gate.set()
+        for reader, writer in running:
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n"), 30)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert sorted(tokenized) == sorted(f"r{i}" for i in range(threads))  # none waited in vain
+        await wait_until(lambda: OFF_LOOP.in_flight == 0 and engine.num_unfinished == 0)
+        assert_pool_free(engine)
+    finally:
+        gate.set()
+        await engine.shutdown()

@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from aioinfer.server.http.request_model import ModelRequest, RequestValidationError, StrictModel
 from aioinfer.server.http.validation import renamed_params
 from aioinfer.server.serving.formats import JsonSchemaFormat, ResponseFormat
-from aioinfer.server.serving.protocol import ChatCompletionRequest, ChatMessage
+from aioinfer.server.serving.protocol import (
+    MAX_CHAT_MESSAGES,
+    ChatCompletionRequest,
+    ChatMessage,
+    too_many_messages,
+)
 from aioinfer.server.serving.tools import (
     FUNCTION_NAME_PATTERN,
     AssistantToolCall,
@@ -211,9 +217,13 @@ class OutputConfig(StrictModel):
 class MessagesRequest(ModelRequest):
     """POST /v1/messages."""
 
+    MAX_ITEMS: ClassVar[Mapping[str, int]] = {"messages": MAX_CHAT_MESSAGES}
+
     model: str | None = Field(None, description="The served model name (default: the only one).")
     max_tokens: int = Field(ge=1, description="Output limit.")
-    messages: list[InputMessage] = Field(min_length=1)
+    messages: list[InputMessage] = Field(
+        min_length=1, description=f"The conversation: at most {MAX_CHAT_MESSAGES} messages."
+    )
     system: StringOrTextBlocks | None = Field(None, description="A system message put first.")
     stop_sequences: list[str] | None = Field(None, description="Strings that end the output.")
     temperature: float | None = Field(None, le=1.0, description="0 to 1, as Anthropic's.")
@@ -327,6 +337,8 @@ class MessagesRequest(ModelRequest):
                 messages.append(_assistant_turn(content))
             else:
                 messages += _user_turn(content)
+            if len(messages) > MAX_CHAT_MESSAGES:  # a turn's tool results are messages each
+                raise too_many_messages(len(messages))
         return messages
 
 
@@ -355,6 +367,8 @@ def _user_turn(blocks: list[ContentBlock]) -> list[ChatMessage]:
             messages.append(
                 _message(role="tool", tool_call_id=block.tool_use_id, content=block.text())
             )
+            if len(messages) > MAX_CHAT_MESSAGES:
+                break  # the conversation is refused: no need to build the rest
     if texts or not messages:
         messages.append(_message(role="user", content="\n".join(texts)))
     return messages

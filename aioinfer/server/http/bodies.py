@@ -27,6 +27,7 @@ from aioinfer.server.http.errors import (
 from aioinfer.server.http.request_model import ModelRequest
 from aioinfer.server.http.sse import within
 from aioinfer.server.http.state import STATE
+from aioinfer.server.http.work_queue import OFF_LOOP
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
@@ -66,10 +67,11 @@ async def parse_request(request: web.Request, kind: type[_R]) -> tuple[AsyncEngi
     # until its next one (or the keep-alive timeout), and with it what the request holds; a
     # body of many small items is several times its bytes as Python objects.
     request.pop(_BODY, None)
-    # Validating a body of megabytes (100k content blocks) takes seconds: on a worker thread,
-    # so that the event loop goes on streaming everyone else's tokens meanwhile.
+    # Validating a body of megabytes (100k content blocks) takes seconds: on a worker thread
+    # (a bounded queue, let go of when the client leaves), so that the event loop goes on
+    # streaming everyone else's tokens meanwhile.
     if request[BODY_SIZE] > OFF_LOOP_BODY_BYTES:
-        req = await asyncio.to_thread(kind.parse, data)
+        req = await OFF_LOOP.run(request, kind.parse, data)
     else:
         req = kind.parse(data)
     _warn_ignored_fields(kind, data, state.ignored_fields_logged)

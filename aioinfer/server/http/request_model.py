@@ -37,6 +37,10 @@ class RequestModel(StrictModel):
     # vLLM's fields for what is not implemented here, and why: refused when set (not null or
     # false), instead of being dropped with the unknown fields.
     UNSUPPORTED: ClassVar[Mapping[str, str]] = {}
+    # Fields that hold lists, and the most items each may hold: counted on the body before
+    # anything is validated, as each item becomes a model of its own (a body of megabytes holds
+    # hundreds of thousands of small ones).
+    MAX_ITEMS: ClassVar[Mapping[str, int]] = {}
 
     @classmethod
     def parse(cls: type[_M], data: Mapping[str, Any]) -> _M:
@@ -45,6 +49,12 @@ class RequestModel(StrictModel):
         for name, why in cls.UNSUPPORTED.items():
             if data.get(name) not in (None, False):
                 raise RequestValidationError(f"{name} is not supported: {why}", name)
+        for name, most in cls.MAX_ITEMS.items():
+            value = data.get(name)
+            if isinstance(value, list) and len(value) > most:
+                raise RequestValidationError(
+                    f"{name} may hold at most {most} items, got {len(value)}", name
+                )
         try:
             request = cls.model_validate(data)
         except ValidationError as exc:

@@ -5,14 +5,24 @@ PURE: pydantic and the core package only (no torch, no asyncio).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 from pydantic import Field
 
 from aioinfer.server.http.request_model import ModelRequest, RequestValidationError
-from aioinfer.server.serving.protocol import ChatMessage, ChatTemplateOptions, check_messages
+from aioinfer.server.serving.protocol import (
+    MAX_CHAT_MESSAGES,
+    ChatMessage,
+    ChatTemplateOptions,
+    check_messages,
+)
 
 
 class TokenizeRequest(ChatTemplateOptions, ModelRequest):
     """POST /tokenize: either a prompt or chat messages."""
+
+    MAX_ITEMS: ClassVar[Mapping[str, int]] = {"messages": MAX_CHAT_MESSAGES}
 
     model: str | None = None
     prompt: str | None = None

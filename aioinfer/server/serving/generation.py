@@ -30,8 +30,8 @@ from aioinfer.server.http.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
+from aioinfer.server.http.work_queue import RETRY_AFTER, WorkQueue
 from aioinfer.server.serving.context import Prompt, ResponseContext
-from aioinfer.server.serving.prompts import RETRY_AFTER, WorkQueue
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine

@@ -1,8 +1,9 @@
 """Prompts to token ids: the completions prompt shapes and chat messages (through the model's
 chat template), refusing what cannot be rendered with a 400.
 
-Off the event loop, under the disconnect watcher (a client that leaves cancels the work while
-it waits for a thread): texts past OFF_LOOP_CHARS are tokenized there, and chats whose body is
+Off the event loop, on OFF_LOOP's threads (a bounded queue: 503 when full) and under the
+disconnect watcher (a client that leaves cancels the work while it waits for a thread): texts
+past OFF_LOOP_CHARS are tokenized there, and chats whose body is
 larger than that are rendered there, from the messages' conversion (tool calls' arguments
 parsed) to the tokens. A chat whose body is small renders on the loop: what the template sees
 is bounded by the body. Before rendering, what the template would see is measured and refused
@@ -12,8 +13,6 @@ child process under a budget (`engine.template_budget`), one at a time (REQUEST_
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,8 +22,9 @@ import orjson
 from aiohttp import web
 
 from aioinfer.config import ServerConfig
-from aioinfer.server.http.errors import BadRequestError, ServiceUnavailableError
+from aioinfer.server.http.errors import BadRequestError
 from aioinfer.server.http.state import STATE
+from aioinfer.server.http.work_queue import OFF_LOOP, WorkQueue
 from aioinfer.server.serving.context import Prompt
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ MIN_TEMPLATE_CHARS = 1 << 20
 # A request's own chat template (--trust-request-chat-template; its text is at most
 # protocol.MAX_REQUEST_TEMPLATE_CHARS): the CPU time of one rendering.
 REQUEST_TEMPLATE_CPU_SECONDS = 1.0
-RETRY_AFTER = "1"  # seconds, on 503s of a full queue
 
 
 def template_char_limit(max_model_len: int) -> int:
@@ -54,10 +53,10 @@ def template_char_limit(max_model_len: int) -> int:
 
 
 async def off_loop(request: web.Request, fn: Callable[..., _T], *args: Any) -> _T:
-    """fn(*args) on a worker thread, under the disconnect watcher: a client that leaves
-    while it waits for a thread cancels it (ClientDisconnected); one that has started runs
-    to its end."""
-    return await request.app[STATE].watcher.guard(request, asyncio.to_thread(fn, *args))
+    """fn(*args) on one of OFF_LOOP's threads, under the disconnect watcher: a client that
+    leaves while it waits for a thread cancels it (ClientDisconnected); one that has started
+    runs to its end. 503 while too many wait."""
+    return await OFF_LOOP.run(request, fn, *args)
 
 
 async def off_loop_if_long(
@@ -67,50 +66,6 @@ async def off_loop_if_long(
     if num_chars <= OFF_LOOP_CHARS:
         return fn(*args)
     return await off_loop(request, fn, *args)
-
-
-class WorkQueue:
-    """Threads of their own (named aioinfer-`name`) for one kind of slow work (`what`:
-    grammar compiles, request templates), so that a few slow jobs wait for each other instead
-    of holding up every request's off-loop parsing and tokenizing. At most `max_waiting` jobs
-    wait for a thread; a request beyond that is a 503 with Retry-After. A job whose client
-    leaves while it waits is cancelled and leaves the count at once; one that started runs to
-    its end. Threads start on first use."""
-
-    def __init__(self, what: str, name: str, threads: int, max_waiting: int) -> None:
-        self.what = what
-        self.threads = threads
-        self.max_waiting = max_waiting
-        self.in_flight = 0  # jobs running or waiting
-        self._lock = threading.Lock()  # the count drops on the job's thread
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            threads, thread_name_prefix=f"aioinfer-{name}"
-        )
-
-    def submit(self, fn: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T] | None:
-        """fn(*args) queued, or None while the queue is full."""
-        with self._lock:
-            if self.in_flight >= self.threads + self.max_waiting:
-                return None
-            self.in_flight += 1
-        future = self._executor.submit(fn, *args)
-        future.add_done_callback(self._done)
-        return future
-
-    async def run(self, request: web.Request, fn: Callable[..., _T], *args: Any) -> _T:
-        """fn(*args) on one of the threads, under the disconnect watcher; 503 while full."""
-        future = self.submit(fn, *args)
-        if future is None:
-            raise ServiceUnavailableError(
-                f"The server is overloaded: {self.in_flight} {self.what} are running or "
-                "waiting; retry later",
-                headers={"Retry-After": RETRY_AFTER},
-            )
-        return await request.app[STATE].watcher.guard(request, asyncio.wrap_future(future))
-
-    def _done(self, _: concurrent.futures.Future[Any]) -> None:
-        with self._lock:
-            self.in_flight -= 1
 
 
 REQUEST_TEMPLATES = WorkQueue("request chat templates", "template", threads=1, max_waiting=8)

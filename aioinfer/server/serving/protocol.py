@@ -39,6 +39,11 @@ from aioinfer.server.serving.tools import (
 
 # A request's own chat template (--trust-request-chat-template) is refused past this size.
 MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
+# The most messages a chat may hold, as sent and as rendered (what the Responses and Messages
+# APIs make of theirs, with what they continue): each is a model of its own and a turn of the
+# template (300,000 empty messages, an 8.7 MB body, held 173 MB and took 1.7 s to validate
+# before the template wrote a prompt far past any context).
+MAX_CHAT_MESSAGES = 10_000
 
 
 def check_prompt_shape(value: Any) -> Any:
@@ -324,8 +329,11 @@ class ChatMessage(RequestModel):
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
-    """What OpenAI refuses in a conversation: a message without content (an assistant's that
-    calls tools aside), a tool message that does not name its call."""
+    """What OpenAI refuses in a conversation: more than MAX_CHAT_MESSAGES messages, a message
+    without content (an assistant's that calls tools aside), a tool message that does not name
+    its call."""
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise too_many_messages(len(messages))
     for i, message in enumerate(messages):
         if message.content is None and not (message.role == "assistant" and message.tool_calls):
             needs = "content or tool_calls" if message.role == "assistant" else "content"
@@ -337,6 +345,16 @@ def check_messages(messages: list[ChatMessage]) -> None:
                 "tool_call_id is required in a tool message: it names the call answered",
                 f"messages[{i}].tool_call_id",
             )
+
+
+def too_many_messages(count: int) -> RequestValidationError:
+    """The 400 for a conversation past MAX_CHAT_MESSAGES (`count` of them, or more: what
+    another API's request becomes is counted as it is built)."""
+    return RequestValidationError(
+        f"messages may hold at most {MAX_CHAT_MESSAGES} messages, got {count} (a system "
+        "prompt, each tool result and what the request continues count as messages)",
+        "messages",
+    )
 
 
 class ChatTemplateOptions(RequestModel):
@@ -405,8 +423,11 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateOptions):
         **GenerationRequest.UNSUPPORTED,
         "echo": "a chat reply does not repeat the last message",
     }
+    MAX_ITEMS: ClassVar[Mapping[str, int]] = {"messages": MAX_CHAT_MESSAGES}
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(
+        min_length=1, description=f"The conversation: at most {MAX_CHAT_MESSAGES} messages."
+    )
     max_completion_tokens: int | None = Field(
         None, description="Output limit (default: the rest of the context)."
     )

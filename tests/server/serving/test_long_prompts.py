@@ -4,11 +4,11 @@ so generation requests end in the context-length 400, reached through the same p
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import orjson
 
+from aioinfer.server.http.work_queue import OFF_LOOP
 from aioinfer.server.serving import prompts
 from tests.server.conftest import MAX_MODEL_LEN, text_prompt_ids
 from tests.server.test_http import error_of, post
@@ -18,14 +18,15 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 1000  # 45,000 characte
 
 
 def count_threads(monkeypatch) -> list[str]:
+    """The names of the functions sent to OFF_LOOP's threads, as they are sent."""
     calls: list[str] = []
-    to_thread = asyncio.to_thread
+    submit = OFF_LOOP.submit
 
-    async def counting(fn, *args, **kwargs):
+    def counting(fn, *args):
         calls.append(getattr(fn, "__name__", type(fn).__name__))
-        return await to_thread(fn, *args, **kwargs)
+        return submit(fn, *args)
 
-    monkeypatch.setattr(prompts.asyncio, "to_thread", counting)
+    monkeypatch.setattr(OFF_LOOP, "submit", counting)
     return calls
 
 

@@ -11,7 +11,7 @@ import orjson
 import pydantic
 import pytest
 
-from tests.core.test_sampling_params import nested_schema
+from tests.core.test_sampling_params import nested_schema, ranged_schema
 from tests.server.conftest import assert_pool_free
 from tests.support.tokenizers import make_tokenizer
 
@@ -234,6 +234,25 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
             {"structured_outputs": {"json": "[" * 3000 + "]" * 3000}},
             "structured_outputs",
             "nests more than 64 levels",
+        ),
+        # Numeric bounds are spelt out digit by digit: 64 KiB of them took 7-87 s to compile
+        (
+            {"structured_outputs": {"json": ranged_schema(300)}},
+            "structured_outputs",
+            "has 600 numeric bounds",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "n",
+                        "schema": {"prefixItems": [{"minimum": 1e308}] * 7},
+                    },
+                }
+            },
+            "response_format",
+            "response_format.json_schema.schema's numeric bounds have 2163 digits",
         ),
         # vLLM's switches reach the same checks as offline (they were dropped unread)
         (

@@ -80,6 +80,20 @@ def test_calls_that_would_nest_too_deeply_are_refused_naming_the_tools():
     assert e.value.param == "tools"
 
 
+def test_tools_with_too_many_numeric_bounds_are_refused_naming_the_tools():
+    """The tools' parameters compile as one schema: their numeric bounds count together."""
+    from aioinfer.core.sampling_params import MAX_SCHEMA_BOUNDS
+    from aioinfer.server.serving.tools import ToolsError
+    from tests.core.test_sampling_params import ranged_schema
+
+    half = MAX_SCHEMA_BOUNDS // 4  # ranges: two bounds each
+    a, b = tool("a", ranged_schema(half)), tool("b", ranged_schema(half + 1))
+    tool_constraint([a, tool("c", ranged_schema(half))], "required", True)  # at the limit
+    with pytest.raises(ToolsError, match=f"{MAX_SCHEMA_BOUNDS + 2} numeric bounds") as e:
+        tool_constraint([a, b], "required", True)
+    assert e.value.param == "tools"
+
+
 def test_required_moves_each_tool_s_definitions_to_the_top():
     loc = {"type": "object", "properties": {"city": {"type": "string"}}}
     a = tool(
