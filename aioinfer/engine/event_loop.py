@@ -1,7 +1,9 @@
-"""The event loop the server runs on: uvloop's where it is installed (its transports and
-callbacks are C: a streamed token's socket write, timers and wake-ups cost a fraction of
-asyncio's), else asyncio's own. AIOINFER_EVENT_LOOP=asyncio picks asyncio's. (The offline LLM
-keeps asyncio's: a Ctrl-C raised in the caller's thread must stop its batch at once, and
+"""The event loop the server runs on: asyncio's own by default; AIOINFER_EVENT_LOOP=uvloop picks
+uvloop's where it is installed. uvloop is opt-in because, serving SmolLM2 on the 2-core CPU
+machine, its loop thread ran at 100 % of a core while idle in epoll (a spin in C, never in
+Python), and the compute threads' barriers then waited on it: 18-34 output tok/s against 205
+on asyncio's loop, same build, same run (docs/benchmarks-log.md). (The offline LLM keeps
+asyncio's in any case: a Ctrl-C raised in the caller's thread must stop its batch at once, and
 uvloop's loop, waiting in C, does not see one raised by `_thread.interrupt_main`.)"""
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ EVENT_LOOP_ENV = "AIOINFER_EVENT_LOOP"
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     choice = os.environ.get(EVENT_LOOP_ENV, "auto")
     if choice not in ("auto", "uvloop", "asyncio"):
-        raise ValueError(f"{EVENT_LOOP_ENV} must be auto, uvloop or asyncio, got {choice!r}")
-    if choice != "asyncio" and (choice == "uvloop" or importlib.util.find_spec("uvloop")):
+        raise ValueError(f"{EVENT_LOOP_ENV} must be auto, asyncio or uvloop, got {choice!r}")
+    if choice == "uvloop" and importlib.util.find_spec("uvloop"):
         import uvloop
 
         return uvloop.new_event_loop
