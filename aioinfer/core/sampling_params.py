@@ -33,6 +33,22 @@ MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_BOUNDS = 512
 MAX_SCHEMA_BOUND_DIGITS = 2048
 _BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# A schema's objects. Their optional properties (not in `required`) may come in any subset,
+# and the grammar compiler spells out which may follow each: one object of 2734 of them (64
+# KiB) took 236 s to compile, 193 objects of 32 about 5-10 s, on the bundled model's
+# vocabulary on a busy 2-core machine. An object that names properties and allows others
+# (additionalProperties or unevaluatedProperties not false) excludes the named keys from the
+# others' (about 25 ms plus 13 a named property: 64 KiB of such objects of one property would
+# take about 25 s), and minProperties or maxProperties count the optional ones (about 10 ms
+# plus their number cubed over 500: 128 took 4.5 s). Optional properties are bounded in one
+# object and in all; open and counted objects by their weight, about the milliseconds above.
+# Required properties, objects of additional properties alone, patternProperties and
+# propertyNames cost little. The compile's time also grows faster than the grammar's size, so
+# these bound each costly shape, not a whole schema's time (see docs/reliability.md).
+MAX_OBJECT_OPTIONAL_PROPERTIES = 128
+MAX_SCHEMA_OPTIONAL_PROPERTIES = 1024
+MAX_SCHEMA_OBJECT_WEIGHT = 1000
+_OPEN_KEYWORDS = ("additionalProperties", "unevaluatedProperties")
 _NUMERIC_TYPES = ("number", "integer")
 
 
@@ -174,6 +190,23 @@ def _check_schema(schema: str | dict[str, Any]) -> None:
             f"counts those of its integer part: 1e300 counts 301); at most "
             f"{MAX_SCHEMA_BOUND_DIGITS} are allowed"
         )
+    optional, widest, weight = object_costs(schema)
+    if widest > MAX_OBJECT_OPTIONAL_PROPERTIES or optional > MAX_SCHEMA_OPTIONAL_PROPERTIES:
+        raise ValueError(
+            f"structured_outputs.json has {optional} optional properties (not in their "
+            f"object's required), {widest} in one object; at most "
+            f"{MAX_OBJECT_OPTIONAL_PROPERTIES} are allowed in one object and "
+            f"{MAX_SCHEMA_OPTIONAL_PROPERTIES} in all, as the grammar spells out which may "
+            "follow each: require them, or split the schema"
+        )
+    if weight > MAX_SCHEMA_OBJECT_WEIGHT:
+        raise ValueError(
+            f"structured_outputs.json's open and counted objects weigh {weight:.0f}; at most "
+            f"{MAX_SCHEMA_OBJECT_WEIGHT} is allowed (about milliseconds of compiling): an object "
+            "that names properties and allows others (additionalProperties or "
+            "unevaluatedProperties) weighs 25 plus 13 a named property, one with minProperties "
+            "or maxProperties 10 plus its optional properties cubed over 500"
+        )
 
 
 def numeric_bounds(schema: object) -> tuple[int, int]:
@@ -200,6 +233,36 @@ def numeric_bounds(schema: object) -> tuple[int, int]:
         elif isinstance(node, list):
             stack.extend(node)
     return bounds, digits
+
+
+def object_costs(schema: object) -> tuple[int, int, float]:
+    """A (parsed) schema's optional properties in all, the most in one object, and the weight
+    of its open and counted objects (see MAX_SCHEMA_OBJECT_WEIGHT). Without recursion; the
+    nesting is checked first."""
+    optional_in_all = widest = 0
+    weight = 0.0
+    stack: list[object] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+            properties = node.get("properties")
+            if not isinstance(properties, dict) or not properties:
+                continue
+            required = node.get("required")
+            listed = set()
+            if isinstance(required, list):
+                listed = {name for name in required if isinstance(name, str)}
+            optional = len(properties) - len(listed & set(properties))
+            optional_in_all += optional
+            widest = max(widest, optional)
+            if optional and ("minProperties" in node or "maxProperties" in node):
+                weight += 10 + optional**3 / 500
+            if any(node.get(key, False) is not False for key in _OPEN_KEYWORDS):
+                weight += 25 + 13 * len(properties)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return optional_in_all, widest, weight
 
 
 def _integer_digits(value: float) -> int:

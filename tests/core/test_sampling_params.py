@@ -231,6 +231,66 @@ def test_a_schema_s_numeric_bounds_are_bounded_in_count_and_digits():
         assert time.monotonic() - start < 0.5
 
 
+def an_object(count: int, required: bool = False, **keywords: object) -> dict:
+    """An object of `count` properties of any value, optional unless `required`."""
+    properties = {f"p{i}": {} for i in range(count)}
+    schema: dict = {"type": "object", "properties": properties, **keywords}
+    if required:
+        schema["required"] = list(properties)
+    return schema
+
+
+def test_a_schema_s_costly_objects_are_bounded():
+    """The compiler spells out which optional properties may follow each one, excludes an
+    open object's named keys from its others' and counts optional properties for
+    minProperties and maxProperties: one object of 2734 optional properties (64 KiB) took 236 s
+    to compile, 64 KiB of open objects about 25 s. Optional properties are bounded in one
+    object and in all, open and counted objects by their weight, however the schema is sent."""
+    import json
+    import time
+
+    from aioinfer.core.sampling_params import (
+        MAX_OBJECT_OPTIONAL_PROPERTIES,
+        MAX_SCHEMA_OBJECT_WEIGHT,
+        MAX_SCHEMA_OPTIONAL_PROPERTIES,
+        StructuredOutputsParams,
+        object_costs,
+    )
+
+    assert object_costs(an_object(3000, required=True)) == (0, 0, 0)  # required: cheap
+    counted_map = {"type": "object", "additionalProperties": {}, "minProperties": 9}
+    assert object_costs(counted_map) == (0, 0, 0)  # no named properties
+    assert object_costs({"anyOf": [an_object(30), an_object(20)]}) == (50, 30, 0)
+    assert object_costs(an_object(10, minProperties=1)) == (10, 10, 10 + 10**3 / 500)
+    assert object_costs(an_object(1, required=True, additionalProperties=True)) == (0, 0, 38)
+    closed = an_object(1, required=True, additionalProperties=False)
+    assert object_costs({"anyOf": [closed, {**closed, "required": [{}]}]}) == (1, 1, 0)
+    widest, in_all = MAX_OBJECT_OPTIONAL_PROPERTIES, MAX_SCHEMA_OPTIONAL_PROPERTIES
+    assert MAX_SCHEMA_OBJECT_WEIGHT == 1000  # the weights below are at this limit
+    for at_limit, past, fragment in (
+        (an_object(widest), an_object(widest + 1), f"{widest + 1} in one object"),
+        (
+            {"prefixItems": [an_object(widest)] * (in_all // widest)},
+            {"prefixItems": [an_object(widest)] * (in_all // widest + 1)},
+            f"{in_all + widest} optional properties",
+        ),
+        (an_object(79, minProperties=1), an_object(80, maxProperties=80), "weigh 1034"),
+        (
+            {"prefixItems": [an_object(1, True, unevaluatedProperties={})] * 26},
+            {"prefixItems": [an_object(1, True, additionalProperties={})] * 27},
+            "weigh 1026",
+        ),
+    ):
+        StructuredOutputsParams(json=at_limit)
+        StructuredOutputsParams(json=json.dumps(at_limit))
+        with pytest.raises(ValueError, match=rf"structured_outputs\.json.*{fragment}"):
+            StructuredOutputsParams(json=past)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="2700 optional properties"):
+        StructuredOutputsParams(json=json.dumps(an_object(2700)))  # 2734 strings: 236 s
+    assert time.monotonic() - start < 0.5
+
+
 def test_an_unknown_field_set_afterwards_fails_as_in_vllm():
     params = SamplingParams()
     params.max_tokens = 5  # a field: taken, and checked when the request queues

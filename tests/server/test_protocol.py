@@ -318,6 +318,34 @@ def test_a_bad_text_part_is_reported_where_the_client_wrote_it():
         assert ";" not in info.value.message  # one error, not one per alternative
 
 
+def test_a_bad_value_of_a_union_is_named_where_the_client_wrote_it():
+    """pydantic names a union's alternative in an error's path (literal['none','auto',
+    'required'], dict[str,any], NamedToolChoice), and a value that a literal alternative
+    does not even take was reported there first: the param named no field a client wrote."""
+    from aioinfer.server.openai.protocol import CompletionRequest
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for kind, body, param in (
+        (ChatCompletionRequest, {**chat, "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            ChatCompletionRequest,
+            {**chat, "tool_choice": {"type": "function"}},
+            "tool_choice.function",
+        ),
+        (
+            CompletionRequest,
+            {"prompt": "x", "structured_outputs": {"json": 5}},
+            "structured_outputs.json",
+        ),
+    ):
+        with pytest.raises(RequestValidationError) as info:
+            kind.parse(body)
+        assert info.value.param == param
+        assert info.value.message.startswith(f"Invalid request: {param}: ")
+        for alternative in ("literal[", "dict[", "NamedToolChoice:", "NamedToolChoice."):
+            assert alternative not in info.value.message
+
+
 def test_many_bad_text_parts_are_described():
     """20,000 bad parts make 20,000 errors, each a text part's, none the string alternative's.
     (The first version of the alternatives filter compared every error with every other: 11 s

@@ -36,8 +36,14 @@ def logged(value: str) -> str:
 
 
 _MAX_REPORTED_ERRORS = 3
-# Names pydantic gives a union's alternatives in an error's path: str, int, list[TextPart].
-_UNION_ALTERNATIVE = re.compile(r"str|int|list\[\w+\]")
+# Names pydantic gives a union's alternatives in an error's path: str, int, list[TextPart],
+# dict[str,any], literal['none','auto'], a model's class name (NamedToolChoice).
+_UNION_ALTERNATIVE = re.compile(
+    r"str|int|float|bool|(?:list|dict|literal|function-\w+)\[.*\]|[A-Z][a-z]+(?:[A-Z][a-z0-9]*)+"
+)
+# Errors that say a value is not even of an alternative's type (string_type, dict_type, ...;
+# a literal that is not one of its values)
+_MISMATCH = re.compile(r".*_type|literal_error")
 _MAX_INPUT_REPR = 80
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, _MAX_INPUT_REPR, _MAX_INPUT_REPR
@@ -77,7 +83,7 @@ def _matching_alternatives(errors: list[Any]) -> list[Any]:
 
     def mismatched(error: Any) -> bool:
         loc = tuple(error["loc"])
-        if not (loc and isinstance(loc[-1], str) and str(error["type"]).endswith("_type")):
+        if not (loc and isinstance(loc[-1], str) and _MISMATCH.fullmatch(str(error["type"]))):
             return False
         return bool(by_parent.get(loc[:-1], set()) - {loc[-1]})
 

@@ -32,6 +32,7 @@ from aioinfer.server.http.errors import (
 )
 from aioinfer.server.http.work_queue import RETRY_AFTER, WorkQueue
 from aioinfer.server.serving.context import Prompt, ResponseContext
+from aioinfer.server.serving.protocol import MAX_N
 
 if TYPE_CHECKING:
     from aioinfer.engine.async_engine import AsyncEngine
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 # tokenization, and n on its own: 256 sequences of one prompt (OpenAI allows 128; vLLM's
 # default max_num_seqs is 256), each a request of the scheduler's.
 MAX_SEQUENCES_PER_REQUEST = 4096
-MAX_N = 256
 
 
 def admit(

@@ -39,6 +39,9 @@ from aioinfer.server.serving.tools import (
 
 # A request's own chat template (--trust-request-chat-template) is refused past this size.
 MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
+# The most completions one request may ask for per prompt (OpenAI allows 128; vLLM's default
+# max_num_seqs is 256); generation.admit refuses more.
+MAX_N = 256
 # The most messages a chat may hold, as sent and as rendered (what the Responses and Messages
 # APIs make of theirs, with what they continue): each is a model of its own and a turn of the
 # template (300,000 empty messages, an 8.7 MB body, held 173 MB and took 1.7 s to validate
@@ -107,7 +110,11 @@ class GenerationRequest(ModelRequest):
     )
 
     model: str | None = Field(None, description="The served model name (default: the only one).")
-    n: int | None = Field(None, description="Completions per prompt (default 1).")
+    n: int | None = Field(
+        None,
+        description=f"Completions per prompt (default 1), at most {MAX_N}.",
+        json_schema_extra={"maximum": MAX_N},  # checked with the sequences (admit)
+    )
     temperature: float | None = Field(None, le=2.0, description="0 to 2, as OpenAI's.")
     top_p: float | None = None
     top_k: int | None = Field(None, description="0 or -1: no top-k truncation.")

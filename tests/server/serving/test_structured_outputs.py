@@ -11,7 +11,7 @@ import orjson
 import pydantic
 import pytest
 
-from tests.core.test_sampling_params import nested_schema, ranged_schema
+from tests.core.test_sampling_params import an_object, nested_schema, ranged_schema
 from tests.server.conftest import assert_pool_free
 from tests.support.tokenizers import make_tokenizer
 
@@ -253,6 +253,12 @@ async def test_vllm_extras_choice_allowed_bad_words_truncation(real_oai, real_en
             },
             "response_format",
             "response_format.json_schema.schema's numeric bounds have 2163 digits",
+        ),
+        # Objects of optional or additional properties: 64 KiB of them took up to 236 s
+        (
+            {"structured_outputs": {"json": an_object(400)}},
+            "structured_outputs",
+            "has 400 optional properties",
         ),
         # vLLM's switches reach the same checks as offline (they were dropped unread)
         (
