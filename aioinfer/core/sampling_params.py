@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json as stdlib_json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -214,24 +215,18 @@ def numeric_bounds(schema: object) -> tuple[int, int]:
     counts once for each numeric type its schema lists (each is compiled), and its digits are
     those of its integer part (at least 1). Without recursion; the nesting is checked first."""
     bounds = digits = 0
-    stack: list[object] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend(node.values())
-            kinds = node.get("type")
-            times = 1
-            if isinstance(kinds, list):
-                times = max(1, sum(1 for kind in kinds if kind in _NUMERIC_TYPES))
-            for key in _BOUND_KEYWORDS:
-                value = node.get(key)
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    continue
-                if isinstance(value, int) or math.isfinite(value):
-                    bounds += times
-                    digits += times * _integer_digits(value)
-        elif isinstance(node, list):
-            stack.extend(node)
+    for node in _objects(schema):
+        kinds = node.get("type")
+        times = 1
+        if isinstance(kinds, list):
+            times = max(1, sum(1 for kind in kinds if kind in _NUMERIC_TYPES))
+        for key in _BOUND_KEYWORDS:
+            value = node.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if isinstance(value, int) or math.isfinite(value):
+                bounds += times
+                digits += times * _integer_digits(value)
     return bounds, digits
 
 
@@ -241,28 +236,34 @@ def object_costs(schema: object) -> tuple[int, int, float]:
     nesting is checked first."""
     optional_in_all = widest = 0
     weight = 0.0
+    for node in _objects(schema):
+        properties = node.get("properties")
+        if not isinstance(properties, dict) or not properties:
+            continue
+        required = node.get("required")
+        listed = set()
+        if isinstance(required, list):
+            listed = {name for name in required if isinstance(name, str)}
+        optional = len(properties) - len(listed & set(properties))
+        optional_in_all += optional
+        widest = max(widest, optional)
+        if optional and ("minProperties" in node or "maxProperties" in node):
+            weight += 10 + optional**3 / 500
+        if any(node.get(key, False) is not False for key in _OPEN_KEYWORDS):
+            weight += 25 + 13 * len(properties)
+    return optional_in_all, widest, weight
+
+
+def _objects(schema: object) -> Iterator[dict[str, Any]]:
+    """Every JSON object in a (parsed) schema, at any depth, without recursion."""
     stack: list[object] = [schema]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
             stack.extend(node.values())
-            properties = node.get("properties")
-            if not isinstance(properties, dict) or not properties:
-                continue
-            required = node.get("required")
-            listed = set()
-            if isinstance(required, list):
-                listed = {name for name in required if isinstance(name, str)}
-            optional = len(properties) - len(listed & set(properties))
-            optional_in_all += optional
-            widest = max(widest, optional)
-            if optional and ("minProperties" in node or "maxProperties" in node):
-                weight += 10 + optional**3 / 500
-            if any(node.get(key, False) is not False for key in _OPEN_KEYWORDS):
-                weight += 25 + 13 * len(properties)
+            yield node
         elif isinstance(node, list):
             stack.extend(node)
-    return optional_in_all, widest, weight
 
 
 def _integer_digits(value: float) -> int:
