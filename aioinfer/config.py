@@ -500,6 +500,12 @@ class SchedulerConfig:
         "for the scheduler (vLLM's async scheduling). Requests with a grammar, penalties or "
         "drafts make the steps around theirs wait. Outputs are the same either way.",
     )
+    stream_interval: int = _opt(
+        1,
+        "Output tokens a streamed sequence gathers before they are sent, as one event (vLLM's "
+        "--stream-interval): 1 sends each token; more sends fewer, larger events and spends "
+        "less host time per token. A sequence's first and last tokens go at once.",
+    )
     scheduling_policy: str = _opt(
         "fcfs",
         "fcfs: requests run in arrival order, and the newest running one is preempted first. "
@@ -526,6 +532,7 @@ class SchedulerConfig:
             "max_queued_requests",
             "max_queued_tokens",
             "queue_timeout",
+            "stream_interval",
         )
         self.speculation  # noqa: B018 (checks the JSON)
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -310,7 +310,7 @@ def main(config: OverheadConfig) -> dict[str, Any]:
             server.kill()
         shutil.rmtree(folder, ignore_errors=True)
     result = {
-        "config": {k: v for k, v in config.__dict__.items() if k != "server_args"},
+        "config": dict(config.__dict__),
         "server": "aioinfer" if ours else config.base_url,
         "streamed": [{**run.__dict__, "output_tokens_per_s": run.output_tokens_per_s}
                      for run in runs],

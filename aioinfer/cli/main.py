@@ -210,8 +210,12 @@ def bench_overhead(
     prepare: str = typer.Option(
         None, help="Only write the tiny model's folder here (for a peer to serve), then exit."
     ),
+    server_args: str = typer.Option(
+        "", help="More flags for the aioinfer server it starts, e.g. '--stream-interval 8'."
+    ),
 ) -> None:
     """Host overhead per token: a near-free model, streamed and offline (see bench/overhead.py)."""
+    import shlex
     from pathlib import Path
 
     from aioinfer.bench.overhead import OverheadConfig, prepare_model
@@ -228,6 +232,7 @@ def bench_overhead(
             concurrencies=levels, duration=duration, output_len=output_len,
             offline_prompts=offline_prompts, base_url=base_url, model=model,
             offline=offline_prompts > 0, client=client, result_file=result_file,
+            server_args=tuple(shlex.split(server_args)),
         )
     )  # fmt: skip
 

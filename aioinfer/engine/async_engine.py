@@ -376,7 +376,10 @@ class AsyncEngine:
             )
             for index, child_id in enumerate(child_ids)
         ]
-        stream = RequestStream(request_id, prompt, list(prompt_token_ids), params.n, prompt_only)
+        stream = RequestStream(
+            request_id, prompt, list(prompt_token_ids), params.n, prompt_only,
+            interval=self.scheduler_config.stream_interval,
+        )  # fmt: skip
         self._queue(stream, requests, group)
         return stream
 

@@ -1,7 +1,9 @@
 """Per-request output collector: the scheduler coroutine puts deltas, the consumer gets them.
 
 When the producer outruns the consumer (a slow HTTP client), deltas are merged rather than
-queued, so memory stays bounded by one pending delta per sequence.
+queued, so memory stays bounded by one pending delta per sequence. The consumer is woken at
+every delta, every `interval` tokens (vLLM's --stream-interval), or only when a sequence
+finishes (`final_only()`: whoever waits wants the whole answer, not each token).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class RequestStream:
         prompt_token_ids: list[int],
         n: int,
         prompt_only: bool = False,
+        interval: int = 1,
     ):
         self.request_id = request_id
         self.prompt = prompt
@@ -53,6 +56,10 @@ class RequestStream:
         self._prompt_logprobs: list[TokenLogprobs | None] | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
+        # Tokens a sequence gathers before its consumer is woken; None: only when it finishes.
+        # A sequence's first delta always wakes it (time to first token).
+        self.interval: int | None = interval
+        self._delivered: set[int] = set()  # sequences whose first delta was taken
         self._idle_wake = False  # get_within's timer set _ready, not news
         self.taken_final = False
         # An embedding request's folded pooled parts (core/pooling.py), set when it finishes.
@@ -82,13 +89,28 @@ class RequestStream:
             pending.text += text
             pending.token_ids.extend(token_ids)
             if logprobs is not None:
-                pending.logprobs = (pending.logprobs or []) + list(logprobs)
+                if pending.logprobs is None:
+                    pending.logprobs = list(logprobs)
+                else:  # our own list: extended in place, not copied at every step
+                    pending.logprobs.extend(logprobs)
             pending.cumulative_logprob = cumulative_logprob
             pending.finish_reason = finish_reason
             pending.stop_reason = stop_reason
         if finish_reason is not None:
             self.num_finished += 1
-        self._ready.set()
+            self._ready.set()
+        elif self.interval == 1:
+            self._ready.set()
+        elif self.interval is not None and (
+            index not in self._delivered
+            or len(self._pending[index].token_ids) >= self.interval
+        ):
+            self._ready.set()
+
+    def final_only(self) -> None:
+        """Wake the consumer only when a sequence finishes (or the request fails): it merges
+        the deltas into whole answers anyway."""
+        self.interval = None
 
     def put_prompt_logprobs(self, logprobs: list[TokenLogprobs]) -> None:
         self._prompt_logprobs = [None, *logprobs]
@@ -132,6 +154,8 @@ class RequestStream:
             raise self._error
         self._ready.clear()
         outputs = [self._pending[i] for i in sorted(self._pending)]
+        if self.interval != 1:
+            self._delivered.update(self._pending)
         self._pending = {}
         prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
         finished = self.finished

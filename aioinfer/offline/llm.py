@@ -479,6 +479,7 @@ class LLM:
 
         async def collect(stream: RequestStream, n: int) -> RequestOutput:
             acc = OutputAccumulator(n)
+            stream.final_only()
             while True:
                 output = await stream.get()
                 acc.add(output)

@@ -250,6 +250,31 @@ async def test_stream_deltas_concatenate_to_the_non_streamed_text(client, path):
         assert finish[index] == choice["finish_reason"]
 
 
+async def test_a_stream_interval_sends_fewer_larger_events_with_the_same_output(aiohttp_client):
+    """--stream-interval 4 (vLLM's): the first token at once, then four at a time, the last at
+    once; the tokens, the text and the logprobs are those of a non-streamed request."""
+    engine = await build_engine(step_delay=0.005, stream_interval=4)
+    try:
+        client = await aiohttp_client(create_app(engine, ServerConfig()))
+        body = {"prompt": "Hello, world!", "max_tokens": 14, "logprobs": 1,
+                "return_token_ids": True}  # fmt: skip
+        _, raw = await post(client, "/v1/completions", body)
+        [whole] = orjson.loads(raw)["choices"]
+        _, raw = await post(client, "/v1/completions", {**body, "stream": True})
+        choices = [chunk["choices"][0] for chunk in chunks_of(raw)]
+        sizes = [len(c["token_ids"]) for c in choices if c.get("token_ids")]
+        assert sum(sizes) == 14 and len(sizes) <= 5  # 1 + 4 + 4 + 4 + 1 at most
+        assert all(size >= 4 for size in sizes[1:-1])
+        assert [i for c in choices for i in c.get("token_ids", [])] == whole["token_ids"]
+        assert "".join(c["text"] for c in choices) == whole["text"]
+        streamed_logprobs = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        assert streamed_logprobs == whole["logprobs"]["tokens"]
+        assert choices[-1]["finish_reason"] == whole["finish_reason"] == "length"
+        assert_pool_free(engine)
+    finally:
+        await engine.shutdown()
+
+
 async def test_stream_usage_options(client):
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "stream": True, "n": 2,
             "stream_options": {"include_usage": True}}  # fmt: skip

@@ -241,6 +241,8 @@ class Generation:
         return dataclasses.replace(output, outputs=hidden)
 
     async def finals(self) -> list[RequestOutput]:
+        for stream in self.streams:
+            stream.final_only()
         accumulators = [OutputAccumulator(s.n) for s in self.streams]
         async with contextlib.aclosing(self.deltas()) as deltas:
             async for item in deltas:
