@@ -99,13 +99,19 @@ class RequestStream:
         if finish_reason is not None:
             self.num_finished += 1
             self._ready.set()
-        elif self.interval == 1:
+        elif self._due(index):
             self._ready.set()
-        elif self.interval is not None and (
-            index not in self._delivered
-            or len(self._pending[index].token_ids) >= self.interval
-        ):
-            self._ready.set()
+
+    def _due(self, index: int) -> bool:
+        """Whether sequence `index`'s unfinished delta wakes the consumer now."""
+        interval = self.interval
+        if interval is None:
+            return False
+        return (
+            interval == 1
+            or index not in self._delivered
+            or len(self._pending[index].token_ids) >= interval
+        )
 
     def final_only(self) -> None:
         """Wake the consumer only when a sequence finishes (or the request fails): it merges

@@ -31,7 +31,7 @@ from aioinfer.config import (
     ServerConfig,
     non_default_args,
 )
-from aioinfer.engine.event_loop import run_on_event_loop
+from aioinfer.engine.event_loop import loop_factory, run_on_event_loop
 from aioinfer.startup_log import (
     log_engine_started,
     log_non_default_args,
@@ -123,9 +123,10 @@ def run_server(
     started_at: float | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (returns 0) or an engine failure (returns 1); 2 when
-    AIOINFER_LOGGING_LEVEL names no level."""
+    AIOINFER_LOGGING_LEVEL names no level or AIOINFER_EVENT_LOOP no loop to be had."""
     try:
         setup_logging()
+        new_loop = loop_factory()
     except ValueError as exc:  # worded as the command line's own errors
         print(f"Error: {exc}", file=sys.stderr)
         return 2
@@ -136,7 +137,7 @@ def run_server(
     warn_if_exposed(server_config)
     warn_if_unbounded(scheduler_config)
     code = run_on_event_loop(
-        _serve(model_config, cache_config, scheduler_config, server_config, started_at)
+        _serve(model_config, cache_config, scheduler_config, server_config, started_at), new_loop
     )
     _exit_now_if_gpu_thread_alive(code)
     return code

@@ -27,6 +27,15 @@ def test_uvloop_only_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
     assert loop_factory() is uvloop.new_event_loop
 
 
+def test_uvloop_asked_for_but_not_installed_is_refused_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(EVENT_LOOP_ENV, "uvloop")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"aioinfer\[uvloop\]"):
+        loop_factory()
+
+
 def test_an_unknown_loop_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(EVENT_LOOP_ENV, "trio")
     with pytest.raises(ValueError, match=EVENT_LOOP_ENV):

@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from aioinfer.config import SchedulerConfig, ServerConfig
+from aioinfer.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+from aioinfer.engine.event_loop import EVENT_LOOP_ENV
 from aioinfer.server.launch import is_loopback, warn_if_exposed, warn_if_unbounded
 from aioinfer.server.openai.lora import RUNTIME_LORA_ENV, VLLM_RUNTIME_LORA_ENV
 
@@ -61,3 +62,17 @@ def test_a_waiting_queue_without_a_bound_is_a_warning(caplog):
     assert "--max-queued-requests" in line and "--max-queued-tokens" in line
     assert warnings(SchedulerConfig(max_queued_requests=64)) == []
     assert warnings(SchedulerConfig(max_queued_tokens=1 << 20)) == []
+
+
+def test_serve_refuses_an_unknown_loop_in_one_line_before_it_starts(capsys, monkeypatch):
+    from aioinfer.server import launch
+
+    async def serve(*args):
+        raise AssertionError("the server starts")
+
+    monkeypatch.setattr(launch, "_serve", serve)
+    monkeypatch.setenv(EVENT_LOOP_ENV, "trio")
+    configs = ModelConfig(), CacheConfig(), SchedulerConfig(), ServerConfig()
+    assert launch.run_server(*configs) == 2
+    err = capsys.readouterr().err
+    assert err == f"Error: {EVENT_LOOP_ENV} must be auto, asyncio or uvloop, got 'trio'\n"
