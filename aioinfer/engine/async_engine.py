@@ -29,7 +29,7 @@ from aioinfer.core.scheduler import RequestUpdate, Scheduler
 from aioinfer.engine.kv_events import KVEventPublisher
 from aioinfer.engine.lora_adapters import LoRAAdapters
 from aioinfer.engine.model_limits import ModelLimits
-from aioinfer.engine.runner_factory import default_runner_factory
+from aioinfer.engine.runner_factory import DefaultRunnerFactory
 from aioinfer.engine.stats import EngineStats
 from aioinfer.engine.step_loop import StepLoop, StepTimeoutError
 from aioinfer.engine.stream import (
@@ -135,7 +135,7 @@ class AsyncEngine:
     async def start(self) -> None:
         """Resolve the model, then load weights (GPU thread) and the tokenizer (a worker thread)
         at the same time; build the scheduler over the KV blocks the runner allocated."""
-        factory = self._runner_factory or default_runner_factory
+        factory = self._runner_factory or DefaultRunnerFactory()  # one per start
         t0 = time.perf_counter()
         resolved = await asyncio.wrap_future(
             self.gpu.call(lambda: factory.resolve(self.model_config))  # type: ignore[union-attr]

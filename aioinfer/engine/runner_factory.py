@@ -8,18 +8,24 @@ from aioinfer.config import ModelConfig
 
 
 class DefaultRunnerFactory:
-    """Creates the real ModelRunner; imported lazily so that tests with fakes skip torch work."""
+    """Creates the real ModelRunner; imported lazily so that tests with fakes skip torch work.
+    The runner is built with no more compute threads than other processes leave cores free,
+    as measured while the model resolves (gpu/start_threads.py)."""
 
-    @staticmethod
-    def resolve(model_config: ModelConfig) -> Any:
+    def __init__(self) -> None:
+        self._resolve_began: Any = None  # a start_threads.CpuSnapshot
+
+    def resolve(self, model_config: ModelConfig) -> Any:
         from aioinfer.gpu.runner import ModelRunner
+        from aioinfer.gpu.start_threads import snapshot
 
+        self._resolve_began = snapshot()
         return ModelRunner.resolve(model_config)
 
     def __call__(self, *args: Any) -> Any:
         from aioinfer.gpu.runner import ModelRunner
+        from aioinfer.gpu.start_threads import start_threads
 
-        return ModelRunner(*args)
-
-
-default_runner_factory = DefaultRunnerFactory()
+        began, self._resolve_began = self._resolve_began, None
+        with start_threads(began):
+            return ModelRunner(*args)

@@ -1,0 +1,125 @@
+"""The model's start runs with no more compute threads than other processes leave cores free,
+then serves with torch's count again."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aioinfer.engine.runner_factory import DefaultRunnerFactory
+from aioinfer.gpu import start_threads
+from aioinfer.gpu.start_threads import (
+    CpuSnapshot,
+    free_cores,
+    read_busy_seconds,
+    threads_for,
+)
+
+
+def test_busy_seconds_count_the_process_s_cores_and_leave_out_idle_and_iowait(tmp_path: Path):
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  9999 0 9999 9999 9999 0 0 0 0 0\n"
+        "cpu0 100 5 50 700 40 3 2 10 0 0\n"  # busy: 100 + 5 + 50 + 3 + 2 + 10 = 170 ticks
+        "cpu1 200 0 100 500 0 0 0 0 0 0\n"  # busy: 300 ticks
+        "cpu2 900 0 0 0 0 0 0 0 0 0\n"  # not this process's core
+        "intr 12345 1 2 3\n"
+    )
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert read_busy_seconds({0, 1}, str(stat)) == pytest.approx(470 / ticks)
+    assert read_busy_seconds({1}, str(stat)) == pytest.approx(300 / ticks)
+    assert read_busy_seconds({0}, str(tmp_path / "missing")) is None
+
+
+def snap(busy: float, own: float, wall: float, cores: int = 2) -> CpuSnapshot:
+    return CpuSnapshot(busy=busy, own=own, wall=wall, cores=cores)
+
+
+def test_free_cores_subtract_others_work_not_this_process_s():
+    # One second: the cores were busy 1.6 s, 0.6 s of it this process's own.
+    assert free_cores(snap(10.0, 3.0, 100.0), snap(11.6, 3.6, 101.0)) == pytest.approx(1.0)
+    # Only this process worked: every core counts as free.
+    assert free_cores(snap(10.0, 3.0, 100.0), snap(11.9, 4.9, 101.0)) == pytest.approx(2.0)
+    # Counters of different resolutions may put own above busy: never more than every core.
+    assert free_cores(snap(10.0, 3.0, 100.0), snap(10.5, 3.7, 101.0)) == pytest.approx(2.0)
+    assert free_cores(snap(10.0, 3.0, 100.0), snap(10.1, 3.0, 100.01)) is None  # too short
+
+
+@pytest.mark.parametrize(
+    ("configured", "free", "threads"),
+    [(2, None, 2), (2, 2.0, 2), (2, 1.6, 2), (2, 1.0, 1), (2, 0.1, 1), (8, 5.2, 5), (1, 0.0, 1)],
+)
+def test_threads_for_a_start(configured, free, threads):
+    assert threads_for(configured, free) == threads
+
+
+@pytest.fixture
+def two_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+def busy_machine(monkeypatch: pytest.MonkeyPatch, others: float) -> CpuSnapshot:
+    """`snapshot()` answers as if other processes kept `others` of 2 cores busy for 1 s."""
+    before = snap(50.0, 1.0, 10.0)
+    after = snap(50.0 + others + 0.5, 1.5, 11.0)  # plus this process's own 0.5 s
+    monkeypatch.setattr(start_threads, "snapshot", lambda: after)
+    return before
+
+
+def test_a_busy_core_starts_the_model_on_one_thread_and_serving_gets_both_back(
+    two_threads, monkeypatch, caplog
+):
+    before = busy_machine(monkeypatch, others=1.0)
+    with caplog.at_level(logging.INFO, logger="aioinfer"), start_threads.start_threads(before):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    [line] = [r.getMessage() for r in caplog.records if "cores busy" in r.getMessage()]
+    assert "1.0 of 2 cores busy" in line and "starts with 1 compute thread" in line
+
+
+def test_quiet_cores_keep_every_thread(two_threads, monkeypatch):
+    before = busy_machine(monkeypatch, others=0.1)
+    with start_threads.start_threads(before):
+        assert torch.get_num_threads() == 2
+
+
+def test_the_count_comes_back_when_the_start_fails(two_threads, monkeypatch):
+    before = busy_machine(monkeypatch, others=1.0)
+    with pytest.raises(RuntimeError), start_threads.start_threads(before):
+        raise RuntimeError("the weights did not load")
+    assert torch.get_num_threads() == 2
+
+
+def test_the_runner_is_built_with_the_threads_measured_while_the_model_resolved(
+    two_threads, monkeypatch
+):
+    import aioinfer.gpu.runner as runner_module
+
+    seen: list[int] = []
+    calls: list[str] = []
+
+    class Runner:
+        @staticmethod
+        def resolve(model_config):
+            calls.append("resolve")
+            return SimpleNamespace(served_name="m")
+
+        def __init__(self, *args):
+            seen.append(torch.get_num_threads())
+
+    monkeypatch.setattr(runner_module, "ModelRunner", Runner)
+    snapshots = iter([snap(50.0, 1.0, 10.0), snap(51.5, 1.5, 11.0)])  # others: 1 core
+    monkeypatch.setattr(start_threads, "snapshot", lambda: next(snapshots))
+    factory = DefaultRunnerFactory()
+    factory.resolve(SimpleNamespace())
+    factory(None)
+    assert calls == ["resolve"] and seen == [1]
+    assert torch.get_num_threads() == 2
