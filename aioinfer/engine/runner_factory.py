@@ -10,22 +10,25 @@ from aioinfer.config import ModelConfig
 class DefaultRunnerFactory:
     """Creates the real ModelRunner; imported lazily so that tests with fakes skip torch work.
     The runner is built with no more compute threads than other processes leave cores free,
-    as measured while the model resolves (gpu/start_threads.py)."""
+    as measured while the model resolves, and follows them while it serves
+    (gpu/compute_threads.py)."""
 
     def __init__(self) -> None:
-        self._resolve_began: Any = None  # a start_threads.CpuSnapshot
+        self._resolve_began: Any = None  # a compute_threads.CpuSnapshot
 
     def resolve(self, model_config: ModelConfig) -> Any:
+        from aioinfer.gpu.compute_threads import snapshot
         from aioinfer.gpu.runner import ModelRunner
-        from aioinfer.gpu.start_threads import snapshot
 
         self._resolve_began = snapshot()
         return ModelRunner.resolve(model_config)
 
     def __call__(self, *args: Any) -> Any:
+        from aioinfer.gpu.compute_threads import start_threads
         from aioinfer.gpu.runner import ModelRunner
-        from aioinfer.gpu.start_threads import start_threads
 
         began, self._resolve_began = self._resolve_began, None
         with start_threads(began):
-            return ModelRunner(*args)
+            runner = ModelRunner(*args)
+        runner.follow_free_cores()  # torch's own count is back: serving starts from it
+        return runner

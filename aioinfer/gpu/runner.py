@@ -31,6 +31,7 @@ from aioinfer.core.pooling import PoolerConfig
 from aioinfer.core.spec_decode import draft_rows, verify
 from aioinfer.core.step import ScheduledChunk, StepPlan, StepResult
 from aioinfer.gpu import kv_cache
+from aioinfer.gpu.compute_threads import ServingThreads
 from aioinfer.gpu.cuda_graphs import CudaGraphRunner
 from aioinfer.gpu.sampler import (
     PROMPT_LOGPROBS_ROWS,
@@ -164,6 +165,7 @@ class ModelRunner:
         # runs one): the KV cache is swapped in once sized, the graphs once captured.
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefaulter: KVPagePrefaulter | None = None
+        self.serving_threads: ServingThreads | None = None  # see follow_free_cores
         self.graph_runner: CudaGraphRunner | None = None
         self.lora: LoRAManager | None = None
         self.memory_profile: kv_cache.MemoryProfile | None = None
@@ -426,6 +428,12 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- one step
 
+    def follow_free_cores(self) -> None:
+        """From now on, on the CPU, each step first matches the compute threads to the cores
+        other processes leave free (gpu/compute_threads.py); called once the start is over."""
+        if self.device.type == "cpu":
+            self.serving_threads = ServingThreads()
+
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
 
@@ -434,6 +442,8 @@ class ModelRunner:
         for the device: inputs go up from pinned memory without blocking, and the sampling
         inputs (a grammar's mask among them) are built on the host while the forward runs. A
         chunk's `previous_token` is taken from the output of the step launched before."""
+        if self.serving_threads is not None:
+            self.serving_threads.before_step()
         start = time.perf_counter()
         tails = (c.block_table[-1] for c in plan.chunks if c.block_table)
         prefaulter = self.kv_prefaulter
