@@ -30,7 +30,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Without a measured window (the runner built without a resolve first): sample this long.
+# The shortest window a start measures over (the model's resolve may take less: it waits out
+# the rest); the counters tick 100 times a second a core.
 SAMPLE_SECONDS = 0.1
 
 
@@ -105,7 +106,8 @@ def start_threads(before: CpuSnapshot | None) -> Iterator[int]:
     if configured > 1:
         if before is None:
             before = snapshot()
-            time.sleep(SAMPLE_SECONDS)
+        if before is not None:  # a window long enough for the counters' ticks
+            time.sleep(max(0.0, SAMPLE_SECONDS - (time.monotonic() - before.wall)))
         after = snapshot() if before is not None else None
         if before is not None and after is not None:
             free, cores = free_cores(before, after), after.cores

@@ -186,3 +186,16 @@ def test_one_thread_is_never_measured(monkeypatch):
         assert machine.reads == 0 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_resolve_too_short_to_measure_is_waited_out(two_threads, monkeypatch):
+    """A model that resolves in milliseconds (a GGUF cache entry) leaves too few clock ticks
+    to tell busy cores from free ones: the start waits out the rest of a sample."""
+    slept: list[float] = []
+    monkeypatch.setattr(compute_threads.time, "sleep", slept.append)
+    before = compute_threads.snapshot()
+    if before is None:
+        pytest.skip("no /proc/stat")
+    with compute_threads.start_threads(before):
+        pass
+    assert len(slept) == 1 and 0.05 < slept[0] <= compute_threads.SAMPLE_SECONDS

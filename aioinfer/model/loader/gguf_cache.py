@@ -55,7 +55,11 @@ from aioinfer.model.loader.gguf_config import (
     open_gguf,
     resolve_gguf,
 )
-from aioinfer.model.loader.resolved import ResolvedModel, read_hf_config, read_json
+from aioinfer.model.loader.resolved import (
+    ResolvedModel,
+    read_json,
+    read_saved_config,
+)
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -184,7 +188,7 @@ def _resolved_from_entry(path: Path, folder: Path, dummy: bool) -> ResolvedModel
     return ResolvedModel(
         kind="dummy" if dummy else "folder",
         folder=folder,
-        hf_config=read_hf_config(folder),
+        hf_config=read_saved_config(folder),
         served_name=gguf_served_name(path),
         generation_config=read_json(folder / "generation_config.json"),
         converted_from=path,

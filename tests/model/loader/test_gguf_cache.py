@@ -446,3 +446,68 @@ def test_hidden_files_are_not_part_of_an_entry(
     folder = resolve_model(str(tiny_gguf)).folder
     (folder / ".nfs0001").unlink()
     assert check_entry(folder, GGUFFingerprint.of(tiny_gguf)) is None
+
+
+TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256}  # fmt: skip
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+SAVED_CONFIGS = [
+    ("llama", "LlamaForCausalLM", {"tie_word_embeddings": True, "attention_bias": True}),
+    ("llama", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("qwen2", "Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True}),
+    ("qwen3", "Qwen3ForCausalLM", {"head_dim": 32}),
+    ("qwen2_moe", "Qwen2MoeForCausalLM", {**MOE, "shared_expert_intermediate_size": 64}),
+    ("mixtral", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", MOE),
+]
+
+
+@pytest.mark.parametrize(("model_type", "architecture", "extra"), SAVED_CONFIGS)
+def test_an_entry_s_config_reads_as_its_own_class_would_read_it(
+    tmp_path: Path, model_type: str, architecture: str, extra: dict[str, Any]
+) -> None:
+    """A GGUF cache entry's config.json is read without importing its model's config class
+    (0.86 s of imports in transformers 5.25) where that class adds nothing the models read:
+    the same values, the same model class, the same decoder settings as AutoConfig's."""
+    from transformers import AutoConfig
+
+    from aioinfer.model.loader.resolved import PLAIN_CONFIG_TYPES, read_saved_config
+    from aioinfer.model.registry import get_model_class
+
+    AutoConfig.for_model(model_type, architectures=[architecture], **TINY, **extra).save_pretrained(
+        tmp_path
+    )
+    full = AutoConfig.from_pretrained(tmp_path)
+    read = read_saved_config(tmp_path)
+    if model_type not in PLAIN_CONFIG_TYPES:  # aliases (num_experts): its own class reads it
+        assert type(read) is type(full)
+        return
+    assert not getattr(type(full), "attribute_map", None)  # else it must leave the set
+    assert type(read) is not type(full) and read.model_type == full.model_type == model_type
+    ignored = {"_name_or_path"}
+    ours = {k: v for k, v in read.to_dict().items() if k not in ignored}
+    theirs = {k: v for k, v in full.to_dict().items() if k not in ignored}
+    assert ours == theirs
+    model = get_model_class(full)
+    assert get_model_class(read) is model
+    assert model.decoder_config(read) == model.decoder_config(full)
+
+
+def test_reading_an_entry_s_config_imports_no_model_config_class(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", **TINY).save_pretrained(tmp_path)
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from aioinfer.model.loader.resolved import read_saved_config\n"
+        f"config = read_saved_config(Path({str(tmp_path)!r}))\n"
+        "assert config.num_hidden_layers == 2, config\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('transformers.models.llama', "
+        "'transformers.activations', 'torch.distributed.tensor'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
