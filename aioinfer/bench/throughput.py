@@ -81,7 +81,9 @@ def copy_weights(llm: Any) -> tuple[Any, dict[str, Any]]:
     """The HF config and a copy of the weights our runner loaded, for the transformers peer."""
     runner_model = llm.engine.gpu.call(lambda: llm.engine.gpu.runner.model).result()
     state = {k: v.detach().clone() for k, v in runner_model.state_dict().items()}
-    return runner_model.hf_config, state
+    from aioinfer.model.loader.resolved import own_class_config
+
+    return own_class_config(runner_model.hf_config), state
 
 
 def run_transformers(

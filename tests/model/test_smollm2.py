@@ -25,8 +25,10 @@ def hf_same_weights(llm):
     """transformers' Llama holding the very weights our loader dequantized from the GGUF."""
     from transformers import AutoModelForCausalLM
 
+    from aioinfer.model.loader.resolved import own_class_config
+
     ours = llm.engine.gpu.call(lambda: llm.engine.gpu.runner.model).result()
-    hf = AutoModelForCausalLM.from_config(ours.hf_config, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_config(own_class_config(ours.hf_config), dtype=torch.float32)
     missing, _ = hf.load_state_dict(
         {k: v.detach().clone() for k, v in ours.state_dict().items()}, strict=False
     )

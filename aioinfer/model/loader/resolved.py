@@ -82,6 +82,15 @@ def read_saved_config(folder: Path) -> PretrainedConfig:
     return config
 
 
+def own_class_config(config: PretrainedConfig) -> PretrainedConfig:
+    """`config` in its model type's own config class, as transformers' models take it (one
+    that `read_saved_config` read is in the base class)."""
+    from transformers import CONFIG_MAPPING
+
+    own = CONFIG_MAPPING[config.model_type]
+    return config if isinstance(config, own) else own.from_dict(config.to_dict())
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None

@@ -472,7 +472,11 @@ def test_an_entry_s_config_reads_as_its_own_class_would_read_it(
     the same values, the same model class, the same decoder settings as AutoConfig's."""
     from transformers import AutoConfig
 
-    from aioinfer.model.loader.resolved import PLAIN_CONFIG_TYPES, read_saved_config
+    from aioinfer.model.loader.resolved import (
+        PLAIN_CONFIG_TYPES,
+        own_class_config,
+        read_saved_config,
+    )
     from aioinfer.model.registry import get_model_class
 
     AutoConfig.for_model(model_type, architectures=[architecture], **TINY, **extra).save_pretrained(
@@ -492,6 +496,9 @@ def test_an_entry_s_config_reads_as_its_own_class_would_read_it(
     model = get_model_class(full)
     assert get_model_class(read) is model
     assert model.decoder_config(read) == model.decoder_config(full)
+    # transformers' models take it in the class of its own (the benchmarks' peers do).
+    own = own_class_config(read)
+    assert type(own) is type(full) and own.to_dict() == {**full.to_dict(), "_name_or_path": ""}
 
 
 def test_reading_an_entry_s_config_imports_no_model_config_class(tmp_path: Path) -> None:
