@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aioinfer.config import ModelConfig
+
+if TYPE_CHECKING:
+    from aioinfer.gpu.compute_threads import CpuSnapshot
 
 
 class DefaultRunnerFactory:
@@ -14,7 +17,7 @@ class DefaultRunnerFactory:
     (gpu/compute_threads.py)."""
 
     def __init__(self) -> None:
-        self._resolve_began: Any = None  # a compute_threads.CpuSnapshot
+        self._resolve_began: CpuSnapshot | None = None
 
     def resolve(self, model_config: ModelConfig) -> Any:
         from aioinfer.gpu.compute_threads import snapshot

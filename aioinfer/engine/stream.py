@@ -99,19 +99,16 @@ class RequestStream:
         if finish_reason is not None:
             self.num_finished += 1
             self._ready.set()
-        elif self._due(index):
+        elif self.interval == 1 or self._due(index):  # 1, the default: every token
             self._ready.set()
 
     def _due(self, index: int) -> bool:
-        """Whether sequence `index`'s unfinished delta wakes the consumer now."""
+        """Whether sequence `index`'s unfinished delta wakes a consumer that gathers tokens
+        (or waits for the end): at its first delta, then every `interval` tokens."""
         interval = self.interval
         if interval is None:
             return False
-        return (
-            interval == 1
-            or index not in self._delivered
-            or len(self._pending[index].token_ids) >= interval
-        )
+        return index not in self._delivered or len(self._pending[index].token_ids) >= interval
 
     def final_only(self) -> None:
         """Wake the consumer only when a sequence finishes (or the request fails): it merges

@@ -91,10 +91,23 @@ def free_cores(before: CpuSnapshot, after: CpuSnapshot) -> float | None:
 
 
 def threads_for(configured: int, free: float | None) -> int:
-    """The compute threads for a start: `configured`, or fewer where other work holds cores."""
+    """The compute threads to run on: `configured`, or fewer where other work holds cores."""
     if free is None:
         return configured
     return max(1, min(configured, int(free + 0.5)))
+
+
+def _free_since(before: CpuSnapshot | None) -> tuple[float | None, int]:
+    """The cores others left free since `before` (now, when None) over at least
+    SAMPLE_SECONDS, and the cores counted; None where the counters cannot tell."""
+    before = before or snapshot()
+    if before is None:
+        return None, 0
+    time.sleep(max(0.0, SAMPLE_SECONDS - (time.monotonic() - before.wall)))
+    after = snapshot()
+    if after is None:
+        return None, 0
+    return free_cores(before, after), after.cores
 
 
 @contextlib.contextmanager
@@ -102,16 +115,8 @@ def start_threads(before: CpuSnapshot | None) -> Iterator[int]:
     """Run the block with as many torch threads as the cores that others leave free since
     `before` (or over a short sample without it); torch's count is restored after."""
     configured = torch.get_num_threads()
-    threads, free, cores = configured, None, 0
-    if configured > 1:
-        if before is None:
-            before = snapshot()
-        if before is not None:  # a window long enough for the counters' ticks
-            time.sleep(max(0.0, SAMPLE_SECONDS - (time.monotonic() - before.wall)))
-        after = snapshot() if before is not None else None
-        if before is not None and after is not None:
-            free, cores = free_cores(before, after), after.cores
-            threads = threads_for(configured, free)
+    free, cores = _free_since(before) if configured > 1 else (None, 0)
+    threads = threads_for(configured, free)
     if threads < configured:
         logger.info(
             "Other processes keep %.1f of %d cores busy: the model starts with %d compute "
